@@ -1,0 +1,96 @@
+"""Base optimizer steps applied to the direction Ŵ (Algorithm 2, line 7) and to the gains.
+
+The Adam arithmetic is op-for-op that of ``torch.optim.AdamW``'s single-tensor path (what
+megatron-core runs without Apex/TE), so MD with gains and sphere switched off is bit-identical
+to it. The Muon arithmetic is that of emerging-optimizers' ``OrthogonalizedOptimizer.step``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megatron.md.config import MUON_SCALES
+
+
+@dataclass
+class AdamHParams:
+    """Hyper-parameters of one Adam step."""
+
+    lr: float
+    beta1: float = 0.9
+    beta2: float = 0.99
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+def adam_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    hp: AdamHParams,
+) -> None:
+    """One decoupled-weight-decay Adam step in place; ``step`` is the 1-based step count."""
+    if hp.weight_decay != 0:
+        param.mul_(1 - hp.lr * hp.weight_decay)
+    exp_avg.lerp_(grad, 1 - hp.beta1)
+    exp_avg_sq.mul_(hp.beta2).addcmul_(grad, grad, value=1 - hp.beta2)
+    bias_correction1 = 1 - hp.beta1**step
+    bias_correction2 = 1 - hp.beta2**step
+    step_size = hp.lr / bias_correction1
+    denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(hp.eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def muon_scale_factor(mode: str, d_out: int, d_in: int, radius: float | None = None) -> float:
+    """Muon update scale for a (d_out, d_in) matrix; ``sphere_rms`` needs the Frobenius radius."""
+    if mode == "unit_rms_norm":
+        return math.sqrt(d_out / d_in)
+    if mode == "shape_scaling":
+        return max(1.0, math.sqrt(d_out / d_in))
+    if mode == "rms_match":
+        return 0.2 * math.sqrt(max(d_out, d_in))
+    if mode == "shape_up":
+        return math.sqrt(max(d_out / d_in, d_in / d_out))
+    if mode == "sphere_rms":
+        if radius is None:
+            raise ValueError("muon scale 'sphere_rms' needs the sphere radius")
+        return radius / math.sqrt(min(d_out, d_in))
+    if mode == "none":
+        return 1.0
+    raise ValueError(f"--muon-scale-mode={mode!r} is not one of {', '.join(MUON_SCALES)}")
+
+
+@dataclass
+class MuonHParams:
+    """Hyper-parameters of one Muon step (paper: momentum 0.95, Nesterov, 5 NS steps)."""
+
+    lr: float
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    coefficient_type: str = "quintic"
+    fp32_matmul_prec: str = "highest"
+
+
+def orthogonalize(x: torch.Tensor, hp: MuonHParams) -> torch.Tensor:
+    """Newton–Schulz orthogonalization from emerging-optimizers (fp32 input)."""
+    from emerging_optimizers import utils as eo_utils
+    from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz
+
+    with eo_utils.fp32_matmul_precision(hp.fp32_matmul_prec):
+        return newton_schulz(x, steps=hp.ns_steps, coefficient_type=hp.coefficient_type)
+
+
+def muon_update(
+    grad: torch.Tensor, momentum_buffer: torch.Tensor, hp: MuonHParams, scale: float
+) -> torch.Tensor:
+    """Momentum (optionally Nesterov) then scaled orthogonalization; the caller applies
+    ``param -= lr * update``."""
+    momentum_buffer.lerp_(grad, 1 - hp.momentum)
+    g = grad.lerp(momentum_buffer, hp.momentum) if hp.nesterov else momentum_buffer
+    return orthogonalize(g, hp) * scale

@@ -1,0 +1,163 @@
+"""Typed configuration of the Magnitude–Direction (MD) optimizer step.
+
+One dataclass for the per-matrix MD choices the paper ablates, validated once; the entry point
+exposes each field as a kebab-case ``--md-*`` flag.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+SPHERES = ("frobenius", "row", "col", "none")
+RADII = ("init", "shape")
+GAINS = ("none", "scalar", "row", "col", "rowcol", "lowrank")
+GAIN_MAPS = ("softplus", "exp", "direct", "direct-floor")
+ROW_NORMS = ("row", "none")
+MUON_SCALES = ("unit_rms_norm", "shape_scaling", "rms_match", "shape_up", "sphere_rms", "none")
+
+#: Floor applied to raw gains under ``gain_map='direct-floor'``.
+GAIN_FLOOR = 1e-5
+
+
+def _check_choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{flag}={value!r} is not one of {', '.join(allowed)}")
+
+
+@dataclass
+class MDConfig:
+    """Magnitude–Direction decoupling choices (defaults: the paper's recipe)."""
+
+    sphere: str = "frobenius"
+    """Axis of the fixed-norm constraint on the direction Ŵ: whole matrix (frobenius), each
+    output row, each input column, or none (gains only)."""
+
+    radius: str = "init"
+    """Sphere radius: the matrix's norm when the MD state is created (init), or the shape
+    formula sqrt(max(d_out, d_in)) (shape). Per-row/col spheres split it evenly over rows/cols."""
+
+    gains: str = "rowcol"
+    """Magnitude gains: none, one scalar, per row, per column, per row and column, or a rank-k
+    multiplicative gain Γ = 1 + A Bᵀ (lowrank: always the direct map; gain_map is not used)."""
+
+    gain_rank: int = 4
+    """Rank k of the lowrank gain."""
+
+    gain_map: str = "softplus"
+    """Map φ from raw gain ĝ to gain g = φ(ĝ): softplus, exp, direct, or direct with the raw
+    gain floored at 1e-5 after each step (direct-floor). Gains start at g = 1."""
+
+    gain_lr_mult: float = 1.0
+    """Gain LR as a multiple of the LR of the matrix's parameter group (1: follow the matrix LR,
+    including its schedule)."""
+
+    gain_betas: tuple[float, float] = (0.9, 0.99)
+    """Adam (beta1, beta2) of the gains."""
+
+    gain_eps: float = 1e-8
+    """Adam epsilon of the gains."""
+
+    tangent_grad: bool = False
+    """Project the direction gradient onto the sphere's tangent space before the base step
+    (Frobenius and per-row/col spheres)."""
+
+    embedding_norm: str = "row"
+    """Embedding rows (token vectors): held at unit L2 norm (row) or left free (none)."""
+
+    output_norm: str = "row"
+    """Untied LM-head rows: held at unit L2 norm (row) or left free (none)."""
+
+    router_norm: str = "row"
+    """MoE router rows (one per expert): held at their init norm (row) or left free (none)."""
+
+    muon_scale: str = "sphere_rms"
+    """Muon update scale for MD matrices: unit_rms_norm sqrt(d_out/d_in), shape_scaling
+    max(1, sqrt(d_out/d_in)), rms_match 0.2·sqrt(max), shape_up sqrt(max(d_out/d_in,
+    d_in/d_out)), sphere_rms c/sqrt(min(d_out, d_in)), or none (factor 1)."""
+
+    lowrank_init_std: float = 1.0
+    """Std of the random init of the lowrank factor A (B starts at 0, so Γ = 1)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the flag and the allowed values for any bad choice."""
+        _check_choice("--md-sphere", self.sphere, SPHERES)
+        _check_choice("--md-radius", self.radius, RADII)
+        _check_choice("--md-gains", self.gains, GAINS)
+        _check_choice("--md-gain-map", self.gain_map, GAIN_MAPS)
+        _check_choice("--md-embedding-norm", self.embedding_norm, ROW_NORMS)
+        _check_choice("--md-output-norm", self.output_norm, ROW_NORMS)
+        _check_choice("--md-router-norm", self.router_norm, ROW_NORMS)
+        _check_choice("--muon-scale-mode", self.muon_scale, MUON_SCALES)
+        if self.gains == "lowrank":
+            if not isinstance(self.gain_rank, int) or self.gain_rank < 1:
+                raise ValueError(f"--md-gain-rank={self.gain_rank!r} must be an integer >= 1")
+        if not (math.isfinite(self.gain_lr_mult) and self.gain_lr_mult >= 0):
+            raise ValueError(f"--md-gain-lr gives a multiplier {self.gain_lr_mult!r}; need >= 0")
+        b1, b2 = self.gain_betas
+        if not (0 <= b1 < 1 and 0 <= b2 < 1):
+            raise ValueError(f"gain betas {self.gain_betas!r} must lie in [0, 1)")
+        if self.sphere == "none" and self.tangent_grad:
+            raise ValueError("--md-tangent-grad needs a sphere (--md-sphere frobenius|row|col)")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def check_radius(radius: float, name: str = "matrix") -> float:
+    """A sphere radius must be a finite positive number."""
+    if not (math.isfinite(radius) and radius > 0):
+        raise ValueError(f"sphere radius of {name} is {radius!r}; it must be finite and > 0")
+    return radius
+
+
+ROLES = ("matrix", "embedding", "output", "router")
+
+
+@dataclass(frozen=True)
+class MatrixSpec:
+    """The MD treatment of one 2-D parameter, resolved from ``MDConfig`` and its role."""
+
+    sphere: str
+    """frobenius, row, col or none."""
+    radius: str
+    """init, shape, or unit (each row at unit L2 norm: embeddings and LM head)."""
+    gains: str
+    """none, scalar, row, col, rowcol or lowrank."""
+    gain_map: str
+    """softplus, exp, direct or direct-floor."""
+    gain_rank: int = 4
+    """Rank of lowrank gains."""
+    tangent_grad: bool = False
+    """Project the direction gradient onto the sphere's tangent space."""
+    muon_scale: str = "sphere_rms"
+    """Muon update scale mode (used only when the base step is Muon)."""
+    lowrank_init_std: float = 1.0
+    """Std of the random init of lowrank factor A."""
+
+
+def spec_for(role: str, cfg: MDConfig) -> MatrixSpec:
+    """Resolve the per-role treatment of the paper (recipe table "Special parameters")."""
+    if role == "matrix":
+        return MatrixSpec(
+            cfg.sphere,
+            cfg.radius,
+            cfg.gains,
+            cfg.gain_map,
+            cfg.gain_rank,
+            cfg.tangent_grad,
+            cfg.muon_scale,
+            cfg.lowrank_init_std,
+        )
+    if role in ("embedding", "output"):
+        norm = cfg.embedding_norm if role == "embedding" else cfg.output_norm
+        sphere = "row" if norm == "row" else "none"
+        return MatrixSpec(sphere, "unit", "none", cfg.gain_map, muon_scale="none")
+    if role == "router":
+        sphere = "row" if cfg.router_norm == "row" else "none"
+        return MatrixSpec(sphere, "init", "none", cfg.gain_map, muon_scale="none")
+    raise ValueError(f"MD role {role!r} is not one of {', '.join(ROLES)}")

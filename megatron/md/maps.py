@@ -1,0 +1,43 @@
+"""Gain maps φ (raw gain ĝ → positive gain g), their derivatives, and the raw value giving g = 1."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megatron.md.config import GAIN_FLOOR
+
+
+def phi(raw: torch.Tensor, gain_map: str) -> torch.Tensor:
+    """g = φ(ĝ)."""
+    if gain_map == "softplus":
+        return F.softplus(raw)
+    if gain_map == "exp":
+        return torch.exp(raw)
+    return raw  # direct, direct-floor (the floor is applied to ĝ after each step)
+
+
+def phi_prime(raw: torch.Tensor, gain_map: str) -> torch.Tensor:
+    """dφ/dĝ, elementwise."""
+    if gain_map == "softplus":
+        return torch.sigmoid(raw)
+    if gain_map == "exp":
+        return torch.exp(raw)
+    return torch.ones_like(raw)
+
+
+def raw_for_unit_gain(gain_map: str) -> float:
+    """The raw gain ĝ with φ(ĝ) = 1, so the model is unchanged when MD state is created."""
+    if gain_map == "softplus":
+        return math.log(math.e - 1.0)
+    if gain_map == "exp":
+        return 0.0
+    return 1.0
+
+
+def after_step(raw: torch.Tensor, gain_map: str) -> None:
+    """In-place constraint on ĝ after its Adam step (the 1e-5 floor of direct-floor)."""
+    if gain_map == "direct-floor":
+        raw.clamp_(min=GAIN_FLOOR)

@@ -1,0 +1,334 @@
+"""The MD step on a contiguous slice of a flattened matrix, or on a whole matrix.
+
+A ZeRO-1 rank owns an arbitrary contiguous range ``[start, end)`` of ``W.view(-1)``; cuts fall
+inside rows. The range is covered by at most three rectangular blocks (a partial first row,
+full rows, a partial last row), each a 2-D view of the local flat tensor, so every row/column
+broadcast and sum is an ordinary tensor op. Cross-slice quantities (gain-gradient row/column
+sums, squared norms) are written as *partials* into one flat buffer per step for all matrices;
+the caller reduces it once (identity for whole matrices, one all-reduce under ZeRO-1).
+
+Same arithmetic as ``reference.md_step`` (tested against it); gains and radius are replicated
+(full vectors on every rank), the direction and the base-optimizer moments are slices.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from megatron.md import maps
+from megatron.md.base_steps import AdamHParams, MuonHParams, adam_step_, muon_scale_factor
+from megatron.md.base_steps import muon_update
+from megatron.md.config import MatrixSpec, check_radius
+from megatron.md.reference import GAIN_NAMES, init_gain_state
+
+ReduceFn = Callable[[torch.Tensor], None]
+
+
+def identity_reduce(buf: torch.Tensor) -> None:
+    """Reduction for whole matrices: the partials already are the totals."""
+
+
+@dataclass(frozen=True)
+class Block:
+    """Rows [r0, r0+nr) × columns [c0, c0+nc), stored at local flat offsets [lo, hi)."""
+
+    lo: int
+    hi: int
+    r0: int
+    nr: int
+    c0: int
+    nc: int
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.lo : self.hi].view(self.nr, self.nc)
+
+
+def slice_blocks(shape: tuple[int, int], start: int, end: int) -> list[Block]:
+    """Cover flat range [start, end) of a row-major (d_out, d_in) matrix by ≤ 3 blocks."""
+    d_out, d_in = shape
+    if not 0 <= start <= end <= d_out * d_in:
+        raise ValueError(f"slice [{start}, {end}) outside a {d_out}x{d_in} matrix")
+    blocks, pos = [], start
+    while pos < end:
+        r, c = divmod(pos, d_in)
+        if c > 0 or end - pos < d_in:  # partial row
+            n = min(d_in - c, end - pos)
+            blocks.append(Block(pos - start, pos - start + n, r, 1, c, n))
+        else:  # as many full rows as fit
+            nr = (end - pos) // d_in
+            blocks.append(Block(pos - start, pos - start + nr * d_in, r, nr, 0, d_in))
+            n = nr * d_in
+        pos += n
+    return blocks
+
+
+class SliceMD:
+    """MD bookkeeping for one matrix (or one rank's slice of it)."""
+
+    def __init__(self, shape, start: int, end: int, spec: MatrixSpec, base: str):
+        if len(shape) != 2:
+            raise ValueError(f"MD needs a 2-D weight matrix; got shape {tuple(shape)}")
+        self.shape = (int(shape[0]), int(shape[1]))
+        self.start, self.end = start, end
+        self.spec, self.base = spec, base
+        self.blocks = slice_blocks(self.shape, start, end)
+        self.whole = start == 0 and end == self.shape[0] * self.shape[1]
+        if base == "muon" and not self.whole:
+            raise ValueError("Muon needs whole matrices; use the layer-wise distributed optimizer")
+        d_out, d_in = self.shape
+        k = spec.gain_rank
+        self.gain_sizes = {
+            "gain_scalar": 1,
+            "gain_row": d_out,
+            "gain_col": d_in,
+            "gain_a": d_out * k,
+            "gain_b": d_in * k,
+        }
+        self.gain_names = GAIN_NAMES[spec.gains]
+        self.n_gain = sum(self.gain_sizes[n] for n in self.gain_names)
+        self.n_norm = {"frobenius": 1, "row": d_out, "col": d_in, "none": 0}[spec.sphere]
+
+    # ---- partial-buffer layout: [gain gradients | squared norms] ----
+    def n_partials(self) -> int:
+        return self.n_gain + self.n_norm
+
+    def n_pre_partials(self) -> int:
+        """Partials needed before the base step (tangent projection): ⟨G_Ŵ, Ŵ⟩ and ‖Ŵ‖²."""
+        return 2 * self.n_norm if self.spec.tangent_grad and self.n_norm else 0
+
+    def _axis_sum(self, blk: Block, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Add block ``x``'s sum along the sphere axis into ``out``."""
+        if self.spec.sphere == "frobenius":
+            out += x.sum()
+        elif self.spec.sphere == "row":
+            out[blk.r0 : blk.r0 + blk.nr] += x.sum(1)
+        else:
+            out[blk.c0 : blk.c0 + blk.nc] += x.sum(0)
+
+    def _axis_bcast(self, blk: Block, v: torch.Tensor) -> torch.Tensor:
+        if self.spec.sphere == "frobenius":
+            return v.view(())
+        if self.spec.sphere == "row":
+            return v[blk.r0 : blk.r0 + blk.nr, None]
+        return v[None, blk.c0 : blk.c0 + blk.nc]
+
+    def norm_partials(self, direction: torch.Tensor, out: torch.Tensor) -> None:
+        if not self.n_norm:
+            return
+        for blk in self.blocks:
+            w = blk.view(direction)
+            self._axis_sum(blk, w * w, out)
+
+    # ---- state ----
+    def init_state(self, direction: torch.Tensor, seed: int = 0) -> dict:
+        """Gains at 1, zero moments; the radius is set by ``finish_init`` (it needs norms)."""
+        st: dict = {"step": torch.zeros((), dtype=torch.float32)}
+        dtype = (
+            torch.float32 if direction.dtype in (torch.bfloat16, torch.float16) else direction.dtype
+        )
+        like = torch.empty(0, dtype=dtype, device=direction.device)
+        st.update(init_gain_state(self.spec, self.shape, seed, like=like))
+        moments = ("exp_avg", "exp_avg_sq") if self.base == "adam" else ("momentum_buffer",)
+        for name in moments:
+            st[name] = torch.zeros_like(direction, dtype=dtype)
+        return st
+
+    def finish_init(self, direction: torch.Tensor, st: dict, reduced_norms: torch.Tensor) -> None:
+        """Set the radius from the reduced squared norms and put the direction on the sphere."""
+        spec, (d_out, d_in) = self.spec, self.shape
+        if spec.sphere == "none":
+            st["radius"] = None
+            return
+        cur = reduced_norms.sqrt()
+        if spec.radius == "init":
+            r = cur.clone()
+        elif spec.radius == "unit":
+            r = torch.ones_like(cur)
+        else:
+            n = {"frobenius": 1, "row": d_out, "col": d_in}[spec.sphere]
+            r = torch.full_like(cur, math.sqrt(max(d_out, d_in)) / math.sqrt(n))
+        check_radius(float(r.min()), "matrix")
+        st["radius"] = r if spec.sphere != "frobenius" else r.view(())
+        if spec.radius != "init":
+            scale = st["radius"] / cur.view(st["radius"].shape)
+            for blk in self.blocks:
+                blk.view(direction).mul_(self._axis_bcast(blk, scale))
+
+    # ---- gains ----
+    def _gains(self, st: dict) -> dict[str, torch.Tensor]:
+        """Materialized gains (φ(ĝ), or A/B as they are for lowrank)."""
+        if self.spec.gains == "lowrank":
+            return {"gain_a": st["gain_a"], "gain_b": st["gain_b"]}
+        return {n: maps.phi(st[n], self.spec.gain_map) for n in self.gain_names}
+
+    def _apply(self, blk: Block, x: torch.Tensor, g: dict) -> torch.Tensor:
+        """Γ ⊙ x on one block (same association as reference.apply_gains)."""
+        gains = self.spec.gains
+        if gains == "none":
+            return x.clone()
+        if gains == "lowrank":
+            a = g["gain_a"][blk.r0 : blk.r0 + blk.nr]
+            b = g["gain_b"][blk.c0 : blk.c0 + blk.nc]
+            return (1 + a @ b.T) * x
+        if gains == "scalar":
+            return g["gain_scalar"] * x
+        if "gain_row" in g:
+            x = g["gain_row"][blk.r0 : blk.r0 + blk.nr, None] * x
+        if "gain_col" in g:
+            x = x * g["gain_col"][None, blk.c0 : blk.c0 + blk.nc]
+        return x
+
+    def fuse(self, direction: torch.Tensor, st: dict, out: torch.Tensor) -> None:
+        """Write W = Γ ⊙ Ŵ for this slice into ``out`` (any dtype; flat like ``direction``)."""
+        g = self._gains(st)
+        for blk in self.blocks:
+            blk.view(out).copy_(self._apply(blk, blk.view(direction), g))
+
+    def _gain_partials(self, blk: Block, p: torch.Tensor, g: dict, out: torch.Tensor) -> None:
+        off = 0
+        views = {}
+        for name in self.gain_names:
+            views[name] = out[off : off + self.gain_sizes[name]]
+            off += self.gain_sizes[name]
+        r, c = slice(blk.r0, blk.r0 + blk.nr), slice(blk.c0, blk.c0 + blk.nc)
+        gains = self.spec.gains
+        if gains == "lowrank":
+            k = self.spec.gain_rank
+            views["gain_a"].view(-1, k)[r] += p @ g["gain_b"][c]
+            views["gain_b"].view(-1, k)[c] += p.T @ g["gain_a"][r]
+        elif gains == "scalar":
+            views["gain_scalar"] += p.sum()
+        else:
+            if "gain_row" in views:
+                pr = p * g["gain_col"][None, c] if "gain_col" in g else p
+                views["gain_row"][r] += pr.sum(1)
+            if "gain_col" in views:
+                pc = g["gain_row"][r, None] * p if "gain_row" in g else p
+                views["gain_col"][c] += pc.sum(0)
+
+    # ---- the step, in phases around the caller's reductions ----
+    def pre_partials(self, direction, grad, st, out: torch.Tensor) -> None:
+        """Tangent projection needs ⟨G_Ŵ, Ŵ⟩ and ‖Ŵ‖² reduced before the base step."""
+        if not self.n_pre_partials():
+            return
+        g = self._gains(st)
+        inner, sq = out[: self.n_norm], out[self.n_norm :]
+        for blk in self.blocks:
+            w = blk.view(direction)
+            gd = self._apply(blk, blk.view(grad).to(direction.dtype), g)
+            self._axis_sum(blk, gd * w, inner)
+            self._axis_sum(blk, w * w, sq)
+
+    def phase1(self, direction, grad, st, base_hp, out: torch.Tensor, pre=None) -> None:
+        """Gain-gradient partials, base step on Ŵ, then squared-norm partials of the new Ŵ."""
+        st["step"] += 1
+        t = int(st["step"])
+        g = self._gains(st)
+        gain_out, norm_out = out[: self.n_gain], out[self.n_gain :]
+        g_dir = torch.empty_like(direction)
+        for blk in self.blocks:
+            w, gb = blk.view(direction), blk.view(grad).to(direction.dtype)
+            if self.n_gain:
+                self._gain_partials(blk, w * gb, g, gain_out)
+            gd = self._apply(blk, gb, g)
+            if pre is not None and self.n_pre_partials():
+                inner, sq = pre[: self.n_norm], pre[self.n_norm :]
+                gd -= self._axis_bcast(blk, inner / sq) * w
+            blk.view(g_dir).copy_(gd)
+        if isinstance(base_hp, AdamHParams):
+            adam_step_(direction, g_dir, st["exp_avg"], st["exp_avg_sq"], t, base_hp)
+        else:
+            d_out, d_in = self.shape
+            scale = muon_scale_factor(
+                self.spec.muon_scale, d_out, d_in, self._frob_radius(st, direction)
+            )
+            w2 = direction.view(self.shape)
+            upd = muon_update(
+                g_dir.view(self.shape), st["momentum_buffer"].view(self.shape), base_hp, scale
+            )
+            w2.add_(upd, alpha=-base_hp.lr)
+        if self.n_norm:
+            self.norm_partials(direction, norm_out)
+
+    def phase2(self, direction, st, gain_hp: AdamHParams, out: torch.Tensor) -> None:
+        """Back onto the sphere with the reduced norms; Adam step of the raw gains."""
+        gain_tot, norm_tot = out[: self.n_gain], out[self.n_gain :]
+        if self.n_norm:
+            scale = st["radius"] / norm_tot.sqrt().view(st["radius"].shape)
+            for blk in self.blocks:
+                blk.view(direction).mul_(self._axis_bcast(blk, scale))
+        off, t = 0, int(st["step"])
+        for name in self.gain_names:
+            raw = st[name]
+            gg = gain_tot[off : off + self.gain_sizes[name]].view(raw.shape)
+            off += self.gain_sizes[name]
+            if self.spec.gains != "lowrank":
+                gg = gg * maps.phi_prime(raw, self.spec.gain_map)
+            adam_step_(raw, gg, st[name + "_exp_avg"], st[name + "_exp_avg_sq"], t, gain_hp)
+            maps.after_step(raw, self.spec.gain_map)
+
+    def _frob_radius(self, st: dict, direction: torch.Tensor) -> float:
+        r = st["radius"]
+        if r is None:  # whole matrix (Muon): the current norm
+            return float((direction * direction).sum().sqrt())
+        return float(r) if r.ndim == 0 else float((r * r).sum().sqrt())
+
+
+@dataclass
+class SliceItem:
+    """One matrix (slice) taking part in a batched MD step."""
+
+    md: SliceMD
+    direction: torch.Tensor
+    grad: torch.Tensor
+    state: dict
+    base_hp: AdamHParams | MuonHParams
+    gain_hp: AdamHParams
+
+
+def _segments(sizes: list[int]) -> list[slice]:
+    offs, out = 0, []
+    for n in sizes:
+        out.append(slice(offs, offs + n))
+        offs += n
+    return out
+
+
+def md_init_batched(items: list[tuple[SliceMD, torch.Tensor, dict]], reduce_fn: ReduceFn) -> None:
+    """Set radii for many matrices with one reduction of their squared norms."""
+    segs = _segments([md.n_norm for md, _, _ in items])
+    d0 = items[0][1] if items else torch.empty(0)
+    buf = torch.zeros(segs[-1].stop if segs else 0, dtype=d0.dtype, device=d0.device)
+    for (md, d, _), s in zip(items, segs):
+        md.norm_partials(d, buf[s])
+    reduce_fn(buf)
+    for (md, d, st), s in zip(items, segs):
+        md.finish_init(d, st, buf[s])
+
+
+def md_step_batched(items: list[SliceItem], reduce_fn: ReduceFn) -> None:
+    """MD step for many matrices: ONE reduction of all partials (two with tangent projection)."""
+    pre_segs = _segments([it.md.n_pre_partials() for it in items])
+    pre = None
+    if pre_segs and pre_segs[-1].stop:
+        pre = torch.zeros(
+            pre_segs[-1].stop, dtype=items[0].direction.dtype, device=items[0].direction.device
+        )
+        for it, s in zip(items, pre_segs):
+            it.md.pre_partials(it.direction, it.grad, it.state, pre[s])
+        reduce_fn(pre)
+    segs = _segments([it.md.n_partials() for it in items])
+    d0 = items[0].direction if items else torch.empty(0)
+    buf = torch.zeros(segs[-1].stop if segs else 0, dtype=d0.dtype, device=d0.device)
+    for it, s, ps in zip(items, segs, pre_segs):
+        it.md.phase1(
+            it.direction, it.grad, it.state, it.base_hp, buf[s], None if pre is None else pre[ps]
+        )
+    if buf.numel():
+        reduce_fn(buf)
+    for it, s in zip(items, segs):
+        it.md.phase2(it.direction, it.state, it.gain_hp, buf[s])

@@ -1,0 +1,166 @@
+"""The reference MD step (Algorithm 2) against autograd, its invariants, and its base cases."""
+
+import itertools
+
+import pytest
+import torch
+
+from megatron.md import maps, reference
+from megatron.md.base_steps import AdamHParams, MuonHParams
+from megatron.md.config import GAIN_MAPS, MDConfig, MatrixSpec, spec_for
+
+GAIN_MODES = ("none", "scalar", "row", "col", "rowcol", "lowrank")
+
+
+def _random_state(spec, shape, dtype=torch.float64, seed=0):
+    """A state away from init (random direction and raw gains) for gradient checks."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=gen, dtype=dtype)
+    st = reference.init_state(w, spec, "adam")
+    for name in reference.GAIN_NAMES[spec.gains]:
+        st[name] = st[name] + 0.3 * torch.randn(st[name].shape, generator=gen, dtype=dtype)
+    if spec.gain_map == "direct-floor":
+        for name in reference.GAIN_NAMES[spec.gains]:
+            st[name].clamp_(min=0.05)
+    return st
+
+
+@pytest.mark.parametrize("gains,gain_map", list(itertools.product(GAIN_MODES, GAIN_MAPS)))
+def test_split_gradient_matches_autograd(gains, gain_map):
+    """Gain and direction gradients equal autograd's through W = Γ(ĝ) ⊙ Ŵ (float64)."""
+    spec = MatrixSpec("frobenius", "init", gains, gain_map, gain_rank=3)
+    st = _random_state(spec, (7, 5))
+    names = reference.GAIN_NAMES[gains]
+    leaves = {n: st[n].clone().requires_grad_(True) for n in names}
+    wh = st["direction"].clone().requires_grad_(True)
+    x = torch.randn(5, 4, dtype=torch.float64)
+
+    def loss_of(w):
+        return torch.tanh(w @ x).pow(2).sum() + (w * w.flip(0)).sum()
+
+    w = reference.apply_gains(wh, {**st, **leaves}, spec)
+    loss_of(w).backward()
+    # G = dL/dW at the fused weight, as the model would produce it
+    w_leaf = reference.fused_weight(st, spec).requires_grad_(True)
+    loss_of(w_leaf).backward()
+    gain_grads, g_dir = reference.split_gradient(w_leaf.grad, st, spec)
+    torch.testing.assert_close(g_dir, wh.grad, rtol=1e-12, atol=1e-12)
+    assert set(gain_grads) == set(names)
+    for n in names:
+        torch.testing.assert_close(gain_grads[n], leaves[n].grad, rtol=1e-12, atol=1e-12)
+
+
+def _run_steps(spec, base, n_steps=6, shape=(24, 16), dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=gen, dtype=dtype) / shape[1] ** 0.5
+    st = reference.init_state(w, spec, base)
+    base_hp = AdamHParams(lr=3e-2) if base == "adam" else MuonHParams(lr=3e-2)
+    for _ in range(n_steps):
+        g = torch.randn(shape, generator=gen, dtype=dtype)
+        reference.md_step(w, g, st, spec, base_hp, AdamHParams(lr=1e-2))
+    return w, st
+
+
+@pytest.mark.parametrize("sphere", ["frobenius", "row", "col"])
+@pytest.mark.parametrize("base", ["adam", "muon"])
+@pytest.mark.parametrize("gains", ["rowcol", "scalar", "lowrank"])
+def test_sphere_and_fusion_invariants(sphere, base, gains):
+    spec = MatrixSpec(sphere, "init", gains, "softplus", gain_rank=2)
+    w0 = torch.randn(24, 16, generator=torch.Generator().manual_seed(0)) / 4
+    radius = reference.norms(w0, sphere)
+    w, st = _run_steps(spec, base)
+    rel = (reference.norms(st["direction"], sphere) - radius).abs() / radius
+    assert float(rel.max()) <= 1e-6
+    torch.testing.assert_close(w, reference.fused_weight(st, spec), rtol=0, atol=0)
+    if gains == "rowcol":
+        g_row = maps.phi(st["gain_row"], "softplus")
+        g_col = maps.phi(st["gain_col"], "softplus")
+        expect = torch.diag(g_row) @ st["direction"] @ torch.diag(g_col)
+        torch.testing.assert_close(w, expect, rtol=1e-6, atol=1e-6)
+        assert not torch.allclose(g_row, torch.ones_like(g_row))  # the gains moved
+
+
+@pytest.mark.parametrize("role", ["embedding", "output"])
+def test_embedding_rows_unit_norm(role):
+    spec = spec_for(role, MDConfig())
+    w, st = _run_steps(spec, "adam", shape=(50, 12))
+    torch.testing.assert_close(w.norm(dim=1), torch.ones(50), rtol=1e-6, atol=1e-6)
+
+
+def test_radius_shape_formula():
+    spec = MatrixSpec("frobenius", "shape", "none", "softplus")
+    w, st = _run_steps(spec, "adam", shape=(24, 16))
+    assert abs(float(w.norm()) - 24**0.5) / 24**0.5 < 1e-6
+
+
+def test_md_off_is_bit_identical_to_torch_adamw():
+    spec = MatrixSpec("none", "init", "none", "softplus")
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(32, 20, generator=gen)
+    p = torch.nn.Parameter(w.clone())
+    opt = torch.optim.AdamW(
+        [p], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0, foreach=False
+    )
+    st = reference.init_state(w, spec, "adam")
+    for _ in range(5):
+        g = torch.randn(32, 20, generator=gen)
+        p.grad = g.clone()
+        opt.step()
+        reference.md_step(w, g, st, spec, AdamHParams(1e-2, 0.9, 0.99, 1e-8), AdamHParams(1e-2))
+    assert torch.equal(w, p.detach())
+
+
+def test_md_off_is_bit_identical_to_emerging_optimizers_muon():
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+
+    spec = MatrixSpec("none", "init", "none", "softplus", muon_scale="unit_rms_norm")
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(32, 20, generator=gen)
+    p = torch.nn.Parameter(w.clone())
+    opt = TensorParallelMuon(
+        [p],
+        lr=2e-2,
+        momentum=0.95,
+        nesterov=True,
+        weight_decay=0.0,
+        scale_mode="unit_rms_norm",
+        fp32_matmul_prec="highest",
+        split_qkv=False,
+    )
+    st = reference.init_state(w, spec, "muon")
+    for _ in range(5):
+        g = torch.randn(32, 20, generator=gen)
+        p.grad = g.clone()
+        opt.step()
+        reference.md_step(w, g, st, spec, MuonHParams(lr=2e-2), AdamHParams(1e-2))
+    assert torch.equal(w, p.detach())
+
+
+@pytest.mark.parametrize(
+    "kwargs,flag",
+    [
+        (dict(sphere="ball"), "--md-sphere"),
+        (dict(gains="diag"), "--md-gains"),
+        (dict(gain_map="tanh"), "--md-gain-map"),
+        (dict(radius="huge"), "--md-radius"),
+        (dict(gains="lowrank", gain_rank=0), "--md-gain-rank"),
+        (dict(muon_scale="spectral"), "--muon-scale-mode"),
+        (dict(embedding_norm="col"), "--md-embedding-norm"),
+    ],
+)
+def test_bad_config_names_the_flag(kwargs, flag):
+    with pytest.raises(ValueError, match=flag):
+        MDConfig(**kwargs)
+
+
+def test_bad_config_lists_allowed_values():
+    with pytest.raises(ValueError, match="frobenius, row, col, none"):
+        MDConfig(sphere="ball")
+
+
+def test_md_on_1d_tensor_and_zero_radius_raise():
+    spec = MatrixSpec("frobenius", "init", "rowcol", "softplus")
+    with pytest.raises(ValueError, match="2-D"):
+        reference.init_state(torch.ones(5), spec, "adam")
+    with pytest.raises(ValueError, match="radius"):
+        reference.init_state(torch.zeros(4, 3), spec, "adam")
