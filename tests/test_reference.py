@@ -7,7 +7,7 @@ import torch
 
 from megatron.md import maps, reference
 from megatron.md.base_steps import AdamHParams, MuonHParams
-from megatron.md.config import GAIN_MAPS, MDConfig, MatrixSpec, spec_for
+from megatron.md.config import GAIN_MAPS, MatrixSpec, MDConfig, spec_for
 
 GAIN_MODES = ("none", "scalar", "row", "col", "rowcol", "lowrank")
 

@@ -13,8 +13,13 @@ from typing import Iterable
 import torch
 
 from megatron.md import reference
-from megatron.md.base_steps import AdamHParams, MuonHParams, adam_step_, muon_scale_factor
-from megatron.md.base_steps import muon_update
+from megatron.md.base_steps import (
+    AdamHParams,
+    MuonHParams,
+    adam_step_,
+    muon_scale_factor,
+    muon_update,
+)
 from megatron.md.config import MDConfig, spec_for
 
 ROLE_OF_NAME = (
@@ -25,7 +30,7 @@ ROLE_OF_NAME = (
 
 
 def param_role(name: str, param: torch.Tensor) -> str:
-    """Role of a named parameter of a megatron-core GPT: embedding, output, router, matrix or vector."""
+    """Role of a megatron-core GPT parameter: embedding, output, router, matrix or vector."""
     if param.ndim != 2:
         return "vector"
     for key, role in ROLE_OF_NAME:

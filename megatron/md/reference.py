@@ -12,8 +12,13 @@ import math
 import torch
 
 from megatron.md import maps
-from megatron.md.base_steps import AdamHParams, MuonHParams, adam_step_, muon_scale_factor
-from megatron.md.base_steps import muon_update
+from megatron.md.base_steps import (
+    AdamHParams,
+    MuonHParams,
+    adam_step_,
+    muon_scale_factor,
+    muon_update,
+)
 from megatron.md.config import MatrixSpec, check_radius
 
 GAIN_NAMES = {

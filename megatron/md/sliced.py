@@ -20,8 +20,13 @@ from typing import Callable
 import torch
 
 from megatron.md import maps
-from megatron.md.base_steps import AdamHParams, MuonHParams, adam_step_, muon_scale_factor
-from megatron.md.base_steps import muon_update
+from megatron.md.base_steps import (
+    AdamHParams,
+    MuonHParams,
+    adam_step_,
+    muon_scale_factor,
+    muon_update,
+)
 from megatron.md.config import MatrixSpec, check_radius
 from megatron.md.reference import GAIN_NAMES, init_gain_state
 

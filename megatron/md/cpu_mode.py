@@ -1,0 +1,173 @@
+"""CPU mode: run megatron-core on a machine without CUDA (device redirection, gloo).
+
+megatron-core hard-codes CUDA in ~20 places (``device='cuda'``, ``torch.cuda.*`` calls, and
+dispatch on ``tensor.type() == 'torch.cuda.FloatTensor'``). On a machine with no CUDA this
+module, once activated, (1) stubs ``torch.cuda`` device/stream/memory/NVTX calls, (2) maps the
+CUDA RNG onto the CPU generator, (3) rewrites CUDA device arguments to CPU through a
+``TorchFunctionMode`` and makes CPU tensors report CUDA type strings, and (4) turns an NCCL
+process group into gloo. It redirects devices; it replaces no megatron logic.
+
+It activates by itself (``maybe_activate``, called on ``import megatron.md``) only when
+``torch.cuda.is_available()`` is False; ``MEGATRON_MD_CPU_MODE=0`` forces it off, and it is
+never active when a GPU is present. Limits: one process-wide mode per thread (threads other
+than the one that activated it see no redirection), Python overhead on every torch call
+(fine for tiny models, not for benchmarking), and no fused kernels (no TE/Apex on CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_ACTIVE = False
+_FLOAT_TYPES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
+
+
+def is_active() -> bool:
+    return _ACTIVE
+
+
+def _is_cuda(dev) -> bool:
+    if isinstance(dev, bool):
+        return False
+    if isinstance(dev, int):
+        return True  # megatron passes torch.cuda.current_device() (an int)
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    return isinstance(dev, torch.device) and dev.type == "cuda"
+
+
+class _CpuRedirect(TorchFunctionMode):
+    """Rewrites CUDA device arguments to CPU and answers CUDA type strings for CPU tensors."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        kwargs.pop("pin_memory", None)
+        if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        if func is torch.Tensor.type:
+            if len(args) == 1 and not kwargs:
+                t = args[0]
+                return (
+                    _FLOAT_TYPES.get(t.dtype, t.type()) if t.device.type == "cpu" else func(*args)
+                )
+            if len(args) > 1 and isinstance(args[1], str):
+                args = (args[0], args[1].replace("torch.cuda.", "torch."), *args[2:])
+        return func(*args, **kwargs)
+
+
+class _Dummy:
+    """Stands in for CUDA streams/events: every method returns another dummy."""
+
+    def __init__(self, *a, **k):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *a, **k: _Dummy()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _cpu_rng_state(*a, **k):
+    return torch.default_generator.get_state()
+
+
+def _set_cpu_rng_state(state, *a, **k):
+    torch.default_generator.set_state(state)
+
+
+def _patch_cuda() -> None:
+    c = torch.cuda
+    c.current_device = lambda: 0
+    c.device_count = lambda: 1
+    for name in ("set_device", "synchronize", "empty_cache", "reset_peak_memory_stats"):
+        setattr(c, name, lambda *a, **k: None)
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved"):
+        setattr(c, name, lambda *a, **k: 0)
+    c.Stream = c.Event = _Dummy
+    c.current_stream = c.default_stream = lambda *a, **k: _Dummy()
+    c.stream = c.device = lambda *a, **k: contextlib.nullcontext()
+    c.nvtx.range_push = c.nvtx.range_pop = lambda *a, **k: None
+    c.get_rng_state = _cpu_rng_state
+    c.set_rng_state = _set_cpu_rng_state
+    # torch.manual_seed would recurse into cuda.manual_seed_all; seed the CPU generator directly.
+    c.manual_seed = c.manual_seed_all = lambda seed: torch.default_generator.manual_seed(int(seed))
+
+
+def _patch_megatron_rng() -> None:
+    # megatron/core/tensor_parallel/random.py:303-345 reads/writes the CUDA RNG state directly.
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: _cpu_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: _set_cpu_rng_state(state)
+
+
+def _patch_process_group() -> None:
+    import torch.distributed as dist
+
+    orig = dist.init_process_group
+    if getattr(orig, "_md_cpu", False):
+        return
+
+    def init_process_group(*args, **kwargs):
+        if kwargs.get("backend") in (None, "nccl") and not args:
+            kwargs["backend"] = "gloo"
+        elif args and args[0] == "nccl":
+            args = ("gloo", *args[1:])
+        kwargs.pop("device_id", None)
+        return orig(*args, **kwargs)
+
+    init_process_group._md_cpu = True
+    dist.init_process_group = init_process_group
+
+
+def activate(quiet: bool = False) -> None:
+    """Install the CPU shim (idempotent). Refuses when CUDA is available."""
+    global _ACTIVE
+    if _ACTIVE:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("CPU mode must not be activated on a machine with a GPU")
+    _patch_cuda()
+    _patch_process_group()
+    _CpuRedirect().__enter__()  # stays pushed for the life of the process
+    _ACTIVE = True
+    try:
+        _patch_megatron_rng()
+    except ImportError:
+        pass
+    if not quiet and os.environ.get("RANK", "0") == "0":
+        print(
+            "[megatron-md] no CUDA device: CPU mode on (gloo, device redirection); "
+            "set MEGATRON_MD_CPU_MODE=0 to disable",
+            file=sys.stderr,
+        )
+
+
+def maybe_activate() -> bool:
+    """Activate CPU mode when CUDA is unavailable and the env var does not forbid it."""
+    if os.environ.get("MEGATRON_MD_CPU_MODE", "1") == "0" or torch.cuda.is_available():
+        return False
+    activate()
+    return True

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Fresh-machine entry: creates/reuses a Python 3.12 venv, installs Megatron-MD, then runs
+#   bash run.sh demo   - tiny CPU pretraining comparison (AdamW, AdamMD, Muon, MuonMD)
+#   bash run.sh test   - the test suite
+# Knobs: MEGATRON_MD_VENV (venv path, default ~/.venvs/megatron-md).
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=${MEGATRON_MD_VENV:-$HOME/.venvs/megatron-md}
+
+find_python() {
+  local c
+  for c in python3.12 "$(command -v pyenv >/dev/null && echo "$(pyenv root)/versions/3.12"*/bin/python)" \
+      "$HOME"/.pyenv/versions/3.12*/bin/python; do
+    [ -n "$c" ] && command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; assert sys.version_info[:2]==(3,12)' 2>/dev/null \
+      && { echo "$c"; return; }
+  done
+  echo "error: Python 3.12 not found (install it, e.g. 'pyenv install 3.12')" >&2; exit 1
+}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[run.sh] creating venv $VENV"
+  "$(find_python)" -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+fi
+stamp="$VENV/.megatron-md-$(sha1sum setup.py | cut -c1-12)-$(pwd | sha1sum | cut -c1-8)"
+if [ ! -f "$stamp" ]; then
+  echo "[run.sh] installing megatron-md and its dependencies into $VENV (first time: several minutes)"
+  "$VENV/bin/pip" install -q -e ".[dev]"
+  touch "$stamp"
+fi
+PY="$VENV/bin/python"
+
+case "${1:-demo}" in
+  demo) shift || true; exec "$PY" examples/md_decoupling/cpu_demo.py "$@" ;;
+  test) shift || true; exec "$PY" -m pytest -q tests "$@" ;;
+  *) echo "usage: bash run.sh {demo|test} [args...]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,32 @@
+"""Megatron-MD: Magnitude–Direction decoupling for megatron-core pretraining."""
+
+from setuptools import find_namespace_packages, setup
+
+setup(
+    name="megatron-md",
+    version="0.1.0",
+    description="Magnitude–Direction decoupling inside megatron-core's distributed optimizers",
+    python_requires=">=3.12,<3.13",
+    # `megatron` is megatron-core's namespace package: ship only our sub-package, never
+    # megatron/__init__.py.
+    packages=find_namespace_packages(include=["megatron.md", "megatron.md.*"]),
+    install_requires=[
+        "torch>=2.15,<2.16",
+        "megatron-core==0.19.2",
+        "emerging-optimizers==0.3.0",
+        "wandb>=0.31",
+        "numpy",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]"],
+        "dev": [
+            "pytest",
+            "ruff",
+            "psutil",
+            "tensorboard",
+            "matplotlib",
+            "tokenizers",
+            "transformers",
+        ],
+    },
+)
