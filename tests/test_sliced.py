@@ -131,13 +131,20 @@ def test_batched_step_uses_one_reduction():
         d = torch.randn(shape).view(-1)
         md = sliced.SliceMD(shape, 0, d.numel(), spec, "adam")
         st = md.init_state(d)
-        items.append((md, d, st))
+        items.append(sliced.SliceItem(md, d, None, st))
     sliced.md_init_batched(items, lambda b: calls.append(b.numel()))
     assert calls == [2]
     calls.clear()
     step_items = [
-        sliced.SliceItem(md, d, torch.randn_like(d), st, AdamHParams(1e-2), AdamHParams(1e-2))
-        for md, d, st in items
+        sliced.SliceItem(
+            it.md,
+            it.direction,
+            torch.randn_like(it.direction),
+            it.state,
+            AdamHParams(1e-2),
+            AdamHParams(1e-2),
+        )
+        for it in items
     ]
     sliced.md_step_batched(step_items, lambda b: calls.append(b.numel()))
     assert calls == [(6 + 4 + 1) + (3 + 8 + 1)]

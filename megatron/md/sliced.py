@@ -289,10 +289,12 @@ class SliceItem:
 
     md: SliceMD
     direction: torch.Tensor
-    grad: torch.Tensor
+    grad: torch.Tensor | None
     state: dict
-    base_hp: AdamHParams | MuonHParams
-    gain_hp: AdamHParams
+    base_hp: AdamHParams | MuonHParams | None = None
+    gain_hp: AdamHParams | None = None
+    slot: int | None = None
+    """Position in a global layout shared by all ranks (None: the item's own position)."""
 
 
 def _segments(sizes: list[int]) -> list[slice]:
@@ -303,37 +305,56 @@ def _segments(sizes: list[int]) -> list[slice]:
     return out
 
 
-def md_init_batched(items: list[tuple[SliceMD, torch.Tensor, dict]], reduce_fn: ReduceFn) -> None:
+def _layout(items, size_of, layout: list[int] | None):
+    """Segments of a partial buffer; with ``layout`` (sizes of every matrix of the optimizer,
+    in an order identical on all ranks) ranks owning different matrices still line up."""
+    if layout is None:
+        segs = _segments([size_of(it) for it in items])
+    else:
+        every = _segments(layout)
+        segs = [every[it.slot] for it in items]
+    total = sum(layout) if layout is not None else (segs[-1].stop if segs else 0)
+    return segs, total
+
+
+def _zeros(n, items):
+    d = items[0].direction if items else torch.empty(0)
+    return torch.zeros(n, dtype=d.dtype, device=d.device)
+
+
+def md_init_batched(items: list[SliceItem], reduce_fn: ReduceFn, layout=None) -> None:
     """Set radii for many matrices with one reduction of their squared norms."""
-    segs = _segments([md.n_norm for md, _, _ in items])
-    d0 = items[0][1] if items else torch.empty(0)
-    buf = torch.zeros(segs[-1].stop if segs else 0, dtype=d0.dtype, device=d0.device)
-    for (md, d, _), s in zip(items, segs):
-        md.norm_partials(d, buf[s])
-    reduce_fn(buf)
-    for (md, d, st), s in zip(items, segs):
-        md.finish_init(d, st, buf[s])
+    segs, total = _layout(items, lambda it: it.md.n_norm, layout)
+    buf = _zeros(total, items)
+    for it, s in zip(items, segs):
+        it.md.norm_partials(it.direction, buf[s])
+    if layout is not None or total:
+        reduce_fn(buf)
+    for it, s in zip(items, segs):
+        it.md.finish_init(it.direction, it.state, buf[s])
 
 
-def md_step_batched(items: list[SliceItem], reduce_fn: ReduceFn) -> None:
-    """MD step for many matrices: ONE reduction of all partials (two with tangent projection)."""
-    pre_segs = _segments([it.md.n_pre_partials() for it in items])
+def md_step_batched(
+    items: list[SliceItem], reduce_fn: ReduceFn, layout=None, pre_layout=None
+) -> None:
+    """MD step for many matrices: ONE reduction of all partials (two with tangent projection).
+
+    ``layout``/``pre_layout``: per-matrix partial sizes in a global order (see ``_layout``).
+    """
+    pre_segs, pre_total = _layout(items, lambda it: it.md.n_pre_partials(), pre_layout)
     pre = None
-    if pre_segs and pre_segs[-1].stop:
-        pre = torch.zeros(
-            pre_segs[-1].stop, dtype=items[0].direction.dtype, device=items[0].direction.device
-        )
+    if pre_total:
+        pre = _zeros(pre_total, items)
         for it, s in zip(items, pre_segs):
             it.md.pre_partials(it.direction, it.grad, it.state, pre[s])
         reduce_fn(pre)
-    segs = _segments([it.md.n_partials() for it in items])
-    d0 = items[0].direction if items else torch.empty(0)
-    buf = torch.zeros(segs[-1].stop if segs else 0, dtype=d0.dtype, device=d0.device)
+    segs, total = _layout(items, lambda it: it.md.n_partials(), layout)
+    buf = _zeros(total, items)
     for it, s, ps in zip(items, segs, pre_segs):
         it.md.phase1(
             it.direction, it.grad, it.state, it.base_hp, buf[s], None if pre is None else pre[ps]
         )
-    if buf.numel():
+    if layout is not None or total:
         reduce_fn(buf)
     for it, s in zip(items, segs):
         it.md.phase2(it.direction, it.state, it.gain_hp, buf[s])
