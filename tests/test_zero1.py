@@ -44,5 +44,6 @@ def test_adam_md_zero1_matches_reference(nproc):
     # fp32, 5 steps: relative error of every parameter (rank-identical, asserted in the script)
     assert res["worst_rel"] <= 1e-6
     assert res["collectives_per_step"] == 1.0  # one all-reduce for all MD matrices
+    assert res["payload"] == res["expected_payload"]  # Σ(d_out + d_in + 1) + embedding rows
     if nproc == 4:
         assert res["cut_inside_row"]  # a rank's slice starts or ends inside a row

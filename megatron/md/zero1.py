@@ -58,6 +58,7 @@ class MDInnerAdam(torch.optim.Optimizer):
         self.pre_layout: list[int] = []
         self.reduce = _reduce_fn(group)
         self.n_collectives = 0
+        self.last_payload = 0
 
     def bind(self, shard: torch.Tensor, slot: MDSlot) -> None:
         self.slots[shard] = slot
@@ -78,6 +79,7 @@ class MDInnerAdam(torch.optim.Optimizer):
 
     def _counting_reduce(self, buf):
         self.n_collectives += 1
+        self.last_payload = buf.numel()
         self.reduce(buf)
 
     @torch.no_grad()

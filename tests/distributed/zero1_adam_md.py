@@ -74,6 +74,16 @@ def main():
         ref.step()
         ref.zero_grad()
 
+    # expected payload: rowcol gains + Frobenius norm per matrix, one norm per embedding/LM-head row
+    from megatron.md.optimizer import param_role
+
+    payload = 0
+    for name, p in model.named_parameters():
+        role = param_role(name, p)
+        if role == "matrix":
+            payload += p.shape[0] + p.shape[1] + 1
+        elif role in ("embedding", "output"):
+            payload += p.shape[0]
     worst, n_cmp = 0.0, 0
     for (name, p), q in zip(model.named_parameters(), oracle.parameters()):
         rel = float((p.detach() - q.detach()).norm() / q.detach().norm())
@@ -91,6 +101,8 @@ def main():
                     "n": n_cmp,
                     "cut_inside_row": bool(cut),
                     "collectives_per_step": inner.n_collectives / steps,
+                    "payload": inner.last_payload,
+                    "expected_payload": payload,
                 }
             )
         )
