@@ -142,7 +142,7 @@ def train_one(name, base, md_on, lr, wd, warmup, args, train, val):
 
 def main(argv=None) -> None:
     logging.getLogger("megatron").setLevel(logging.ERROR)  # GPTModel deprecation notice
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|megatron-core).*")
+    warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps", type=int, default=60, help="training steps per optimizer")
     ap.add_argument("--hidden", type=int, default=64)

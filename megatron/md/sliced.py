@@ -234,7 +234,8 @@ class SliceMD:
         t = int(st["step"])
         g = self._gains(st)
         gain_out, norm_out = out[: self.n_gain], out[self.n_gain :]
-        g_dir = torch.empty_like(direction)
+        single = len(self.blocks) == 1  # the usual case: G_Ŵ is the block itself, no copy
+        g_dir = None if single else torch.empty_like(direction)
         for blk in self.blocks:
             w, gb = blk.view(direction), blk.view(grad).to(direction.dtype)
             if self.n_gain:
@@ -243,7 +244,10 @@ class SliceMD:
             if pre is not None and self.n_pre_partials():
                 inner, sq = pre[: self.n_norm], pre[self.n_norm :]
                 gd -= self._axis_bcast(blk, inner / sq) * w
-            blk.view(g_dir).copy_(gd)
+            if single:
+                g_dir = gd.view(-1)
+            else:
+                blk.view(g_dir).copy_(gd)
         if isinstance(base_hp, AdamHParams):
             adam_step_(direction, g_dir, st["exp_avg"], st["exp_avg_sq"], t, base_hp)
         else:
