@@ -55,10 +55,15 @@ RUNS = (
 )
 
 
-def build_model(seed: int, hidden: int, layers: int, seq: int):
+def build_model(seed: int, hidden: int, layers: int, seq: int, experts: int = 0):
+    """Paper-style GPT on the local spec; ``experts > 0``: DeepSeekMoE-style layers after the
+    first (top-2 sigmoid router with expert bias, one shared expert at half width)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
@@ -71,6 +76,24 @@ def build_model(seed: int, hidden: int, layers: int, seq: int):
         ps.initialize_model_parallel(1, 1)
     torch.default_generator.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+    moe = {}
+    if experts:
+        moe = dict(
+            num_moe_experts=experts,
+            moe_layer_freq=[0] + [1] * (layers - 1),
+            moe_ffn_hidden_size=hidden,
+            moe_shared_expert_intermediate_size=hidden // 2,
+            moe_router_topk=2,
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_bias_update_rate=1e-3,
+            moe_router_load_balancing_type="seq_aux_loss",
+            moe_aux_loss_coeff=1e-3,
+            moe_router_topk_scaling_factor=2.5,
+            moe_router_dtype="fp32",
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+        )
     cfg = TransformerConfig(
         num_layers=layers,
         hidden_size=hidden,
@@ -88,8 +111,12 @@ def build_model(seed: int, hidden: int, layers: int, seq: int):
         attention_dropout=0.0,
         init_method_std=1 / math.sqrt(hidden),
         use_cpu_initialization=True,
+        **moe,
     )
-    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    if experts:
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
     return GPTModel(
         cfg,
         spec,

@@ -230,7 +230,7 @@ class SliceMD:
 
     def phase1(self, direction, grad, st, base_hp, out: torch.Tensor, pre=None) -> None:
         """Gain-gradient partials, base step on Ŵ, then squared-norm partials of the new Ŵ."""
-        st["step"] += 1
+        st["step"] = st["step"] + 1  # rebind: megatron may alias one step tensor across params
         t = int(st["step"])
         g = self._gains(st)
         gain_out, norm_out = out[: self.n_gain], out[self.n_gain :]
@@ -332,7 +332,7 @@ def md_init_batched(items: list[SliceItem], reduce_fn: ReduceFn, layout=None) ->
     buf = _zeros(total, items)
     for it, s in zip(items, segs):
         it.md.norm_partials(it.direction, buf[s])
-    if layout is not None or total:
+    if total:  # the same on every rank (global layout), so skipping is collective-safe
         reduce_fn(buf)
     for it, s in zip(items, segs):
         it.md.finish_init(it.direction, it.state, buf[s])
@@ -358,7 +358,7 @@ def md_step_batched(
         it.md.phase1(
             it.direction, it.grad, it.state, it.base_hp, buf[s], None if pre is None else pre[ps]
         )
-    if layout is not None or total:
+    if total:
         reduce_fn(buf)
     for it, s in zip(items, segs):
         it.md.phase2(it.direction, it.state, it.gain_hp, buf[s])

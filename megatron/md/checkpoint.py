@@ -1,0 +1,189 @@
+"""MD state in megatron-core's ``torch_dist`` checkpoints, next to the base optimizer's.
+
+megatron-core saves ``MDInner.state`` (step, Adam moments / Muon momentum: shaped like the
+main parameter) through its own code, so those reshard exactly as upstream's. The MD extras
+are added by ``wrapper_class`` under ``optimizer[...]["md"]`` as ShardedTensors keyed by the
+model parameter's global checkpoint key:
+
+- raw gains, their Adam moments and the radius: full tensors, replicated over data-parallel
+  ranks (replica id = the rank's data-parallel rank, so one copy is written);
+- the fp32 direction (fp32 params only): a 1-D ShardedTensor over the flattened matrix at the
+  rank's offset — a ZeRO-1 slice or the whole matrix — so any DP size can load it.
+
+Loading a checkpoint without MD state (say, trained with AdamW) into an MD run recreates the MD
+state from the loaded weights (radius = their norm, gains 1): the model's function is unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+MD_KEY_PREFIX = "optimizer.md."
+
+
+def checkpoint_has_md_state(ckpt_dir: str) -> bool:
+    """Whether a torch_dist checkpoint holds MD optimizer state (read from its metadata only)."""
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_tensors_metadata(ckpt_dir)
+    return any(k.startswith(MD_KEY_PREFIX) for k in meta)
+
+
+def expect_md_state(optimizer, present: bool) -> None:
+    """Tell every MD wrapper inside ``optimizer`` whether the checkpoint about to be loaded has
+    MD state (False: build the load template without it, then recreate MD state from weights)."""
+    for opt in leaf_optimizers(optimizer):
+        if is_md_wrapper(opt):
+            opt.md_expect_state = present
+
+
+def leaf_optimizers(optimizer) -> list:
+    """The non-chained megatron optimizers inside ``optimizer`` (LayerWise is a chain too)."""
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    if isinstance(optimizer, ChainedOptimizer):
+        return [o for c in optimizer.chained_optimizers for o in leaf_optimizers(c)]
+    return [optimizer]
+
+
+def _replicated(key: str, t: torch.Tensor, replica: int):
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    return ShardedTensor.from_rank_offsets(key, t.reshape(-1), replica_id=replica)
+
+
+def _flat_slice(key: str, t: torch.Tensor, start: int, numel: int, replica: int):
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    return ShardedTensor(
+        key,
+        t,
+        t.dtype,
+        t.shape,
+        (numel,),
+        (start,),
+        axis_fragmentations=None,
+        flattened_range=None,
+        allow_shape_mismatch=False,
+        replica_id=replica,
+    )
+
+
+def _check_same_config(saved: dict | None, md) -> None:
+    """MD state only means something under the settings that made it."""
+    if saved is None:
+        return
+    norm = lambda v: list(v) if isinstance(v, (tuple, list)) else v
+    now = dataclasses.asdict(md)
+    diff = [
+        f"{k}: checkpoint {saved[k]!r}, this run {now.get(k)!r}"
+        for k in saved
+        if norm(saved[k]) != norm(now.get(k))
+    ]
+    if diff:
+        raise ValueError(
+            "the checkpoint's MD state was made with other --md-* settings ("
+            + "; ".join(diff)
+            + "); use the same settings, or load without optimizer state (--no-load-optim)"
+        )
+
+
+def _md_entry(self, model_sharded_state_dict) -> dict:
+    """{"config": MDConfig as a dict, "state": {param key: {field: ShardedTensor}}}."""
+    from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map
+
+    inner = self.optimizer
+    mains = list(inner.slots)
+    ids = get_param_id_to_sharded_param_map(
+        model_sharded_state_dict, [inner.slots[m].model_param for m in mains]
+    )
+    state, self._md_keys = {}, {}
+    for i, main in enumerate(mains):
+        slot = inner.slots[main]
+        if i not in ids:
+            raise RuntimeError(f"no checkpoint key for MD parameter {slot.name}")
+        key = ids[i].key
+        self._md_keys[key] = main
+        fields = {}
+        for name, t in inner.md_state[main].items():
+            if t is None:
+                continue
+            full = f"{MD_KEY_PREFIX}{key}.{name}"
+            if name == "direction":
+                numel = slot.md.shape[0] * slot.md.shape[1]
+                fields[name] = _flat_slice(full, t, slot.md.start, numel, slot.dir_replica)
+            else:
+                fields[name] = _replicated(full, t, slot.replica)
+        state[key] = fields
+    return {"config": dataclasses.asdict(inner.md), "state": state}
+
+
+def _load_md(self, md: dict | None) -> None:
+    inner = self.optimizer
+    loaded = (md or {}).get("state") or {}
+    if not inner.slots:
+        return
+    if not loaded:  # checkpoint without MD state: continual training from its weights
+        inner.reinit_from_weights()
+        return
+    _check_same_config(md.get("config"), inner.md)
+    with torch.no_grad():
+        for key, main in self._md_keys.items():
+            if key not in loaded:
+                raise ValueError(f"the checkpoint has MD state, but none for {key}")
+            for name, t in inner.md_state[main].items():
+                if t is not None:
+                    t.copy_(loaded[key][name].view(t.shape))
+
+
+def is_md_wrapper(opt) -> bool:
+    return getattr(opt, "_md_wrapper", False)
+
+
+def wrapper_class(base_cls, extra: dict, fix_step: bool):
+    """Subclass of a megatron optimizer wrapper with MD state in its checkpoints.
+
+    Built with ``type()`` and no mixin: CPython refuses ``__class__`` retargeting to a class
+    with an extra (even empty-slotted) base, and megatron builds its wrappers with no hook.
+    ``fix_step``: DistributedOptimizer without TE/Apex aliases ONE step tensor to every param
+    on load and dp_reshardable copies the pre-load step into it (distrib_optimizer.py:1027-1032,
+    :1220), so the checkpoint's step is restored afterwards.
+    """
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, **kwargs):
+        sd = base_cls.sharded_state_dict(self, model_sharded_state_dict, is_loading, **kwargs)
+        entry = _md_entry(self, model_sharded_state_dict)
+        if is_loading and not self.md_expect_state:
+            entry.pop("state")
+        sd["md"] = entry
+        return sd
+
+    def load_state_dict(self, state_dict):
+        md = state_dict.pop("md", None)
+        step = None
+        if fix_step:
+            step = state_dict["optimizer"]["param_groups"][0].get("step")
+        with (
+            torch.no_grad()
+        ):  # fp32 main params are views of leaf params (distrib_optimizer.py:1225)
+            base_cls.load_state_dict(self, state_dict)
+        if step is not None:
+            for st in self.optimizer.state.values():
+                st["step"] = torch.tensor(float(step))
+        _load_md(self, md)
+
+    def reload_model_params(self, state_dict=None):
+        base_cls.reload_model_params(self, state_dict)
+        self.optimizer.reinit_from_weights()
+
+    methods = dict(
+        _md_wrapper=True,
+        md_expect_state=True,
+        sharded_state_dict=sharded_state_dict,
+        load_state_dict=load_state_dict,
+        reload_model_params=reload_model_params,
+        __doc__=f"{base_cls.__name__} with the MD step (megatron-md).",
+    )
+    return type(f"MD{base_cls.__name__}", (base_cls,), {**methods, **extra})

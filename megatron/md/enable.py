@@ -1,0 +1,80 @@
+"""One call turns megatron-core's optimizer into its MD version: ``enable_md``.
+
+    optimizer = get_megatron_optimizer(config, model_chunks)
+    optimizer = enable_md(optimizer, model_chunks, MDConfig(...))
+
+Every leaf of the (chained) optimizer keeps its megatron class behaviour — clipping, grad
+sync, param gather, checkpoint format — and gets ``MDInner`` as its torch optimizer:
+ZeRO-1 ``DistributedOptimizer`` (AdamMD on slices, one all-reduce per step), the children of
+``LayerWiseDistributedOptimizer`` (MuonMD on whole matrices, no collective), or the replicated
+``FP32Optimizer`` / ``Float16OptimizerWithFloat16Params``.
+"""
+
+from __future__ import annotations
+
+from megatron.md.checkpoint import leaf_optimizers
+from megatron.md.config import MDConfig
+from megatron.md.optimizer import param_role
+from megatron.md.whole import setup_whole
+from megatron.md.zero1 import setup_zero1
+
+
+def check_config(config, ddp_config=None) -> None:
+    """Refuse megatron settings MD does not support, before any work."""
+    if config.fp16:
+        raise ValueError(
+            "MD does not support --fp16 (use --bf16): loss scaling would hit the gains"
+        )
+    if getattr(config, "use_precision_aware_optimizer", False):
+        raise ValueError(
+            "MD needs fp32 main params held by megatron: drop --use-precision-aware-optimizer"
+        )
+    if config.weight_decay:
+        raise ValueError("MD keeps matrices on a sphere: use --weight-decay 0 with --md-decoupling")
+    if ddp_config is not None and getattr(ddp_config, "use_megatron_fsdp", False):
+        raise ValueError("MD does not support Megatron-FSDP; use --use-distributed-optimizer")
+    if ddp_config is not None and (ddp_config.fp8_param_gather or ddp_config.fp4_param_gather):
+        raise ValueError("MD does not support fp8/fp4 param gather")
+    if "muon" in config.optimizer and config.use_distributed_optimizer:
+        if not config.use_layer_wise_distributed_optimizer:
+            raise ValueError(
+                "MuonMD shards whole matrices: with --optimizer muon use the layer-wise "
+                "distributed optimizer (megatron-core turns it on for --use-distributed-optimizer)"
+            )
+
+
+def enable_md(optimizer, model_chunks, md: MDConfig):
+    """Give every leaf optimizer of ``optimizer`` the MD step; returns ``optimizer``."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+    from megatron.core.optimizer.optimizer import (
+        ChainedOptimizer,
+        Float16OptimizerWithFloat16Params,
+        FP32Optimizer,
+    )
+
+    md.validate()
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        raise ValueError("MD with tensor parallelism > 1 is not supported yet: use TP=1")
+    names, roles = {}, {}
+    for i, chunk in enumerate(model_chunks):
+        for n, p in chunk.named_parameters():
+            names[p] = n if len(model_chunks) == 1 else f"chunk{i}.{n}"
+            roles[p] = param_role(n, p)
+    layer_wise = set()
+    if isinstance(optimizer, LayerWiseDistributedOptimizer):
+        layer_wise.update(map(id, optimizer.chained_optimizers))
+    elif isinstance(optimizer, ChainedOptimizer):
+        for c in optimizer.chained_optimizers:
+            if isinstance(c, LayerWiseDistributedOptimizer):
+                layer_wise.update(map(id, c.chained_optimizers))
+    for opt in leaf_optimizers(optimizer):
+        check_config(opt.config, getattr(opt, "ddp_config", None))
+        if isinstance(opt, DistributedOptimizer):
+            setup_zero1(opt, roles, names, md)
+        elif isinstance(opt, Float16OptimizerWithFloat16Params | FP32Optimizer):
+            setup_whole(opt, roles, names, md, layer_wise=id(opt) in layer_wise)
+        else:
+            raise ValueError(f"MD does not support megatron optimizer {type(opt).__name__}")
+    return optimizer

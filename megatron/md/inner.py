@@ -1,0 +1,192 @@
+"""The torch optimizer that megatron-core's wrappers step: AdamW/Muon with the MD step.
+
+megatron-core wraps a plain torch optimizer (``DistributedOptimizer``, ``Float16Optimizer…``,
+``FP32Optimizer``; ``LayerWiseDistributedOptimizer`` chains the latter). ``MDInner`` replaces
+that inner optimizer over the same parameter groups: 1-D parameters get torch AdamW's
+arithmetic, MD-managed matrices (whole, or a ZeRO-1 slice) get the batched MD step of
+``sliced.py`` with ONE reduction of all their partials per step (identity for whole matrices).
+
+State is split in two so megatron's checkpoint code keeps working unchanged:
+``self.state[p]`` holds only what megatron expects of the base optimizer (``step``, ``exp_avg``,
+``exp_avg_sq`` / ``momentum_buffer``: tensors shaped like ``p``); ``self.md_state[p]`` holds the
+MD extras (raw gains and their moments, radius, and the direction when ``p`` is the fp32 model
+weight itself). ``checkpoint.py`` saves the extras.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from megatron.md.base_steps import AdamHParams, MuonHParams, adam_step_
+from megatron.md.config import MDConfig
+from megatron.md.sliced import SliceItem, SliceMD, identity_reduce, md_init_batched, md_step_batched
+
+#: State keys megatron-core's checkpointing handles per parameter.
+BASE_KEYS = ("step", "exp_avg", "exp_avg_sq", "momentum_buffer")
+
+
+@dataclass
+class MDSlot:
+    """MD bookkeeping for one main parameter (a matrix, or one rank's flat slice of it)."""
+
+    md: SliceMD
+    fp32_mode: bool
+    """True when the main parameter is the model weight W itself (fp32 params): the direction
+    is then an extra fp32 copy in ``md_state``. False: the main param *is* the direction."""
+    index: int | None = None
+    """Position in the instance's global partial layout (ZeRO-1); None for whole matrices."""
+    name: str = ""
+    """Parameter name, for messages."""
+    model_param: torch.Tensor | None = None
+    """The model's parameter (its checkpoint key names the MD state)."""
+    replica: int = 0
+    """Checkpoint replica id of this rank's replicated MD state (gains, radius)."""
+    dir_replica: int = 0
+    """Checkpoint replica id of this rank's direction (0 when no other rank holds it)."""
+
+
+class MDInner(torch.optim.Optimizer):
+    """AdamW on 1-D params, AdamMD or MuonMD on matrices; the inner optimizer of one wrapper."""
+
+    def __init__(self, param_groups: list[dict], md: MDConfig, base: str, muon: MuonHParams | None):
+        # fp32 ZeRO-1 shards are non-leaf views, which add_param_group refuses; like megatron-core
+        # (distrib_optimizer.py:771) we set param_groups directly.
+        super().__init__([torch.zeros(1, requires_grad=True)], dict(lr=1e-3))
+        self.param_groups = param_groups
+        self.md, self.base, self.muon = md, base, muon
+        self.slots: dict[torch.Tensor, MDSlot] = {}
+        self.md_state: dict[torch.Tensor, dict] = {}
+        self.reduce = identity_reduce
+        self.layout: list[int] | None = None  # ZeRO-1: partial sizes of every MD matrix
+        self.norm_layout: list[int] | None = None
+        self.pre_layout: list[int] | None = None
+        self.timers = None  # megatron Timers (config.timers) when the training loop sets them
+        self.n_collectives = 0
+        self.last_payload = 0
+
+    # ---- set-up ----
+    def bind(self, main: torch.Tensor, slot: MDSlot) -> None:
+        self.slots[main] = slot
+
+    def _flat_dir(self, p: torch.Tensor) -> torch.Tensor:
+        if self.slots[p].fp32_mode:
+            return self.md_state[p]["direction"]
+        return p.data.view(-1)
+
+    def init_state(self, keep_base: bool = False) -> None:
+        """Create all state now (megatron's checkpoint code needs it before the first step):
+        zero moments, gains at 1, radii from the current weights (one reduction).
+        ``keep_base``: keep existing base-optimizer state (moments, step), redo only MD's."""
+        items, owners = [], []
+        for group in self.param_groups:
+            for p in group["params"]:
+                slot = self.slots.get(p)
+                if slot is None:
+                    if not (keep_base and self.state.get(p)):
+                        self.state[p] = {
+                            "step": torch.zeros((), dtype=torch.float32),
+                            "exp_avg": torch.zeros_like(p),
+                            "exp_avg_sq": torch.zeros_like(p),
+                        }
+                    continue
+                extra = {"direction": p.detach().reshape(-1).clone()} if slot.fp32_mode else {}
+                self.md_state[p] = extra
+                direction = self._flat_dir(p)
+                full = slot.md.init_state(direction)
+                if not (keep_base and self.state.get(p)):
+                    self.state[p] = {k: v for k, v in full.items() if k in BASE_KEYS}
+                extra.update({k: v for k, v in full.items() if k not in BASE_KEYS})
+                items.append(SliceItem(slot.md, direction, None, full, slot=slot.index))
+                owners.append(p)
+        md_init_batched(items, self.reduce, self.norm_layout)
+        for p, it in zip(owners, items):  # finish_init set the radius on the merged dict
+            self.md_state[p]["radius"] = it.state["radius"]
+
+    def reinit_from_weights(self) -> None:
+        """MD state from the current main params, which hold W (continual training from a
+        non-MD checkpoint): direction = W, gains 1, radius = its norm, so the model is
+        unchanged. The base optimizer's moments are kept: with gains 1, G_Ŵ = G_W."""
+        self.init_state(keep_base=True)
+
+    # ---- the step ----
+    def _timer(self, name: str):
+        if self.timers is None:
+            return contextlib.nullcontext()
+        t = self.timers(name, log_level=2)
+
+        @contextlib.contextmanager
+        def span():
+            t.start()
+            yield
+            t.stop()
+
+        return span()
+
+    def _counting_reduce(self, buf: torch.Tensor) -> None:
+        self.n_collectives += 1
+        self.last_payload = buf.numel()
+        with self._timer("md-reduce"):
+            self.reduce(buf)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("closure is not supported")
+        items, merged = [], []
+        for group in self.param_groups:
+            b1, b2 = group.get("betas", (0.9, 0.999))
+            eps = group.get("eps", 1e-8)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                slot = self.slots.get(p)
+                if slot is None:  # 1-D params: torch AdamW arithmetic, megatron's wd schedule
+                    st["step"] = st["step"] + 1
+                    hp = AdamHParams(group["lr"], b1, b2, eps, group.get("weight_decay", 0.0))
+                    adam_step_(p, p.grad, st["exp_avg"], st["exp_avg_sq"], int(st["step"]), hp)
+                    continue
+                if group.get("weight_decay", 0.0):
+                    raise ValueError(
+                        f"MD keeps {slot.name} on a sphere: its weight decay must be 0 "
+                        "(use --weight-decay 0 with --md-decoupling)"
+                    )
+                g1, g2 = self.md.gain_betas
+                gain_hp = AdamHParams(group["lr"] * self.md.gain_lr_mult, g1, g2, self.md.gain_eps)
+                if slot.md.base == "muon":
+                    base_hp = MuonHParams(**{**self.muon.__dict__, "lr": group["lr"]})
+                else:
+                    base_hp = AdamHParams(group["lr"], b1, b2, eps, 0.0)
+                full = {**self.md_state[p], **st}
+                merged.append((st, full))
+                items.append(
+                    SliceItem(
+                        slot.md,
+                        self._flat_dir(p),
+                        p.grad.view(-1),
+                        full,
+                        base_hp,
+                        gain_hp,
+                        slot.index,
+                    )
+                )
+        with self._timer("md-step"):
+            md_step_batched(items, self._counting_reduce, self.layout, self.pre_layout)
+        for st, full in merged:
+            st["step"] = full["step"]  # rebound by the step; everything else is updated in place
+        with self._timer("md-fuse"):
+            for p, slot in self.slots.items():
+                if slot.fp32_mode and p.grad is not None:
+                    slot.md.fuse(self.md_state[p]["direction"], self.md_state[p], p.data.view(-1))
+        return None
+
+    def fuse_into(self, main: torch.Tensor, out: torch.Tensor) -> bool:
+        """Write W = Γ ⊙ Ŵ of ``main`` (a direction) into ``out``; False if ``main`` is not MD."""
+        slot = self.slots.get(main)
+        if slot is None or slot.fp32_mode:
+            return False
+        slot.md.fuse(main.data.view(-1), self.md_state[main], out.view(-1))
+        return True

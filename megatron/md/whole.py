@@ -1,0 +1,102 @@
+"""MD on whole matrices: megatron-core's replicated optimizers (``FP32Optimizer``,
+``Float16OptimizerWithFloat16Params``) and the children of ``LayerWiseDistributedOptimizer``
+(each rank owns whole matrices, so the MD step needs no collective at all).
+
+bf16 params: the fp32 main param is the direction Ŵ and the fused W = Γ ⊙ Ŵ is written into the
+bf16 model param. fp32 params: the model param is W; the direction is an extra fp32 copy.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from megatron.md.base_steps import MuonHParams
+from megatron.md.checkpoint import wrapper_class
+from megatron.md.config import MDConfig, spec_for
+from megatron.md.inner import MDInner, MDSlot
+from megatron.md.sliced import SliceMD
+
+
+def _copy_main_params_to_model_params(self):
+    """bf16 params: the fused W = Γ ⊙ Ŵ (else a plain copy) into the model param."""
+    for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
+        for model_param, main_param in zip(model_group, main_group):
+            if not self.optimizer.fuse_into(main_param, model_param.data):
+                model_param.data.copy_(main_param)
+
+
+@functools.cache
+def md_class(base_cls):
+    """Float16Optimizer…/FP32Optimizer with MD checkpoints (and the fused copy for bf16)."""
+    extra = {}
+    if hasattr(base_cls, "_copy_main_params_to_model_params"):
+        extra["_copy_main_params_to_model_params"] = _copy_main_params_to_model_params
+    return wrapper_class(base_cls, extra, fix_step=False)
+
+
+def muon_hparams(config) -> MuonHParams:
+    """Muon hyper-parameters from megatron's OptimizerConfig (MD's step uses its own Muon)."""
+    if config.muon_split_qkv:
+        raise ValueError("MuonMD orthogonalizes each weight matrix whole: add --muon-no-split-qkv")
+    if config.muon_extra_scale_factor != 1.0:
+        raise ValueError(
+            "MuonMD sets the update scale with --muon-scale-mode; "
+            "--muon-extra-scale-factor must be 1"
+        )
+    return MuonHParams(
+        lr=config.lr,
+        momentum=config.muon_momentum,
+        nesterov=config.muon_nesterov,
+        ns_steps=config.muon_num_ns_steps,
+        coefficient_type=config.muon_coefficient_type,
+        fp32_matmul_prec=config.muon_fp32_matmul_prec,
+    )
+
+
+def _dp_rank(param) -> int:
+    from megatron.core import parallel_state as ps
+
+    if getattr(param, "allreduce", True):
+        return ps.get_data_parallel_rank()
+    return ps.get_expert_data_parallel_rank()
+
+
+def setup_whole(opt, roles: dict, names: dict, md: MDConfig, layer_wise: bool) -> None:
+    """Swap the inner torch optimizer of one Float16/FP32 optimizer for ``MDInner``."""
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    if opt.is_stub_optimizer:
+        return
+    if isinstance(opt.optimizer, TensorParallelMuon):
+        base, muon = "muon", muon_hparams(opt.config)
+    elif isinstance(opt.optimizer, torch.optim.Adam | torch.optim.AdamW):
+        base, muon = "adam", None
+    else:
+        raise ValueError(f"MD supports --optimizer adam or muon, got {type(opt.optimizer)}")
+    pairs = []  # (main param, model param, fp32_mode)
+    if isinstance(opt, Float16OptimizerWithFloat16Params):
+        for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+            pairs += [(main, model, False) for model, main in zip(model_group, main_group)]
+        pairs += [(p, p, True) for g in opt.fp32_from_fp32_groups for p in g]
+    else:
+        pairs += [(p, p, True) for g in opt.optimizer.param_groups for p in g["params"]]
+    inner = MDInner(opt.optimizer.param_groups, md, base, muon)
+    inner.timers = getattr(opt.config, "timers", None)
+    for main, model, fp32_mode in pairs:
+        role = roles[model]
+        if role == "vector":
+            continue
+        shape = tuple(model.shape)
+        # Embeddings and LM head always use Adam (paper); matrices and router the chosen base.
+        sm = SliceMD(shape, 0, shape[0] * shape[1], spec_for(role, md), base)
+        slot = MDSlot(sm, fp32_mode, None, names[model], model)
+        # LayerWise: one owner per matrix; replicated: every DP rank holds a copy.
+        slot.replica = slot.dir_replica = 0 if layer_wise else _dp_rank(model)
+        inner.bind(main, slot)
+    opt.optimizer = inner
+    opt.init_state_fn = lambda *a, **k: None  # MDInner creates all its state up front
+    opt.__class__ = md_class(type(opt))
+    inner.init_state()

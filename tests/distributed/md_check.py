@@ -1,0 +1,282 @@
+"""torchrun check: megatron-core's optimizers with ``enable_md`` vs. an oracle, after N steps.
+
+    torchrun --nproc-per-node W md_check.py --optimizer adam|muon --dist zero1|layerwise|replicated
+        [--dtype fp32|bf16] [--experts 4] [--sphere frobenius] [--vs reference|megatron]
+
+Every rank feeds the same batch, so the data-parallel mean gradient equals each rank's local
+gradient; the check isolates the optimizer.
+
+--vs reference: the oracle is the single-process ``MDOptimizer`` (reference MD step) fed the
+    gradient megatron computed (captured before the DP reduction), clipped like megatron.
+--vs megatron: MD switched off (no sphere, no gains, no row norms) must reproduce megatron's
+    own optimizer run through the same wrapper bit for bit (a second model in this process).
+
+Prints one JSON line on rank 0 with the worst errors and the facts the pytest side asserts.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import megatron.md  # noqa: F401  (CPU mode)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "md_decoupling"))
+import cpu_demo  # noqa: E402
+
+LR, CLIP = 1e-2, 1.0
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--optimizer", default="adam", choices=["adam", "muon"])
+    ap.add_argument("--dist", default="zero1", choices=["zero1", "layerwise", "replicated"])
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--experts", type=int, default=0)
+    ap.add_argument("--sphere", default="frobenius")
+    ap.add_argument("--vs", default="reference", choices=["reference", "megatron"])
+    ap.add_argument("--steps", type=int, default=5)
+    return ap.parse_args(argv)
+
+
+def md_config(args):
+    from megatron.md.config import MDConfig
+
+    if args.vs == "megatron":  # MD switched off
+        return MDConfig(
+            sphere="none",
+            gains="none",
+            embedding_norm="none",
+            output_norm="none",
+            router_norm="none",
+            muon_scale="unit_rms_norm",
+        )
+    return MDConfig(sphere=args.sphere)
+
+
+def build(args, world):
+    """A DDP-wrapped tiny GPT and megatron's optimizer for it (not yet MD)."""
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer.layer_wise_optimizer import (
+        LayerWiseDistributedOptimizer,
+        tag_params_for_buffer_routing,
+    )
+    from megatron.core.transformer.module import Float16Module
+
+    model = cpu_demo.build_model(11, 32, 2, 16, experts=args.experts)
+    distopt = args.dist != "replicated"
+    ddpc = DistributedDataParallelConfig(
+        use_distributed_optimizer=distopt, grad_reduce_in_fp32=True, overlap_grad_reduce=False
+    )
+    inner = model
+    if args.dtype == "bf16":
+        model.config.bf16 = True
+        inner = Float16Module(model.config, model)
+    extra = {}
+    if args.dist == "layerwise":
+        tag_params_for_buffer_routing([model])
+        extra["full_param_layout"] = LayerWiseDistributedOptimizer.compute_full_param_layout(
+            list(model.parameters()), None, world, ddpc, expert_data_parallel_world_size=world
+        )
+    dmodel = DDP(model.config, ddpc, inner, **extra)
+    cfg = OptimizerConfig(
+        optimizer=args.optimizer,
+        lr=LR,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.99,
+        adam_eps=1e-8,
+        clip_grad=CLIP,
+        # LayerWise needs bf16=True even for fp32 params (layer_wise_optimizer.py:505)
+        bf16=args.dtype == "bf16" or args.dist == "layerwise",
+        use_distributed_optimizer=distopt,
+        use_layer_wise_distributed_optimizer=args.dist == "layerwise",
+        muon_momentum=0.95,
+        muon_nesterov=True,
+        muon_split_qkv=False,
+        muon_scale_mode="unit_rms_norm",
+        muon_fp32_matmul_prec="highest",
+    )
+    return model, dmodel, get_megatron_optimizer(cfg, [dmodel])
+
+
+def oracle_for(model, md, base):
+    """fp32 copies of the model's params in the reference optimizer, grouped by role."""
+    from megatron.md.optimizer import MDOptimizer, param_role
+
+    named = [(n, p) for n, p in model.named_parameters()]
+    copies = [torch.nn.Parameter(p.detach().float().clone()) for _, p in named]
+    groups = {}
+    for (n, p), c in zip(named, copies):
+        role = param_role(n, p)
+        groups.setdefault(role, {"params": [], "role": role, "lr": LR})["params"].append(c)
+    ref = MDOptimizer(list(groups.values()), md=md, base=base, betas=(0.9, 0.99), eps=1e-8)
+    return named, copies, ref
+
+
+def step(dmodel, opt, x, y):
+    dmodel.zero_grad_buffer()
+    opt.zero_grad()
+    cpu_demo.lm_loss(dmodel, x, y).backward()
+    local = [p.main_grad.detach().clone() for p in dmodel.module.parameters()]
+    dmodel.finish_grad_sync()
+    ok, _, _ = opt.step()
+    assert ok
+    return local
+
+
+def bf16_excess(p: torch.Tensor, q: torch.Tensor) -> float:
+    """How far bf16 ``p`` is beyond one round-to-nearest of fp32 ``q`` (half a bf16 spacing),
+    relative to max|q|: what fp32 rounding along the two paths may add (~1e-7)."""
+    spacing = torch.ldexp(torch.ones_like(q), torch.frexp(q.abs().clamp_min(1e-30))[1] - 8)
+    over = ((p.float() - q).abs() - 0.5 * spacing).clamp_min(0)
+    return float(over.max() / q.abs().max())
+
+
+def _sphere_err(inner, main, d) -> float:
+    """Relative error of the sphere constraint of a whole matrix's direction."""
+    md = inner.slots[main].md
+    r = inner.md_state[main]["radius"]
+    if r is None:
+        return 0.0
+    w = d.view(md.shape)
+    cur = {
+        "frobenius": lambda: w.norm(),
+        "row": lambda: w.norm(dim=1),
+        "col": lambda: w.norm(dim=0),
+    }
+    return float((cur[md.spec.sphere]() / r - 1).abs().max())
+
+
+def main():
+    args = parse()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from megatron.md.checkpoint import leaf_optimizers
+    from megatron.md.enable import enable_md
+
+    md = md_config(args)
+    model, dmodel, opt = build(args, world)
+    enable_md(opt, [dmodel], md)
+    if args.vs == "megatron":
+        model2, dmodel2, opt2 = build(args, world)
+        model2.load_state_dict(model.state_dict())
+    else:
+        named, copies, ref = oracle_for(model, md, args.optimizer)
+    inners = [o.optimizer for o in leaf_optimizers(opt) if hasattr(o.optimizer, "slots")]
+    cut = any(b.nc < s.md.shape[1] for i in inners for s in i.slots.values() for b in s.md.blocks)
+    cut = torch.tensor(float(cut))
+    dist.all_reduce(cut)
+
+    data = torch.tensor(list(cpu_demo.TEXT.encode()), dtype=torch.long)
+    sphere_err = 0.0
+    for x, y in cpu_demo.batches(data, args.steps, 4, 16, 0):
+        grads = step(dmodel, opt, x, y)
+        if args.vs == "megatron":
+            step(dmodel2, opt2, x, y)
+            continue
+        for c, g in zip(copies, grads):
+            c.grad = g.float().clone()
+        gn = torch.stack([c.grad.norm() for c in copies]).norm()
+        coeff = CLIP / (gn + 1e-6)
+        if coeff < 1:
+            for c in copies:
+                c.grad.mul_(coeff)
+        ref.step()
+        ref.zero_grad()
+        # sphere invariant of the distributed state: ‖Ŵ‖ = radius (Frobenius) / each row = 1
+        for inner in inners:
+            n = len(inner.layout) if inner.layout is not None else len(inner.slots)
+            sq = {}
+            for k, (main, slot) in enumerate(inner.slots.items()):
+                d = inner._flat_dir(main)
+                sq[main] = (slot.index if slot.index is not None else k, d)
+            if inner.layout is None:
+                for main, (_, d) in sq.items():
+                    sphere_err = max(sphere_err, _sphere_err(inner, main, d.view(-1)))
+                continue
+            # ZeRO-1: Frobenius partials of all matrices in the global layout, one all-reduce
+            buf = torch.zeros(n)
+            for main, (i, d) in sq.items():
+                if inner.slots[main].md.spec.sphere == "frobenius":
+                    buf[i] = (d * d).sum()
+            dist.all_reduce(buf)
+            for main, (i, _) in sq.items():
+                r = inner.md_state[main]["radius"]
+                if inner.slots[main].md.spec.sphere == "frobenius":
+                    sphere_err = max(sphere_err, abs(float(buf[i].sqrt() / r) - 1))
+
+    worst, worst_ulp, worst_dir, n_same, n_bf16 = 0.0, 0.0, 0.0, 0, 0
+    if args.vs == "megatron":
+        pairs = zip(model.named_parameters(), model2.parameters())
+        for (name, p), q in pairs:
+            worst = max(worst, float((p.detach() - q.detach()).abs().max()))
+    else:
+        for (name, p), c in zip(named, copies):
+            q = c.detach()
+            worst = max(worst, float((p.detach().float() - q).norm() / q.norm()))
+            if args.dtype == "bf16":
+                worst_ulp = max(worst_ulp, bf16_excess(p.detach(), q))
+                n_bf16 += p.numel()
+                n_same += int((p.detach() == q.to(torch.bfloat16)).sum())
+        # the fp32 directions themselves against the reference's
+        ref_dir = {c: ref.state[c].get("direction") for c in copies}
+        by_model = {id(p): c for (_, p), c in zip(named, copies)}
+        for inner in inners:
+            for main, slot in inner.slots.items():
+                rd = ref_dir[by_model[id(slot.model_param)]].reshape(-1)
+                rd = rd[slot.md.start : slot.md.end]
+                if rd.numel():
+                    d = inner._flat_dir(main)
+                    worst_dir = max(worst_dir, float((d - rd).norm() / rd.norm()))
+        t = torch.tensor(worst_dir)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        worst_dir = float(t)
+    for name, p in model.named_parameters():
+        same = p.detach().clone()
+        dist.broadcast(same, 0)
+        assert torch.equal(same, p.detach()), f"{name} differs across ranks"
+
+    # ZeRO-1 payload by formula (default MD): rowcol gains + Frobenius norm per matrix,
+    # one norm per row of embedding, LM head and router
+    from megatron.md.optimizer import param_role
+
+    expected = 0
+    for name, p in model.named_parameters():
+        role = param_role(name, p)
+        if getattr(p, "is_managed_by_layer_wise_optimizer", False):
+            continue  # whole matrices, no collective
+        if role == "matrix":
+            expected += p.shape[0] + p.shape[1] + 1
+        elif role != "vector":
+            expected += p.shape[0]
+    n_coll = sum(i.n_collectives for i in inners if i.layout is not None)
+    if rank == 0:
+        print(
+            json.dumps(
+                {
+                    "world": world,
+                    "worst_rel": worst,
+                    "bf16_excess": worst_ulp,
+                    "bf16_same_frac": n_same / max(n_bf16, 1),
+                    "worst_dir_rel": worst_dir,
+                    "sphere_err": sphere_err,
+                    "cut_inside_row": bool(cut),
+                    "collectives_per_step": n_coll / args.steps,
+                    "payload": sum(i.last_payload for i in inners if i.layout is not None),
+                    "expected_payload": expected,
+                    "md_params": sum(len(i.slots) for i in inners),
+                    "classes": sorted({type(o).__name__ for o in leaf_optimizers(opt)}),
+                }
+            )
+        )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""MD inside megatron-core's distributed optimizers under torchrun/gloo, vs. the single-process
+reference optimizer (tests/distributed/md_check.py; every rank feeds the same batch)."""
+
+import pytest
+from _torchrun import torchrun
+
+pytestmark = pytest.mark.distributed
+
+# fp32: relative error of every parameter after 5 steps (seen ≤ 1.5e-7)
+FP32_REL = 1e-6
+# bf16: each model weight is one round-to-nearest of the reference's fp32 fused weight, up to
+# what fp32 rounding along the two paths adds (seen ≤ 3e-9 of max|W|)
+BF16_EXCESS = 1e-6
+
+
+def check(res: dict, nproc: int, dtype: str = "fp32") -> None:
+    assert res["world"] == nproc
+    assert res["worst_dir_rel"] <= FP32_REL  # the fp32 directions (main params / MD state)
+    assert res["sphere_err"] <= 1e-6  # ‖Ŵ‖ = radius after every step
+    if dtype == "fp32":
+        assert res["worst_rel"] <= FP32_REL
+    else:
+        assert res["bf16_excess"] <= BF16_EXCESS
+        assert res["bf16_same_frac"] >= 0.999  # almost all weights are exactly bf16(reference)
+
+
+@pytest.mark.parametrize("experts", [0, 4])
+@pytest.mark.parametrize("nproc", [1, 2, 4])
+def test_adam_md_zero1_fp32(nproc, experts):
+    res = torchrun("md_check.py", nproc, "--dist", "zero1", "--experts", str(experts))
+    check(res, nproc)
+    assert res["collectives_per_step"] == 1.0  # one all-reduce for all MD matrices
+    assert res["payload"] == res["expected_payload"]  # Σ(d_out + d_in + 1) + one per row
+    if nproc == 4 and not experts:
+        assert res["cut_inside_row"]  # a rank's slice starts or ends inside a row
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_adam_md_zero1_bf16(nproc):
+    res = torchrun("md_check.py", nproc, "--dist", "zero1", "--dtype", "bf16")
+    check(res, nproc, "bf16")
+    assert res["collectives_per_step"] == 1.0
+
+
+@pytest.mark.parametrize("sphere", ["row", "col"])
+def test_adam_md_zero1_row_col_spheres_cut_inside_rows(sphere):
+    res = torchrun("md_check.py", 4, "--dist", "zero1", "--sphere", sphere)
+    check(res, 4)
+    assert res["cut_inside_row"]
+
+
+@pytest.mark.parametrize("experts", [0, 4])
+@pytest.mark.parametrize("nproc", [1, 2, 4])
+def test_muon_md_layerwise_fp32(nproc, experts):
+    res = torchrun(
+        "md_check.py",
+        nproc,
+        "--optimizer",
+        "muon",
+        "--dist",
+        "layerwise",
+        "--experts",
+        str(experts),
+    )
+    check(res, nproc)
+    assert "MDFloat16OptimizerWithFloat16Params" in res["classes"]
+    # only the Adam-managed embedding/LM-head rows go through the ZeRO-1 all-reduce
+    assert res["payload"] == res["expected_payload"]
+
+
+def test_muon_md_layerwise_bf16():
+    res = torchrun(
+        "md_check.py", 2, "--optimizer", "muon", "--dist", "layerwise", "--dtype", "bf16"
+    )
+    check(res, 2, "bf16")
+
+
+@pytest.mark.parametrize(
+    "optimizer,dtype", [("adam", "fp32"), ("adam", "bf16"), ("muon", "fp32"), ("muon", "bf16")]
+)
+def test_md_replicated_optimizers(optimizer, dtype):
+    res = torchrun(
+        "md_check.py", 2, "--optimizer", optimizer, "--dist", "replicated", "--dtype", dtype
+    )
+    check(res, 2, dtype)
+    assert res["collectives_per_step"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--dist", "zero1"),
+        ("--dist", "zero1", "--dtype", "bf16"),
+        ("--dist", "zero1", "--experts", "4"),
+        ("--optimizer", "muon", "--dist", "layerwise"),
+        ("--optimizer", "muon", "--dist", "layerwise", "--dtype", "bf16"),
+        ("--optimizer", "muon", "--dist", "replicated"),
+    ],
+    ids=["zero1", "zero1-bf16", "zero1-moe", "layerwise", "layerwise-bf16", "replicated-muon"],
+)
+def test_md_off_is_megatron_bit_for_bit(args):
+    res = torchrun("md_check.py", 2, "--vs", "megatron", *args)
+    assert res["worst_rel"] == 0.0  # max |Δ| over all params vs megatron's own optimizer
+    assert res["payload"] == 0  # nothing to reduce with MD off
