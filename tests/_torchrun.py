@@ -16,7 +16,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(script: str, nproc: int, *args: str) -> dict:
+def torchrun(script: str, nproc: int, *args: str, expect_fail: bool = False):
+    """The script's last JSON line; with ``expect_fail``, its combined output (it must fail)."""
     cmd = [
         sys.executable,
         "-m",
@@ -28,6 +29,9 @@ def torchrun(script: str, nproc: int, *args: str) -> dict:
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    if expect_fail:
+        assert out.returncode != 0, out.stdout[-3000:]
+        return out.stdout + out.stderr
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-5000:]
     return json.loads(lines[-1])

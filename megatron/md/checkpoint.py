@@ -23,20 +23,43 @@ import torch
 MD_KEY_PREFIX = "optimizer.md."
 
 
-def checkpoint_has_md_state(ckpt_dir: str) -> bool:
-    """Whether a torch_dist checkpoint holds MD optimizer state (read from its metadata only)."""
+def _find_md_configs(tree) -> list[dict]:
+    """Every saved MD config in a checkpoint's common (non-tensor) state."""
+    found = []
+    if isinstance(tree, dict):
+        md = tree.get("md")
+        if isinstance(md, dict) and "config" in md:
+            found.append(md["config"])
+        for k, v in tree.items():
+            if k != "md":
+                found += _find_md_configs(v)
+    elif isinstance(tree, list | tuple):
+        for v in tree:
+            found += _find_md_configs(v)
+    return found
+
+
+def prepare_md_load(optimizer, ckpt_dir: str) -> bool:
+    """Before building the load template of a torch_dist checkpoint: refuse MD state made with
+    other ``--md-*`` settings (a clear error instead of a missing-key one), and tell every MD
+    wrapper whether MD state is there (absent: recreated from the loaded weights).
+    Returns whether the checkpoint has MD state."""
     from megatron.core import dist_checkpointing
 
-    meta = dist_checkpointing.load_tensors_metadata(ckpt_dir)
-    return any(k.startswith(MD_KEY_PREFIX) for k in meta)
+    # dist_checkpointing.load_tensors_metadata fails on torch 2.15 (TensorProperties gained
+    # 'strides': megatron/core/dist_checkpointing/strategies/torch.py:1022); read DCP's own.
+    from torch.distributed.checkpoint import FileSystemReader
 
-
-def expect_md_state(optimizer, present: bool) -> None:
-    """Tell every MD wrapper inside ``optimizer`` whether the checkpoint about to be loaded has
-    MD state (False: build the load template without it, then recreate MD state from weights)."""
-    for opt in leaf_optimizers(optimizer):
-        if is_md_wrapper(opt):
-            opt.md_expect_state = present
+    keys = FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
+    present = any(MD_KEY_PREFIX in k for k in keys)  # ChainedOptimizer adds "chained_i."
+    wrappers = [o for o in leaf_optimizers(optimizer) if is_md_wrapper(o)]
+    if present and wrappers:
+        common = dist_checkpointing.load_common_state_dict(ckpt_dir)
+        for saved in _find_md_configs(common.get("optimizer", common)):
+            _check_same_config(saved, wrappers[0].optimizer.md)
+    for opt in wrappers:
+        opt.md_expect_state = present
+    return present
 
 
 def leaf_optimizers(optimizer) -> list:
@@ -90,6 +113,17 @@ def _check_same_config(saved: dict | None, md) -> None:
         )
 
 
+def _global_name(ten) -> str:
+    """A parameter's global checkpoint name: its ShardedTensor key plus the offsets along the
+    prepended axes (stacked layers, experts), which the key alone does not tell apart."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    if isinstance(ten, ShardedTensorFactory):  # e.g. SwiGLU fc1: name it by its first part
+        ten = next(t for t in nested_values(ten.build()) if isinstance(t, ShardedTensor))
+    return ten.key + "".join(f"@{o}" for o in ten.global_offset[: ten.prepend_axis_num])
+
+
 def _md_entry(self, model_sharded_state_dict) -> dict:
     """{"config": MDConfig as a dict, "state": {param key: {field: ShardedTensor}}}."""
     from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map
@@ -104,7 +138,9 @@ def _md_entry(self, model_sharded_state_dict) -> dict:
         slot = inner.slots[main]
         if i not in ids:
             raise RuntimeError(f"no checkpoint key for MD parameter {slot.name}")
-        key = ids[i].key
+        key = _global_name(ids[i])
+        if key in self._md_keys:
+            raise RuntimeError(f"two MD parameters map to checkpoint key {key}")
         self._md_keys[key] = main
         fields = {}
         for name, t in inner.md_state[main].items():

@@ -96,8 +96,12 @@ class MDInner(torch.optim.Optimizer):
                 self.md_state[p] = extra
                 direction = self._flat_dir(p)
                 full = slot.md.init_state(direction)
-                if not (keep_base and self.state.get(p)):
-                    self.state[p] = {k: v for k, v in full.items() if k in BASE_KEYS}
+                if not (keep_base and self.state.get(p)):  # moments shaped like p (megatron)
+                    self.state[p] = {
+                        k: v if k == "step" else v.view(p.shape)
+                        for k, v in full.items()
+                        if k in BASE_KEYS
+                    }
                 extra.update({k: v for k, v in full.items() if k not in BASE_KEYS})
                 items.append(SliceItem(slot.md, direction, None, full, slot=slot.index))
                 owners.append(p)
@@ -160,7 +164,8 @@ class MDInner(torch.optim.Optimizer):
                     base_hp = MuonHParams(**{**self.muon.__dict__, "lr": group["lr"]})
                 else:
                     base_hp = AdamHParams(group["lr"], b1, b2, eps, 0.0)
-                full = {**self.md_state[p], **st}
+                flat = {k: v.view(-1) for k, v in st.items() if k != "step"}
+                full = {**self.md_state[p], **st, **flat}
                 merged.append((st, full))
                 items.append(
                     SliceItem(

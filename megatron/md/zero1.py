@@ -49,6 +49,16 @@ def md_class(base_cls):
     return wrapper_class(base_cls, extra, fix_step=True)
 
 
+def _first_owner(opt, model_param) -> int:
+    """Data-parallel rank owning the first element of ``model_param`` (buckets are split into
+    equal contiguous shards, distrib_optimizer.py:_build_model_gbuf_range)."""
+    gbuf_index, _, bucket_id = opt.model_param_gbuf_map[model_param]
+    buffer = opt.buffers[gbuf_index]
+    bucket = buffer.buckets[bucket_id]
+    shard = bucket.grad_data.numel() // opt.data_parallel_group.size()
+    return (buffer.param_index_map[model_param][0] - bucket.offset) // shard
+
+
 def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
     """Swap the (still stateless) inner AdamW of one DistributedOptimizer for ``MDInner``."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -91,7 +101,9 @@ def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
                     tuple(model_param.shape), rng.start, rng.end, spec_for(role, md), "adam"
                 )
                 slot = MDSlot(sm, fp32_mode, index[model_param], names[model_param], model_param)
-                slot.replica, slot.dir_replica = dp_rank, 0
+                # gains/radius are replicated over the ranks owning a slice of this matrix;
+                # the first of them writes them to checkpoints (replica 0)
+                slot.replica, slot.dir_replica = dp_rank - _first_owner(opt, model_param), 0
                 inner.bind(shard, slot)
     opt.optimizer = inner
     opt.__class__ = md_class(DistributedOptimizer)

@@ -1,0 +1,136 @@
+"""torchrun check: MD optimizer state through megatron-core's torch_dist checkpoints.
+
+    save:     train 2 steps, save (model + optimizer, dp_reshardable), train 3 more, write the
+              final weights to DIR/final.pt (the uninterrupted run)
+    load:     at any world size, load DIR/ckpt, train the same 3 steps, compare to final.pt
+    continue: load a checkpoint saved WITHOUT MD (plain megatron optimizer) into an MD run:
+              the weights must be unchanged and the MD state fresh (gains 1, radius = norm)
+
+    torchrun --nproc-per-node W md_ckpt.py MODE DIR [md_check options] [--md-gains G]
+
+Prints one JSON line on rank 0.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import md_check  # noqa: E402
+
+from megatron.md.config import MDConfig  # noqa: E402
+
+SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def save(dmodel, opt, path: Path) -> None:
+    from megatron.core import dist_checkpointing
+
+    msd = dmodel.module.sharded_state_dict(metadata=SHARDING)
+    osd = opt.sharded_state_dict(msd, metadata=SHARDING)
+    path.mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save({"model": msd, "optimizer": osd}, str(path))
+
+
+def load(dmodel, opt, path: Path) -> bool:
+    from megatron.core import dist_checkpointing
+
+    from megatron.md.checkpoint import prepare_md_load
+
+    has_md = prepare_md_load(opt, str(path))
+    msd = dmodel.module.sharded_state_dict(metadata=SHARDING)
+    osd = opt.sharded_state_dict(msd, is_loading=True, metadata=SHARDING)
+    sd = dist_checkpointing.load({"model": msd, "optimizer": osd}, str(path))
+    dmodel.module.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optimizer"])
+    return has_md
+
+
+def full_params(model) -> dict:
+    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["save", "load", "continue"])
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("--md-gains", default="rowcol")
+    ours, rest = ap.parse_known_args()
+    args = md_check.parse(rest)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from megatron.md import maps
+    from megatron.md.checkpoint import leaf_optimizers
+    from megatron.md.enable import enable_md
+
+    md = MDConfig(sphere=args.sphere, gains=ours.md_gains)
+    data = torch.tensor(list(md_check.cpu_demo.TEXT.encode()), dtype=torch.long)
+    batches = list(md_check.cpu_demo.batches(data, 5, 4, 16, 0))
+    out = {"world": world}
+
+    if ours.mode == "save":
+        model, dmodel, opt = md_check.build(args, world)
+        enable_md(opt, [dmodel], md)
+        for x, y in batches[:2]:
+            md_check.step(dmodel, opt, x, y)
+        save(dmodel, opt, ours.dir / "ckpt")
+        for x, y in batches[2:]:
+            md_check.step(dmodel, opt, x, y)
+        if rank == 0:
+            torch.save(full_params(model), ours.dir / "final.pt")
+        # and a checkpoint of the same model trained by megatron's own optimizer (no MD)
+        model2, dmodel2, opt2 = md_check.build(args, world)
+        for x, y in batches[:2]:
+            md_check.step(dmodel2, opt2, x, y)
+        save(dmodel2, opt2, ours.dir / "plain")
+        if rank == 0:
+            torch.save(full_params(model2), ours.dir / "plain.pt")
+
+    elif ours.mode == "load":
+        model, dmodel, opt = md_check.build(args, world)
+        enable_md(opt, [dmodel], md)
+        md_check.step(dmodel, opt, *batches[4])  # a step before loading must not leak through
+        out["has_md"] = load(dmodel, opt, ours.dir / "ckpt")
+        for x, y in batches[2:]:
+            md_check.step(dmodel, opt, x, y)
+        final = torch.load(ours.dir / "final.pt")
+        out["worst_rel"] = max(
+            float((p.detach().float() - final[n]).norm() / final[n].norm())
+            for n, p in model.named_parameters()
+        )
+
+    else:  # continue: a checkpoint without MD state
+        model, dmodel, opt = md_check.build(args, world)
+        enable_md(opt, [dmodel], md)
+        out["has_md"] = load(dmodel, opt, ours.dir / "plain")
+        plain = torch.load(ours.dir / "plain.pt")
+        out["weights_changed"] = max(
+            float((p.detach().float() - plain[n]).abs().max()) for n, p in model.named_parameters()
+        )
+        gains_one, radius_err = True, 0.0
+        for o in leaf_optimizers(opt):
+            inner = o.optimizer
+            for main, slot in inner.slots.items():
+                st = inner.md_state[main]
+                for k in ("gain_row", "gain_col"):
+                    if k in st:
+                        g = maps.phi(st[k], md.gain_map)
+                        gains_one &= bool(torch.allclose(g, torch.ones_like(g), atol=1e-6))
+                if st["radius"] is not None and st["radius"].ndim == 0:
+                    w = plain[slot.name.replace("module.", "")]
+                    radius_err = max(radius_err, abs(float(st["radius"] / w.norm()) - 1))
+        out["gains_one"] = gains_one
+        out["radius_err"] = radius_err
+        md_check.step(dmodel, opt, *batches[2])
+        out["finite_after_step"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    if rank == 0:
+        print(json.dumps(out))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""MD state through megatron-core's torch_dist checkpoints (tests/distributed/md_ckpt.py):
+save at 2 ranks after 2 steps, load at 1/2/4 ranks, the next 3 steps equal the uninterrupted
+run; a checkpoint without MD state loads into an MD run with the model unchanged."""
+
+import pytest
+from _torchrun import torchrun
+
+pytestmark = pytest.mark.distributed
+
+CONFIGS = {
+    "zero1-fp32": ("--dist", "zero1"),
+    "zero1-bf16": ("--dist", "zero1", "--dtype", "bf16"),
+    "zero1-moe": ("--dist", "zero1", "--experts", "4"),
+    # megatron-core's Float16Optimizer maps only bf16 params to checkpoint keys
+    # (optimizer.py:1168), so layer-wise checkpoints need bf16 params, as real runs use
+    "layerwise-muon-bf16": ("--optimizer", "muon", "--dist", "layerwise", "--dtype", "bf16"),
+    "replicated-fp32": ("--dist", "replicated"),
+}
+LOADS = {
+    "zero1-fp32": (1, 2, 4),
+    "zero1-bf16": (1, 4),
+    "zero1-moe": (4,),
+    "layerwise-muon-bf16": (1, 4),
+    "replicated-fp32": (4,),
+}
+# fp32: ≤ 1e-6 relative (seen ≤ 1.3e-7; 0.0 at the same world size). bf16 weights: within one
+# bf16 rounding (2^-8) relative (seen ≤ 3e-10).
+TOL = {"fp32": 1e-6, "bf16": 2**-8}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    dirs = {}
+
+    def get(name):
+        if name not in dirs:
+            d = tmp_path_factory.mktemp(name)
+            torchrun("md_ckpt.py", 2, "save", str(d), *CONFIGS[name])
+            dirs[name] = d
+        return dirs[name]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "name,nproc", [(n, w) for n, ws in LOADS.items() for w in ws], ids=lambda v: str(v)
+)
+def test_resume_equals_uninterrupted_run(saved, name, nproc):
+    res = torchrun("md_ckpt.py", nproc, "load", str(saved(name)), *CONFIGS[name])
+    assert res["world"] == nproc and res["has_md"]
+    assert res["worst_rel"] <= TOL["bf16" if "bf16" in name else "fp32"]
+    if nproc == 2:
+        assert res["worst_rel"] == 0.0  # same sharding: exact
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_continual_training_from_checkpoint_without_md(saved, nproc):
+    res = torchrun("md_ckpt.py", nproc, "continue", str(saved("zero1-fp32")), "--dist", "zero1")
+    assert not res["has_md"]
+    assert res["weights_changed"] == 0.0  # the model's function is unchanged
+    assert res["gains_one"] and res["radius_err"] <= 1e-6  # radius = the loaded norm
+    assert res["finite_after_step"]
+
+
+def test_other_md_settings_are_refused_before_loading(saved):
+    out = torchrun(
+        "md_ckpt.py", 2, "load", str(saved("zero1-fp32")), "--md-gains", "row", expect_fail=True
+    )
+    assert "gains: checkpoint 'rowcol', this run 'row'" in out
