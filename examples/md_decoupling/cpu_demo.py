@@ -114,7 +114,9 @@ def build_model(seed: int, hidden: int, layers: int, seq: int, experts: int = 0)
         **moe,
     )
     if experts:
-        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+        spec = get_gpt_decoder_block_spec(
+            cfg, use_transformer_engine=False, normalization="RMSNorm"
+        )
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
     return GPTModel(

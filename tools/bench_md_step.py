@@ -1,0 +1,262 @@
+"""Optimizer-step cost of MD, measured side by side in one run (CPU, gloo, 2 ranks by default).
+
+On the real matrix shapes of the paper's dense models (181M: d=512, 457M: d=1024; 12 layers,
+vocab 131072), with megatron-core's own optimizers and ``enable_md``:
+
+- AdamMD / Adam under ZeRO-1 (``DistributedOptimizer``);
+- MuonMD / Muon layer-wise (``LayerWiseDistributedOptimizer``, Adam for embeddings/LM head);
+- optimizer-state bytes with MD / without, bf16 params (fp32 main params held by megatron).
+
+Times are medians over ``--steps`` of the full ``optimizer.step()`` (clip, inner step, copy to
+the model, param all-gather) and of the inner torch step alone; random gradients are written
+into the grad buffers once (no forward/backward). Prints a table and one JSON line.
+
+    python tools/bench_md_step.py [--model 181M 457M] [--steps 3] [--nproc 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import megatron.md  # noqa: F401  (CPU mode when there is no GPU)
+
+SHAPES = {  # d, layers, heads, kv groups, d_ff (recipe §3); head dim 128
+    "181M": (512, 12, 4, 2, 2048),
+    "457M": (1024, 12, 8, 4, 4096),
+}
+VOCAB = 131072
+
+
+def shape_model(name: str, vocab: int) -> torch.nn.Module:
+    """Parameters with megatron-core GPT names and the paper's shapes (no forward)."""
+    d, layers, heads, kv, ff = SHAPES[name]
+    shapes = {"embedding.word_embeddings.weight": (vocab, d)}
+    for i in range(layers):
+        pre = f"decoder.layers.{i}."
+        shapes[pre + "self_attention.linear_qkv.weight"] = ((heads + 2 * kv) * 128, d)
+        shapes[pre + "self_attention.linear_proj.weight"] = (d, heads * 128)
+        shapes[pre + "mlp.linear_fc1.weight"] = (2 * ff, d)
+        shapes[pre + "mlp.linear_fc2.weight"] = (d, ff)
+        for norm in ("input_layernorm", "pre_mlp_layernorm"):
+            shapes[pre + norm + ".weight"] = (d,)
+    shapes["decoder.final_layernorm.weight"] = (d,)
+    shapes["output_layer.weight"] = (vocab, d)
+    root = torch.nn.Module()
+    gen = torch.Generator().manual_seed(0)
+    for full, shape in shapes.items():
+        mod = root
+        *path, leaf = full.split(".")
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        p = torch.nn.Parameter(torch.randn(shape, generator=gen) * d**-0.5)
+        if "embedding" in full or "output_layer" in full:
+            p.is_embedding_or_output_parameter = True
+        mod.register_parameter(leaf, p)
+    return root
+
+
+def build(name: str, optimizer: str, md_on: bool, dtype: str, vocab: int):
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer.layer_wise_optimizer import (
+        LayerWiseDistributedOptimizer,
+        tag_params_for_buffer_routing,
+    )
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron.md.config import MDConfig
+    from megatron.md.enable import enable_md
+
+    d, layers, heads, _, _ = SHAPES[name]
+    cfg = TransformerConfig(
+        num_layers=layers, hidden_size=d, num_attention_heads=heads, use_cpu_initialization=True
+    )
+    module = shape_model(name, vocab)
+    if dtype == "bf16":
+        module = module.to(torch.bfloat16)
+    ddpc = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False
+    )
+    extra = {}
+    if optimizer == "muon":
+        tag_params_for_buffer_routing([module])
+        world = torch.distributed.get_world_size()
+        extra["full_param_layout"] = LayerWiseDistributedOptimizer.compute_full_param_layout(
+            list(module.parameters()), None, world, ddpc, expert_data_parallel_world_size=world
+        )
+    dmodel = DDP(cfg, ddpc, module, **extra)
+    ocfg = OptimizerConfig(
+        optimizer=optimizer,
+        lr=1e-3,
+        weight_decay=0.0,
+        clip_grad=1.0,
+        bf16=dtype == "bf16" or optimizer == "muon",  # LayerWise needs bf16=True
+        use_distributed_optimizer=True,
+        use_layer_wise_distributed_optimizer=optimizer == "muon",
+        muon_split_qkv=False,
+        muon_nesterov=True,
+        muon_scale_mode="unit_rms_norm",
+        muon_fp32_matmul_prec="highest",  # 'medium' runs bf16 matmuls, very slow on CPU
+    )
+    opt = get_megatron_optimizer(ocfg, [dmodel])
+    if md_on:
+        enable_md(opt, [dmodel], MDConfig())
+    gen = torch.Generator().manual_seed(1)
+    for p in dmodel.module.parameters():
+        p.main_grad.copy_(torch.randn(p.shape, generator=gen) * 1e-3)
+    return dmodel, opt
+
+
+def state_bytes(opt) -> int:
+    """Bytes the optimizer holds: fp32 main shards of bf16 params, moments, MD extras."""
+    from megatron.md.checkpoint import leaf_optimizers
+
+    seen, total = set(), 0
+
+    def add(t):
+        nonlocal total
+        if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+
+    for o in leaf_optimizers(opt):
+        for group in getattr(o, "shard_fp32_from_float16_groups", None) or getattr(
+            o, "fp32_from_float16_groups", []
+        ):
+            for t in group:
+                add(t)
+        for st in o.optimizer.state.values():
+            for t in st.values():
+                add(t)
+        for st in getattr(o.optimizer, "md_state", {}).values():
+            for t in st.values():
+                add(t)
+    return total
+
+
+def time_steps(opt, steps: int) -> tuple[float, float]:
+    from megatron.md.checkpoint import leaf_optimizers
+
+    inner_t = []
+    for o in leaf_optimizers(opt):
+        step = o.optimizer.step
+
+        def timed(*a, _step=step, **k):
+            t0 = time.perf_counter()
+            out = _step(*a, **k)
+            inner_t.append(time.perf_counter() - t0)
+            return out
+
+        o.optimizer.step = timed
+    full, inners = [], []
+    for i in range(steps + 1):  # the first step allocates: not timed
+        inner_t.clear()
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        ok, _, _ = opt.step()
+        torch.distributed.barrier()
+        assert ok
+        if i:
+            full.append(time.perf_counter() - t0)
+            inners.append(sum(inner_t))
+    return statistics.median(full), statistics.median(inners)
+
+
+def log(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def worker(args) -> None:
+    import gc
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+    torch.distributed.init_process_group("gloo")
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(1, 1)
+    rank = torch.distributed.get_rank()
+    results = {}
+    for name in args.model:
+        row = {}
+        for opt_name in ("adam", "muon"):
+            for md_on in (False, True):
+                t0 = time.perf_counter()
+                dmodel, opt = build(name, opt_name, md_on, "fp32", args.vocab)
+                log(
+                    rank, f"{name} {opt_name} md={md_on}: built in {time.perf_counter() - t0:.1f} s"
+                )
+                full, inn = time_steps(opt, args.steps)
+                log(rank, f"  step {full:.3f} s, inner {inn:.3f} s")
+                row[f"{opt_name}{'_md' if md_on else ''}"] = {"step_s": full, "inner_s": inn}
+                del dmodel, opt
+                gc.collect()
+        sb = {}
+        for md_on in (False, True):
+            dmodel, opt = build(name, "adam", md_on, "bf16", args.vocab)
+            opt.step()  # torch AdamW creates its state lazily
+            t = torch.tensor(float(state_bytes(opt)))
+            torch.distributed.all_reduce(t)
+            sb[md_on] = float(t)
+            del dmodel, opt
+            gc.collect()
+        row["ratios"] = {
+            "adam_md/adam step": row["adam_md"]["step_s"] / row["adam"]["step_s"],
+            "adam_md/adam inner": row["adam_md"]["inner_s"] / row["adam"]["inner_s"],
+            "muon_md/muon step": row["muon_md"]["step_s"] / row["muon"]["step_s"],
+            "muon_md/muon inner": row["muon_md"]["inner_s"] / row["muon"]["inner_s"],
+            "state bytes md/base (bf16 params)": sb[True] / sb[False],
+        }
+        results[name] = row
+    if rank == 0:
+        world = torch.distributed.get_world_size()
+        print(f"\nMD optimizer-step cost, CPU/gloo, {world} ranks, median of {args.steps} steps")
+        print(f"{'model':<6} {'ratio':<36} {'value':>7}   (seconds: base -> MD)")
+        for name, row in results.items():
+            for key, val in row["ratios"].items():
+                base = key.split("/")[1].split()[0]
+                which = key.split()[-1]
+                secs = ""
+                if which in ("step", "inner"):
+                    b, m = row[base][f"{which}_s"], row[f"{base}_md"][f"{which}_s"]
+                    secs = f"   {b:.3f} -> {m:.3f}"
+                print(f"{name:<6} {key:<36} {val:>7.3f}{secs}")
+        print(json.dumps({"world": world, "steps": args.steps, "results": results}))
+    torch.distributed.destroy_process_group()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", nargs="+", default=["181M", "457M"], choices=list(SHAPES))
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=VOCAB)
+    args = ap.parse_args(argv)
+    if "LOCAL_RANK" in os.environ:
+        return worker(args)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}"]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd += [f"--master-port={port}", __file__, *(argv if argv is not None else sys.argv[1:])]
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.nproc))}
+    sys.exit(subprocess.call(cmd, env=env))
+
+
+if __name__ == "__main__":
+    main()
