@@ -18,9 +18,9 @@ CONFIGS = {
 }
 LOADS = {
     "zero1-fp32": (1, 2, 4),
-    "zero1-bf16": (1, 4),
+    "zero1-bf16": (4,),
     "zero1-moe": (4,),
-    "layerwise-muon-bf16": (1, 4),
+    "layerwise-muon-bf16": (4,),
     "replicated-fp32": (4,),
 }
 # fp32: ≤ 1e-6 relative (seen ≤ 1.3e-7; 0.0 at the same world size). bf16 weights: within one
@@ -53,7 +53,7 @@ def test_resume_equals_uninterrupted_run(saved, name, nproc):
         assert res["worst_rel"] == 0.0  # same sharding: exact
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [4])
 def test_continual_training_from_checkpoint_without_md(saved, nproc):
     res = torchrun("md_ckpt.py", nproc, "continue", str(saved("zero1-fp32")), "--dist", "zero1")
     assert not res["has_md"]

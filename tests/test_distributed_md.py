@@ -24,8 +24,11 @@ def check(res: dict, nproc: int, dtype: str = "fp32") -> None:
         assert res["bf16_same_frac"] >= 0.999  # almost all weights are exactly bf16(reference)
 
 
-@pytest.mark.parametrize("experts", [0, 4])
-@pytest.mark.parametrize("nproc", [1, 2, 4])
+# (ranks, experts): dense at 1/2/4 ranks, MoE at 2/4 (CI time: each case is a torchrun)
+RANKS_EXPERTS = [(1, 0), (2, 0), (4, 0), (2, 4), (4, 4)]
+
+
+@pytest.mark.parametrize("nproc,experts", RANKS_EXPERTS)
 def test_adam_md_zero1_fp32(nproc, experts):
     res = torchrun("md_check.py", nproc, "--dist", "zero1", "--experts", str(experts))
     check(res, nproc)
@@ -35,7 +38,7 @@ def test_adam_md_zero1_fp32(nproc, experts):
         assert res["cut_inside_row"]  # a rank's slice starts or ends inside a row
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [4])
 def test_adam_md_zero1_bf16(nproc):
     res = torchrun("md_check.py", nproc, "--dist", "zero1", "--dtype", "bf16")
     check(res, nproc, "bf16")
@@ -49,8 +52,7 @@ def test_adam_md_zero1_row_col_spheres_cut_inside_rows(sphere):
     assert res["cut_inside_row"]
 
 
-@pytest.mark.parametrize("experts", [0, 4])
-@pytest.mark.parametrize("nproc", [1, 2, 4])
+@pytest.mark.parametrize("nproc,experts", RANKS_EXPERTS)
 def test_muon_md_layerwise_fp32(nproc, experts):
     res = torchrun(
         "md_check.py",
@@ -75,9 +77,7 @@ def test_muon_md_layerwise_bf16():
     check(res, 2, "bf16")
 
 
-@pytest.mark.parametrize(
-    "optimizer,dtype", [("adam", "fp32"), ("adam", "bf16"), ("muon", "fp32"), ("muon", "bf16")]
-)
+@pytest.mark.parametrize("optimizer,dtype", [("adam", "fp32"), ("muon", "bf16")])
 def test_md_replicated_optimizers(optimizer, dtype):
     res = torchrun(
         "md_check.py", 2, "--optimizer", optimizer, "--dist", "replicated", "--dtype", dtype
@@ -90,13 +90,11 @@ def test_md_replicated_optimizers(optimizer, dtype):
     "args",
     [
         ("--dist", "zero1"),
-        ("--dist", "zero1", "--dtype", "bf16"),
-        ("--dist", "zero1", "--experts", "4"),
-        ("--optimizer", "muon", "--dist", "layerwise"),
+        ("--dist", "zero1", "--dtype", "bf16", "--experts", "4"),
         ("--optimizer", "muon", "--dist", "layerwise", "--dtype", "bf16"),
         ("--optimizer", "muon", "--dist", "replicated"),
     ],
-    ids=["zero1", "zero1-bf16", "zero1-moe", "layerwise", "layerwise-bf16", "replicated-muon"],
+    ids=["zero1", "zero1-bf16-moe", "layerwise-bf16", "replicated-muon"],
 )
 def test_md_off_is_megatron_bit_for_bit(args):
     res = torchrun("md_check.py", 2, "--vs", "megatron", *args)

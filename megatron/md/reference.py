@@ -33,8 +33,10 @@ GAIN_NAMES = {
 
 def sq_norms(x: torch.Tensor, sphere: str) -> torch.Tensor:
     """‖x‖² along the sphere axis: scalar (frobenius), per row (d_out,), or per column (d_in,)."""
-    sq = x * x
-    return sq.sum() if sphere == "frobenius" else sq.sum(1 if sphere == "row" else 0)
+    if sphere == "frobenius":
+        flat = x.reshape(-1)
+        return flat @ flat
+    return (x * x).sum(1 if sphere == "row" else 0)
 
 
 def norms(x: torch.Tensor, sphere: str) -> torch.Tensor:
@@ -151,10 +153,10 @@ def split_gradient(g: torch.Tensor, st: dict, spec: MatrixSpec) -> tuple[dict, t
         g_col = maps.phi(st["gain_col"], spec.gain_map) if "gain_col" in st else None
         if spec.gains == "scalar":
             gain_grads["gain_scalar"] = p.sum()
-        if g_row is not None:
-            gain_grads["gain_row"] = (p if g_col is None else p * g_col[None, :]).sum(1)
-        if g_col is not None:
-            gain_grads["gain_col"] = (p if g_row is None else g_row[:, None] * p).sum(0)
+        if g_row is not None:  # rowsum((Ŵ⊙G) diag(g_col)) = (Ŵ⊙G) g_col
+            gain_grads["gain_row"] = p.sum(1) if g_col is None else p @ g_col
+        if g_col is not None:  # colsum(diag(g_row) (Ŵ⊙G)) = g_row (Ŵ⊙G)
+            gain_grads["gain_col"] = p.sum(0) if g_row is None else g_row @ p
         for name in gain_grads:
             gain_grads[name] = gain_grads[name] * maps.phi_prime(st[name], spec.gain_map)
 

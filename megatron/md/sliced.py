@@ -126,7 +126,11 @@ class SliceMD:
             return
         for blk in self.blocks:
             w = blk.view(direction)
-            self._axis_sum(blk, w * w, out)
+            if self.spec.sphere == "frobenius":  # a dot product: no temporary
+                flat = w.reshape(-1)
+                out += flat @ flat
+            else:
+                self._axis_sum(blk, w * w, out)
 
     # ---- state ----
     def init_state(self, direction: torch.Tensor, seed: int = 0) -> dict:
@@ -187,11 +191,32 @@ class SliceMD:
             x = x * g["gain_col"][None, blk.c0 : blk.c0 + blk.nc]
         return x
 
+    def _apply_into(self, blk: Block, x: torch.Tensor, g: dict, out: torch.Tensor) -> None:
+        """``out`` = Γ ⊙ x, same values as ``_apply`` (same products; x·a == a·x exactly),
+        without temporaries for row/col/scalar gains."""
+        gains = self.spec.gains
+        if gains in ("none", "lowrank"):
+            out.copy_(self._apply(blk, x, g))
+            return
+        if gains == "scalar":
+            torch.mul(x, g["gain_scalar"], out=out)
+            return
+        if "gain_row" in g:
+            torch.mul(x, g["gain_row"][blk.r0 : blk.r0 + blk.nr, None], out=out)
+            if "gain_col" in g:
+                out.mul_(g["gain_col"][None, blk.c0 : blk.c0 + blk.nc])
+        else:
+            torch.mul(x, g["gain_col"][None, blk.c0 : blk.c0 + blk.nc], out=out)
+
     def fuse(self, direction: torch.Tensor, st: dict, out: torch.Tensor) -> None:
         """Write W = Γ ⊙ Ŵ for this slice into ``out`` (any dtype; flat like ``direction``)."""
         g = self._gains(st)
+        same = out.dtype == direction.dtype
         for blk in self.blocks:
-            blk.view(out).copy_(self._apply(blk, blk.view(direction), g))
+            if same:
+                self._apply_into(blk, blk.view(direction), g, blk.view(out))
+            else:  # round once, from the fp32 product
+                blk.view(out).copy_(self._apply(blk, blk.view(direction), g))
 
     def _gain_partials(self, blk: Block, p: torch.Tensor, g: dict, out: torch.Tensor) -> None:
         off = 0
@@ -208,12 +233,10 @@ class SliceMD:
         elif gains == "scalar":
             views["gain_scalar"] += p.sum()
         else:
-            if "gain_row" in views:
-                pr = p * g["gain_col"][None, c] if "gain_col" in g else p
-                views["gain_row"][r] += pr.sum(1)
+            if "gain_row" in views:  # mat-vecs: no temporaries of the block's size
+                views["gain_row"][r] += p @ g["gain_col"][c] if "gain_col" in g else p.sum(1)
             if "gain_col" in views:
-                pc = g["gain_row"][r, None] * p if "gain_row" in g else p
-                views["gain_col"][c] += pc.sum(0)
+                views["gain_col"][c] += g["gain_row"][r] @ p if "gain_row" in g else p.sum(0)
 
     # ---- the step, in phases around the caller's reductions ----
     def pre_partials(self, direction, grad, st, out: torch.Tensor) -> None:
@@ -239,8 +262,11 @@ class SliceMD:
         for blk in self.blocks:
             w, gb = blk.view(direction), blk.view(grad).to(direction.dtype)
             if self.n_gain:
-                self._gain_partials(blk, w * gb, g, gain_out)
-            gd = self._apply(blk, gb, g)
+                gd = w * gb
+                self._gain_partials(blk, gd, g, gain_out)
+                self._apply_into(blk, gb, g, gd)  # reuse the Ŵ⊙G buffer for G_Ŵ
+            else:
+                gd = self._apply(blk, gb, g)
             if pre is not None and self.n_pre_partials():
                 inner, sq = pre[: self.n_norm], pre[self.n_norm :]
                 gd -= self._axis_bcast(blk, inner / sq) * w

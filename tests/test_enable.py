@@ -1,0 +1,67 @@
+"""enable_md in one process: bad settings are refused up front, MD timers are recorded."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "md_decoupling"))
+import cpu_demo  # noqa: E402
+
+from megatron.md.config import MDConfig  # noqa: E402
+
+
+def _build(**overrides):
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    model = cpu_demo.build_model(3, 32, 2, 16)
+    ddpc = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+    dmodel = DDP(model.config, ddpc, model)
+    kw = dict(optimizer="adam", lr=1e-2, weight_decay=0.0, bf16=False, muon_split_qkv=False)
+    kw.update(overrides)
+    return dmodel, get_megatron_optimizer(OptimizerConfig(**kw), [dmodel])
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(weight_decay=0.1), "--weight-decay 0"),
+        (dict(optimizer="muon", muon_split_qkv=True), "--muon-no-split-qkv"),
+        (dict(optimizer="muon", muon_extra_scale_factor=2.0), "--muon-extra-scale-factor"),
+    ],
+)
+def test_bad_settings_are_refused_before_any_step(overrides, message):
+    from megatron.md.enable import enable_md
+
+    dmodel, opt = _build(**overrides)
+    with pytest.raises(ValueError, match=message):
+        enable_md(opt, [dmodel], MDConfig())
+
+
+def test_bad_md_value_is_refused():
+    from megatron.md.enable import enable_md
+
+    dmodel, opt = _build()
+    with pytest.raises(ValueError, match="--md-gains"):
+        enable_md(opt, [dmodel], MDConfig(gains="diagonal"))
+
+
+def test_md_phases_are_timed_with_megatron_timers():
+    from megatron.core.timers import Timers
+
+    from megatron.md.enable import enable_md
+
+    dmodel, opt = _build()
+    timers = Timers(log_level=2, log_option="minmax")
+    opt.config.timers = timers
+    enable_md(opt, [dmodel], MDConfig())
+    x = torch.randint(0, 256, (2, 16))
+    dmodel.zero_grad_buffer()
+    cpu_demo.lm_loss(dmodel, x, x).backward()
+    dmodel.finish_grad_sync()
+    opt.step()
+    for name in ("md-step", "md-fuse"):
+        assert timers._timers[name].elapsed(reset=False) > 0
