@@ -1,0 +1,100 @@
+"""Text / JSONL → megatron ``.bin/.idx`` (one document per .txt file or JSONL line), tokenized
+with a local HF tokenizer folder (``tools/train_tokenizer.py``), in parallel, with progress.
+
+    python tools/preprocess_data.py --input corpus/*.txt --tokenizer tok --output-prefix data/c
+    # -> data/c_text_document.bin/.idx ; use --data-path data/c_text_document
+
+Each document ends with the end-of-document token (``<|endoftext|>``) unless --no-append-eod.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_tokenizer import EOD, input_files, iter_texts  # noqa: E402
+
+_tok = None
+
+
+def _init(tokenizer_dir: str) -> None:
+    global _tok
+    from tokenizers import Tokenizer
+
+    _tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+
+
+def _encode(text: str) -> list[int]:
+    return _tok.encode(text, add_special_tokens=False).ids
+
+
+def preprocess(
+    files,
+    tokenizer_dir: Path,
+    prefix: str,
+    workers: int = 2,
+    eod: bool = True,
+    json_key: str = "text",
+) -> tuple[str, int, int]:
+    """Write ``{prefix}_text_document.{bin,idx}``; returns (path prefix, documents, tokens)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from tokenizers import Tokenizer
+
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        raise SystemExit(f"error: {tokenizer_dir} has no tokenizer.json (tools/train_tokenizer.py)")
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    eod_id = tok.token_to_id(EOD)
+    if eod and eod_id is None:
+        raise SystemExit(f"error: the tokenizer has no {EOD} token (or pass --no-append-eod)")
+    vocab = tok.get_vocab_size()
+    out = f"{prefix}_text_document"
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    builder = IndexedDatasetBuilder(out + ".bin", dtype=np.uint16 if vocab < 65500 else np.int32)
+    n_docs = n_tok = 0
+    t0 = last = time.time()
+    with mp.Pool(workers, initializer=_init, initargs=(str(tokenizer_dir),)) as pool:
+        for ids in pool.imap(_encode, iter_texts(files, json_key), chunksize=16):
+            if eod:
+                ids.append(eod_id)
+            builder.add_document(np.array(ids, dtype=np.int64), [len(ids)])
+            n_docs, n_tok = n_docs + 1, n_tok + len(ids)
+            if time.time() - last > 2:
+                last = time.time()
+                rate = n_tok / (last - t0)
+                print(
+                    f"\r{n_docs} documents, {n_tok} tokens ({rate:,.0f} tok/s)",
+                    end="",
+                    file=sys.stderr,
+                )
+    builder.finalize(out + ".idx")
+    return out, n_docs, n_tok
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--input", nargs="+", required=True, help=".txt / .jsonl files or globs")
+    ap.add_argument("--tokenizer", type=Path, required=True, help="local HF tokenizer folder")
+    ap.add_argument("--output-prefix", required=True)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--json-key", default="text")
+    ap.add_argument("--no-append-eod", action="store_true")
+    args = ap.parse_args(argv)
+    out, docs, toks = preprocess(
+        input_files(args.input),
+        args.tokenizer,
+        args.output_prefix,
+        args.workers,
+        not args.no_append_eod,
+        args.json_key,
+    )
+    print(f"\rwrote {docs} documents, {toks} tokens to {out}.bin/.idx", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
