@@ -174,39 +174,29 @@ class SliceMD:
             return {"gain_a": st["gain_a"], "gain_b": st["gain_b"]}
         return {n: maps.phi(st[n], self.spec.gain_map) for n in self.gain_names}
 
-    def _apply(self, blk: Block, x: torch.Tensor, g: dict) -> torch.Tensor:
-        """Γ ⊙ x on one block (same association as reference.apply_gains)."""
+    def _apply_into(self, blk: Block, x: torch.Tensor, g: dict, out: torch.Tensor) -> None:
+        """``out`` = Γ ⊙ x on one block, the same products as reference.apply_gains
+        (x·a == a·x exactly), with no temporaries for scalar/row/col gains."""
         gains = self.spec.gains
         if gains == "none":
-            return x.clone()
-        if gains == "lowrank":
+            out.copy_(x)
+        elif gains == "lowrank":
             a = g["gain_a"][blk.r0 : blk.r0 + blk.nr]
             b = g["gain_b"][blk.c0 : blk.c0 + blk.nc]
-            return (1 + a @ b.T) * x
-        if gains == "scalar":
-            return g["gain_scalar"] * x
-        if "gain_row" in g:
-            x = g["gain_row"][blk.r0 : blk.r0 + blk.nr, None] * x
-        if "gain_col" in g:
-            x = x * g["gain_col"][None, blk.c0 : blk.c0 + blk.nc]
-        return x
-
-    def _apply_into(self, blk: Block, x: torch.Tensor, g: dict, out: torch.Tensor) -> None:
-        """``out`` = Γ ⊙ x, same values as ``_apply`` (same products; x·a == a·x exactly),
-        without temporaries for row/col/scalar gains."""
-        gains = self.spec.gains
-        if gains in ("none", "lowrank"):
-            out.copy_(self._apply(blk, x, g))
-            return
-        if gains == "scalar":
+            torch.mul(1 + a @ b.T, x, out=out)
+        elif gains == "scalar":
             torch.mul(x, g["gain_scalar"], out=out)
-            return
-        if "gain_row" in g:
+        elif "gain_row" in g:
             torch.mul(x, g["gain_row"][blk.r0 : blk.r0 + blk.nr, None], out=out)
             if "gain_col" in g:
                 out.mul_(g["gain_col"][None, blk.c0 : blk.c0 + blk.nc])
         else:
             torch.mul(x, g["gain_col"][None, blk.c0 : blk.c0 + blk.nc], out=out)
+
+    def _apply(self, blk: Block, x: torch.Tensor, g: dict) -> torch.Tensor:
+        out = torch.empty_like(x)
+        self._apply_into(blk, x, g, out)
+        return out
 
     def fuse(self, direction: torch.Tensor, st: dict, out: torch.Tensor) -> None:
         """Write W = Γ ⊙ Ŵ for this slice into ``out`` (any dtype; flat like ``direction``)."""
