@@ -16,6 +16,7 @@ weight itself). ``checkpoint.py`` saves the extras.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -51,12 +52,12 @@ class MDSlot:
 class MDInner(torch.optim.Optimizer):
     """AdamW on 1-D params, AdamMD or MuonMD on matrices; the inner optimizer of one wrapper."""
 
-    def __init__(self, param_groups: list[dict], md: MDConfig, base: str, muon: MuonHParams | None):
+    def __init__(self, param_groups: list[dict], md: MDConfig, muon: MuonHParams | None):
         # fp32 ZeRO-1 shards are non-leaf views, which add_param_group refuses; like megatron-core
         # (distrib_optimizer.py:771) we set param_groups directly.
         super().__init__([torch.zeros(1, requires_grad=True)], dict(lr=1e-3))
         self.param_groups = param_groups
-        self.md, self.base, self.muon = md, base, muon
+        self.md, self.muon = md, muon  # each slot's SliceMD knows its base
         self.slots: dict[torch.Tensor, MDSlot] = {}
         self.md_state: dict[torch.Tensor, dict] = {}
         self.reduce = identity_reduce
@@ -140,9 +141,16 @@ class MDInner(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("closure is not supported")
         items, merged = [], []
+        g1, g2 = self.md.gain_betas
         for group in self.param_groups:
             b1, b2 = group.get("betas", (0.9, 0.999))
-            eps = group.get("eps", 1e-8)
+            eps, lr, wd = group.get("eps", 1e-8), group["lr"], group.get("weight_decay", 0.0)
+            # hyper-parameters once per group (the LR schedule changes them between steps)
+            adam_hp = AdamHParams(lr, b1, b2, eps, wd)
+            base_hps = {"adam": AdamHParams(lr, b1, b2, eps, 0.0)}
+            if self.muon is not None:
+                base_hps["muon"] = dataclasses.replace(self.muon, lr=lr)
+            gain_hp = AdamHParams(lr * self.md.gain_lr_mult, g1, g2, self.md.gain_eps)
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -150,20 +158,14 @@ class MDInner(torch.optim.Optimizer):
                 slot = self.slots.get(p)
                 if slot is None:  # 1-D params: torch AdamW arithmetic, megatron's wd schedule
                     st["step"] = st["step"] + 1
-                    hp = AdamHParams(group["lr"], b1, b2, eps, group.get("weight_decay", 0.0))
-                    adam_step_(p, p.grad, st["exp_avg"], st["exp_avg_sq"], int(st["step"]), hp)
+                    adam_step_(p, p.grad, st["exp_avg"], st["exp_avg_sq"], int(st["step"]), adam_hp)
                     continue
-                if group.get("weight_decay", 0.0):
+                if wd:
                     raise ValueError(
                         f"MD keeps {slot.name} on a sphere: its weight decay must be 0 "
                         "(use --weight-decay 0 with --md-decoupling)"
                     )
-                g1, g2 = self.md.gain_betas
-                gain_hp = AdamHParams(group["lr"] * self.md.gain_lr_mult, g1, g2, self.md.gain_eps)
-                if slot.md.base == "muon":
-                    base_hp = MuonHParams(**{**self.muon.__dict__, "lr": group["lr"]})
-                else:
-                    base_hp = AdamHParams(group["lr"], b1, b2, eps, 0.0)
+                base_hp = base_hps[slot.md.base]
                 flat = {k: v.view(-1) for k, v in st.items() if k != "step"}
                 full = {**self.md_state[p], **st, **flat}
                 merged.append((st, full))

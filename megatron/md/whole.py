@@ -83,7 +83,7 @@ def setup_whole(opt, roles: dict, names: dict, md: MDConfig, layer_wise: bool) -
         pairs += [(p, p, True) for g in opt.fp32_from_fp32_groups for p in g]
     else:
         pairs += [(p, p, True) for g in opt.optimizer.param_groups for p in g["params"]]
-    inner = MDInner(opt.optimizer.param_groups, md, base, muon)
+    inner = MDInner(opt.optimizer.param_groups, md, muon)
     inner.timers = getattr(opt.config, "timers", None)
     for main, model, fp32_mode in pairs:
         role = roles[model]

@@ -69,7 +69,7 @@ def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
         raise ValueError(
             f"MD under --use-distributed-optimizer needs Adam there, got {type(opt.optimizer)}"
         )
-    inner = MDInner(opt.optimizer.param_groups, md, "adam", None)
+    inner = MDInner(opt.optimizer.param_groups, md, None)
     group = opt.data_parallel_group
     if group is not None and dist.get_world_size(group) > 1:
         inner.reduce = lambda buf: dist.all_reduce(buf, group=group)
