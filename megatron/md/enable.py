@@ -62,13 +62,15 @@ def enable_md(optimizer, model_chunks, md: MDConfig):
         for n, p in chunk.named_parameters():
             names[p] = n if len(model_chunks) == 1 else f"chunk{i}.{n}"
             roles[p] = param_role(n, p)
-    layer_wise = set()
-    if isinstance(optimizer, LayerWiseDistributedOptimizer):
-        layer_wise.update(map(id, optimizer.chained_optimizers))
-    elif isinstance(optimizer, ChainedOptimizer):
-        for c in optimizer.chained_optimizers:
-            if isinstance(c, LayerWiseDistributedOptimizer):
-                layer_wise.update(map(id, c.chained_optimizers))
+
+    def layer_wise_children(opt) -> set[int]:
+        if isinstance(opt, LayerWiseDistributedOptimizer):
+            return set(map(id, opt.chained_optimizers))
+        if isinstance(opt, ChainedOptimizer):
+            return set().union(*map(layer_wise_children, opt.chained_optimizers))
+        return set()
+
+    layer_wise = layer_wise_children(optimizer)
     for opt in leaf_optimizers(optimizer):
         check_config(opt.config, getattr(opt, "ddp_config", None))
         if isinstance(opt, DistributedOptimizer):
