@@ -1,7 +1,9 @@
-"""Optimizer-step cost of MD, measured side by side in one run (CPU, gloo, 2 ranks by default).
+"""Optimizer-step cost of MD, measured side by side in one run.
 
-On the real matrix shapes of the paper's dense models (181M: d=512, 457M: d=1024; 12 layers,
-vocab 131072), with megatron-core's own optimizers and ``enable_md``:
+CPU: gloo, 2 ranks, fp32 params by default. GPU: NCCL, one rank per visible GPU, bf16 params
+with fp32 main params (megatron's default ``muon_fp32_matmul_prec='medium'``).
+On the real matrix shapes of the paper's dense models (``SHAPES``: d, 12 layers, vocab 131072),
+with megatron-core's own optimizers and ``enable_md``:
 
 - AdamMD / Adam under ZeRO-1 (``DistributedOptimizer``);
 - MuonMD / Muon layer-wise (``LayerWiseDistributedOptimizer``, Adam for embeddings/LM head);
@@ -11,7 +13,7 @@ Times are medians over ``--steps`` of the full ``optimizer.step()`` (clip, inner
 the model, param all-gather) and of the inner torch step alone; random gradients are written
 into the grad buffers once (no forward/backward). Prints a table and one JSON line.
 
-    python tools/bench_md_step.py [--model 181M 457M] [--steps 3] [--nproc 2]
+    python tools/bench_md_step.py [--model 181M 457M] [--steps 3] [--nproc 2] [--dtype bf16]
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ import megatron.md  # noqa: F401  (CPU mode when there is no GPU)
 SHAPES = {  # d, layers, heads, kv groups, d_ff (recipe §3); head dim 128
     "181M": (512, 12, 4, 2, 2048),
     "457M": (1024, 12, 8, 4, 4096),
+    "827M": (1536, 12, 12, 6, 6144),
+    "1.29B": (2048, 12, 16, 8, 8192),
 }
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB = 131072
 
 
@@ -51,7 +56,7 @@ def shape_model(name: str, vocab: int) -> torch.nn.Module:
     shapes["decoder.final_layernorm.weight"] = (d,)
     shapes["output_layer.weight"] = (vocab, d)
     root = torch.nn.Module()
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(DEV).manual_seed(0)
     for full, shape in shapes.items():
         mod = root
         *path, leaf = full.split(".")
@@ -59,7 +64,7 @@ def shape_model(name: str, vocab: int) -> torch.nn.Module:
             if not hasattr(mod, part):
                 mod.add_module(part, torch.nn.Module())
             mod = getattr(mod, part)
-        p = torch.nn.Parameter(torch.randn(shape, generator=gen) * d**-0.5)
+        p = torch.nn.Parameter(torch.randn(shape, generator=gen, device=DEV) * d**-0.5)
         if "embedding" in full or "output_layer" in full:
             p.is_embedding_or_output_parameter = True
         mod.register_parameter(leaf, p)
@@ -108,14 +113,15 @@ def build(name: str, optimizer: str, md_on: bool, dtype: str, vocab: int):
         muon_split_qkv=False,
         muon_nesterov=True,
         muon_scale_mode="unit_rms_norm",
-        muon_fp32_matmul_prec="highest",  # 'medium' runs bf16 matmuls, very slow on CPU
+        # 'medium' (megatron's default) runs bf16 matmuls: fast on GPU, very slow on CPU
+        muon_fp32_matmul_prec="medium" if DEV == "cuda" else "highest",
     )
     opt = get_megatron_optimizer(ocfg, [dmodel])
     if md_on:
         enable_md(opt, [dmodel], MDConfig())
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator(DEV).manual_seed(1)
     for p in dmodel.module.parameters():
-        p.main_grad.copy_(torch.randn(p.shape, generator=gen) * 1e-3)
+        p.main_grad.copy_(torch.randn(p.shape, generator=gen, device=DEV) * 1e-3)
     return dmodel, opt
 
 
@@ -146,6 +152,11 @@ def state_bytes(opt) -> int:
     return total
 
 
+def sync() -> None:
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
 def time_steps(opt, steps: int) -> tuple[float, float]:
     from megatron.md.checkpoint import leaf_optimizers
 
@@ -154,8 +165,10 @@ def time_steps(opt, steps: int) -> tuple[float, float]:
         step = o.optimizer.step
 
         def timed(*a, _step=step, **k):
+            sync()
             t0 = time.perf_counter()
             out = _step(*a, **k)
+            sync()
             inner_t.append(time.perf_counter() - t0)
             return out
 
@@ -164,14 +177,22 @@ def time_steps(opt, steps: int) -> tuple[float, float]:
     for i in range(steps + 1):  # the first step allocates: not timed
         inner_t.clear()
         torch.distributed.barrier()
+        sync()
         t0 = time.perf_counter()
         ok, _, _ = opt.step()
+        sync()
         torch.distributed.barrier()
         assert ok
         if i:
             full.append(time.perf_counter() - t0)
             inners.append(sum(inner_t))
     return statistics.median(full), statistics.median(inners)
+
+
+def free(gc) -> None:
+    gc.collect()
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
 
 
 def log(rank: int, msg: str) -> None:
@@ -186,7 +207,9 @@ def worker(args) -> None:
 
     warnings.filterwarnings("ignore")
     logging.getLogger("megatron").setLevel(logging.ERROR)
-    torch.distributed.init_process_group("gloo")
+    if DEV == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    torch.distributed.init_process_group("nccl" if DEV == "cuda" else "gloo")
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(1, 1)
@@ -197,7 +220,7 @@ def worker(args) -> None:
         for opt_name in ("adam", "muon"):
             for md_on in (False, True):
                 t0 = time.perf_counter()
-                dmodel, opt = build(name, opt_name, md_on, "fp32", args.vocab)
+                dmodel, opt = build(name, opt_name, md_on, args.dtype, args.vocab)
                 log(
                     rank, f"{name} {opt_name} md={md_on}: built in {time.perf_counter() - t0:.1f} s"
                 )
@@ -205,7 +228,7 @@ def worker(args) -> None:
                 log(rank, f"  step {full:.3f} s, inner {inn:.3f} s")
                 row[f"{opt_name}{'_md' if md_on else ''}"] = {"step_s": full, "inner_s": inn}
                 del dmodel, opt
-                gc.collect()
+                free(gc)
         sb = {}
         for md_on in (False, True):
             dmodel, opt = build(name, "adam", md_on, "bf16", args.vocab)
@@ -214,7 +237,7 @@ def worker(args) -> None:
             torch.distributed.all_reduce(t)
             sb[md_on] = float(t)
             del dmodel, opt
-            gc.collect()
+            free(gc)
         row["ratios"] = {
             "adam_md/adam step": row["adam_md"]["step_s"] / row["adam"]["step_s"],
             "adam_md/adam inner": row["adam_md"]["inner_s"] / row["adam"]["inner_s"],
@@ -225,7 +248,11 @@ def worker(args) -> None:
         results[name] = row
     if rank == 0:
         world = torch.distributed.get_world_size()
-        print(f"\nMD optimizer-step cost, CPU/gloo, {world} ranks, median of {args.steps} steps")
+        where = torch.cuda.get_device_name() if DEV == "cuda" else "CPU/gloo"
+        print(
+            f"\nMD optimizer-step cost, {where}, {world} ranks, {args.dtype} params,"
+            f" median of {args.steps} steps"
+        )
         print(f"{'model':<6} {'ratio':<36} {'value':>7}   (seconds: base -> MD)")
         for name, row in results.items():
             for key, val in row["ratios"].items():
@@ -236,7 +263,17 @@ def worker(args) -> None:
                     b, m = row[base][f"{which}_s"], row[f"{base}_md"][f"{which}_s"]
                     secs = f"   {b:.3f} -> {m:.3f}"
                 print(f"{name:<6} {key:<36} {val:>7.3f}{secs}")
-        print(json.dumps({"world": world, "steps": args.steps, "results": results}))
+        print(
+            json.dumps(
+                {
+                    "world": world,
+                    "steps": args.steps,
+                    "device": where,
+                    "dtype": args.dtype,
+                    "results": results,
+                }
+            )
+        )
     torch.distributed.destroy_process_group()
 
 
@@ -244,8 +281,11 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", nargs="+", default=["181M", "457M"], choices=list(SHAPES))
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--nproc", type=int, default=torch.cuda.device_count() if DEV == "cuda" else 2)
     ap.add_argument("--vocab", type=int, default=VOCAB)
+    ap.add_argument(
+        "--dtype", choices=("fp32", "bf16"), default="bf16" if DEV == "cuda" else "fp32"
+    )
     args = ap.parse_args(argv)
     if "LOCAL_RANK" in os.environ:
         return worker(args)

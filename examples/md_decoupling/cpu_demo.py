@@ -139,7 +139,7 @@ def batches(data: torch.Tensor, n: int, batch: int, seq: int, seed: int):
 
 
 def lm_loss(model, tokens, labels) -> torch.Tensor:
-    pos = torch.arange(tokens.shape[1])[None].expand_as(tokens)
+    pos = torch.arange(tokens.shape[1], device=tokens.device)[None].expand_as(tokens)
     return model(tokens, pos, attention_mask=None, labels=labels).mean()
 
 

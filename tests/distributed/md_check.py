@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node W md_check.py --optimizer adam|muon --dist zero1|layerwise|replicated
         [--dtype fp32|bf16] [--experts 4] [--sphere frobenius] [--vs reference|megatron]
+        [--device cuda]   (NCCL, one rank per GPU; the oracle then runs on the GPU too)
 
 Every rank feeds the same batch, so the data-parallel mean gradient equals each rank's local
 gradient; the check isolates the optimizer.
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "md_de
 import cpu_demo  # noqa: E402
 
 LR, CLIP = 1e-2, 1.0
+DEV = "cpu"
 
 
 def parse(argv=None):
@@ -39,6 +41,7 @@ def parse(argv=None):
     ap.add_argument("--sphere", default="frobenius")
     ap.add_argument("--vs", default="reference", choices=["reference", "megatron"])
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     return ap.parse_args(argv)
 
 
@@ -68,7 +71,7 @@ def build(args, world):
     )
     from megatron.core.transformer.module import Float16Module
 
-    model = cpu_demo.build_model(11, 32, 2, 16, experts=args.experts)
+    model = cpu_demo.build_model(11, 32, 2, 16, experts=args.experts).to(DEV)
     distopt = args.dist != "replicated"
     ddpc = DistributedDataParallelConfig(
         use_distributed_optimizer=distopt, grad_reduce_in_fp32=True, overlap_grad_reduce=False
@@ -154,8 +157,14 @@ def _sphere_err(inner, main, d) -> float:
 
 
 def main():
+    global DEV
     args = parse()
-    dist.init_process_group("gloo")
+    DEV = args.device
+    if DEV == "cuda":
+        import os
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if DEV == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     from megatron.md.checkpoint import leaf_optimizers
     from megatron.md.enable import enable_md
@@ -170,12 +179,13 @@ def main():
         named, copies, ref = oracle_for(model, md, args.optimizer)
     inners = [o.optimizer for o in leaf_optimizers(opt) if hasattr(o.optimizer, "slots")]
     cut = any(b.nc < s.md.shape[1] for i in inners for s in i.slots.values() for b in s.md.blocks)
-    cut = torch.tensor(float(cut))
+    cut = torch.tensor(float(cut), device=DEV)
     dist.all_reduce(cut)
 
     data = torch.tensor(list(cpu_demo.TEXT.encode()), dtype=torch.long)
     sphere_err = 0.0
     for x, y in cpu_demo.batches(data, args.steps, 4, 16, 0):
+        x, y = x.to(DEV), y.to(DEV)
         grads = step(dmodel, opt, x, y)
         if args.vs == "megatron":
             step(dmodel2, opt2, x, y)
@@ -201,7 +211,7 @@ def main():
                     sphere_err = max(sphere_err, _sphere_err(inner, main, d.view(-1)))
                 continue
             # ZeRO-1: Frobenius partials of all matrices in the global layout, one all-reduce
-            buf = torch.zeros(n)
+            buf = torch.zeros(n, device=DEV)
             for main, (i, d) in sq.items():
                 if inner.slots[main].md.spec.sphere == "frobenius":
                     buf[i] = (d * d).sum()
@@ -234,7 +244,7 @@ def main():
                 if rd.numel():
                     d = inner._flat_dir(main)
                     worst_dir = max(worst_dir, float((d - rd).norm() / rd.norm()))
-        t = torch.tensor(worst_dir)
+        t = torch.tensor(worst_dir, device=DEV)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         worst_dir = float(t)
     for name, p in model.named_parameters():
