@@ -189,6 +189,25 @@ def time_steps(opt, steps: int) -> tuple[float, float]:
     return statistics.median(full), statistics.median(inners)
 
 
+def profile(name: str, vocab: int, dtype: str) -> None:
+    """Kernel table of one AdamMD and one MuonMD step (``--profile``): where the time goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV == "cuda" else [])
+    for opt_name in ("adam", "muon"):
+        dmodel, opt = build(name, opt_name, True, dtype, vocab)
+        opt.step()
+        sync()
+        with prof(activities=acts) as p:
+            opt.step()
+            sync()
+        key = "cuda_time_total" if DEV == "cuda" else "cpu_time_total"
+        print(f"\n{name} {opt_name}+MD, one step", file=sys.stderr)
+        print(p.key_averages().table(sort_by=key, row_limit=30), file=sys.stderr)
+        del dmodel, opt
+
+
 def free(gc) -> None:
     gc.collect()
     if DEV == "cuda":
@@ -214,6 +233,8 @@ def worker(args) -> None:
 
     ps.initialize_model_parallel(1, 1)
     rank = torch.distributed.get_rank()
+    if args.profile:
+        return profile(args.model[0], args.vocab, args.dtype)
     results = {}
     for name in args.model:
         row = {}
@@ -233,7 +254,7 @@ def worker(args) -> None:
         for md_on in (False, True):
             dmodel, opt = build(name, "adam", md_on, "bf16", args.vocab)
             opt.step()  # torch AdamW creates its state lazily
-            t = torch.tensor(float(state_bytes(opt)))
+            t = torch.tensor(float(state_bytes(opt)), device=DEV)
             torch.distributed.all_reduce(t)
             sb[md_on] = float(t)
             del dmodel, opt
@@ -286,6 +307,7 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--dtype", choices=("fp32", "bf16"), default="bf16" if DEV == "cuda" else "fp32"
     )
+    ap.add_argument("--profile", action="store_true", help="kernel table of one MD step instead")
     args = ap.parse_args(argv)
     if "LOCAL_RANK" in os.environ:
         return worker(args)

@@ -56,10 +56,12 @@ def init_radius(w: torch.Tensor, spec: MatrixSpec) -> torch.Tensor | None:
     if spec.radius == "init":
         r = norms(w, spec.sphere)
     elif spec.radius == "unit":
-        r = torch.ones(shape, dtype=w.dtype)
+        r = torch.ones(shape, dtype=w.dtype, device=w.device)
     else:  # shape: sqrt(max(d_out, d_in)) in Frobenius, split evenly over rows/columns
         n = max(1, math.prod(shape))
-        r = torch.full(shape, math.sqrt(max(d_out, d_in)) / math.sqrt(n), dtype=w.dtype)
+        r = torch.full(
+            shape, math.sqrt(max(d_out, d_in)) / math.sqrt(n), dtype=w.dtype, device=w.device
+        )
     check_radius(float(r.min()), "matrix")
     return r.to(w.dtype)
 
