@@ -178,6 +178,49 @@ def is_md_wrapper(opt) -> bool:
     return getattr(opt, "_md_wrapper", False)
 
 
+def _load_fixed(base_cls, self, state_dict, fix_step: bool) -> None:
+    """megatron's load under no_grad, then one step tensor per param (see ``wrapper_class``)."""
+    step = state_dict["optimizer"]["param_groups"][0].get("step") if fix_step else None
+    with torch.no_grad():  # fp32 main params are views of leaf params (distrib_optimizer.py:1225)
+        base_cls.load_state_dict(self, state_dict)
+    if step is not None:
+        for st in self.optimizer.state.values():
+            st["step"] = torch.tensor(float(step))
+
+
+def fix_plain_resume(optimizer) -> None:
+    """Resume of megatron's own (non-MD) DistributedOptimizer without TE/Apex, the three
+    upstream bugs worked around here in one place: the load template needs torch AdamW state
+    before the first step (distrib_optimizer.py:839 asserts one step value), the load writes
+    into views of leaf params (:1225, needs no_grad), and every param ends up sharing ONE step
+    tensor, advanced N times per step (:1027-1032, :1220)."""
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    if dopt.HAVE_APEX_OR_TE:
+        return
+    for o in leaf_optimizers(optimizer):
+        if not isinstance(o, dopt.DistributedOptimizer) or is_md_wrapper(o):
+            continue
+        if not isinstance(o.optimizer, torch.optim.AdamW | torch.optim.Adam):
+            continue
+        for group in o.optimizer.param_groups:
+            for p in group["params"]:
+                if not o.optimizer.state[p]:  # what torch creates lazily at the first step
+                    o.optimizer.state[p] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(p),
+                        "exp_avg_sq": torch.zeros_like(p),
+                    }
+        base = type(o)
+
+        def load_state_dict(self, state_dict, _base=base):
+            _load_fixed(_base, self, state_dict, fix_step=True)
+
+        o.__class__ = type(
+            f"Resumable{base.__name__}", (base,), {"load_state_dict": load_state_dict}
+        )
+
+
 def wrapper_class(base_cls, extra: dict, fix_step: bool):
     """Subclass of a megatron optimizer wrapper with MD state in its checkpoints.
 
@@ -198,16 +241,7 @@ def wrapper_class(base_cls, extra: dict, fix_step: bool):
 
     def load_state_dict(self, state_dict):
         md = state_dict.pop("md", None)
-        step = None
-        if fix_step:
-            step = state_dict["optimizer"]["param_groups"][0].get("step")
-        with (
-            torch.no_grad()
-        ):  # fp32 main params are views of leaf params (distrib_optimizer.py:1225)
-            base_cls.load_state_dict(self, state_dict)
-        if step is not None:
-            for st in self.optimizer.state.values():
-                st["step"] = torch.tensor(float(step))
+        _load_fixed(base_cls, self, state_dict, fix_step)
         _load_md(self, md)
 
     def reload_model_params(self, state_dict=None):

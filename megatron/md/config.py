@@ -50,7 +50,11 @@ class MDConfig:
 
     gain_lr_mult: float = 1.0
     """Gain LR as a multiple of the LR of the matrix's parameter group (1: follow the matrix LR,
-    including its schedule)."""
+    including its schedule). Ignored when ``gain_lr`` is set."""
+
+    gain_lr: float | None = None
+    """Peak gain LR (``--md-gain-lr``; the paper's MoE runs fix it at 1e-3), following the shape
+    of the group's schedule: lr_t · gain_lr / max_lr. None: follow the matrix LR."""
 
     gain_betas: tuple[float, float] = (0.9, 0.99)
     """Adam (beta1, beta2) of the gains."""
@@ -96,7 +100,9 @@ class MDConfig:
             if not isinstance(self.gain_rank, int) or self.gain_rank < 1:
                 raise ValueError(f"--md-gain-rank={self.gain_rank!r} must be an integer >= 1")
         if not (math.isfinite(self.gain_lr_mult) and self.gain_lr_mult >= 0):
-            raise ValueError(f"--md-gain-lr gives a multiplier {self.gain_lr_mult!r}; need >= 0")
+            raise ValueError(f"gain LR multiplier {self.gain_lr_mult!r} must be >= 0")
+        if self.gain_lr is not None and not (math.isfinite(self.gain_lr) and self.gain_lr >= 0):
+            raise ValueError(f"--md-gain-lr={self.gain_lr!r} must be a number >= 0")
         b1, b2 = self.gain_betas
         if not (0 <= b1 < 1 and 0 <= b2 < 1):
             raise ValueError(f"gain betas {self.gain_betas!r} must lie in [0, 1)")
@@ -106,6 +112,13 @@ class MDConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+    def gain_lr_for(self, group: dict) -> float:
+        """The gain LR of a parameter group at its current LR."""
+        if self.gain_lr is None:
+            return group["lr"] * self.gain_lr_mult
+        peak = group.get("max_lr") or group.get("initial_lr") or group["lr"]
+        return self.gain_lr * (group["lr"] / peak if peak else 1.0)
 
 
 def check_radius(radius: float, name: str = "matrix") -> float:

@@ -150,7 +150,7 @@ class MDInner(torch.optim.Optimizer):
             base_hps = {"adam": AdamHParams(lr, b1, b2, eps, 0.0)}
             if self.muon is not None:
                 base_hps["muon"] = dataclasses.replace(self.muon, lr=lr)
-            gain_hp = AdamHParams(lr * self.md.gain_lr_mult, g1, g2, self.md.gain_eps)
+            gain_hp = AdamHParams(self.md.gain_lr_for(group), g1, g2, self.md.gain_eps)
             for p in group["params"]:
                 if p.grad is None:
                     continue

@@ -146,5 +146,5 @@ class MDOptimizer(torch.optim.Optimizer):
         else:
             base_hp = MuonHParams(lr=group["lr"], **self.muon)
         b1, b2 = self.md.gain_betas
-        gain_hp = AdamHParams(group["lr"] * self.md.gain_lr_mult, b1, b2, self.md.gain_eps)
+        gain_hp = AdamHParams(self.md.gain_lr_for(group), b1, b2, self.md.gain_eps)
         reference.md_step(p, p.grad, st, spec, base_hp, gain_hp)

@@ -1,0 +1,239 @@
+"""Our command-line flags (``--md-*``, per-group LRs, architecture extras), added to megatron's
+parser as one argument group, and their validation, done once before any expensive work."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+from megatron.md.config import GAIN_MAPS, GAINS, MUON_SCALES, RADII, ROW_NORMS, SPHERES, MDConfig
+
+#: --muon-scale-mode values megatron-core's Muon knows; the rest are ours (see patches.py).
+UPSTREAM_MUON_SCALES = ("spectral", "unit_rms_norm", "shape_scaling")
+BLOCK_SCALES = ("1/L", "1/sqrt(2L)", "1")
+
+
+def add_md_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("megatron-md", "Magnitude-Direction decoupling (megatron-md)")
+    g.add_argument(
+        "--preset",
+        type=str,
+        default=None,
+        help="named model size (megatron/md/train/presets.py); expanded before the "
+        "other flags, so flags given on the command line override it",
+    )
+    g.add_argument(
+        "--md-decoupling",
+        action="store_true",
+        help="AdamMD / MuonMD: the MD step inside megatron's optimizer "
+        "(defaults: the paper's recipe; weight decay defaults to 0)",
+    )
+    g.add_argument(
+        "--md-sphere", choices=SPHERES, default="frobenius", help="constraint axis of the direction"
+    )
+    g.add_argument(
+        "--md-radius",
+        choices=RADII,
+        default="init",
+        help="sphere radius: norm at creation (init) or sqrt(max(d_out, d_in)) (shape)",
+    )
+    g.add_argument("--md-gains", choices=GAINS, default="rowcol", help="magnitude gains")
+    g.add_argument("--md-gain-rank", type=int, default=4, help="rank k of lowrank gains")
+    g.add_argument(
+        "--md-gain-map", choices=GAIN_MAPS, default="softplus", help="map from raw gain to gain"
+    )
+    g.add_argument(
+        "--md-gain-lr",
+        type=float,
+        default=None,
+        help="peak gain LR, following the schedule's shape (default: the matrix LR)",
+    )
+    g.add_argument(
+        "--md-embedding-norm",
+        choices=ROW_NORMS,
+        default="row",
+        help="embedding rows at unit L2 norm (row) or free (none)",
+    )
+    g.add_argument(
+        "--md-output-norm",
+        choices=ROW_NORMS,
+        default="row",
+        help="untied LM-head rows at unit L2 norm (row) or free (none)",
+    )
+    g.add_argument(
+        "--md-router-norm",
+        choices=ROW_NORMS,
+        default="row",
+        help="MoE router rows at their init norm (row) or free (none)",
+    )
+    g.add_argument(
+        "--md-tangent-grad",
+        action="store_true",
+        help="project the direction gradient onto the sphere's tangent space",
+    )
+    g.add_argument(
+        "--md-log-interval",
+        type=int,
+        default=0,
+        help="MD diagnostics every N iterations into the metrics file (0: --log-interval)",
+    )
+    g.add_argument(
+        "--matrix-lr",
+        type=float,
+        default=None,
+        help="peak LR of 2-D hidden matrices (default --lr)",
+    )
+    g.add_argument(
+        "--embedding-lr",
+        type=float,
+        default=None,
+        help="peak LR of the input embedding (default --lr)",
+    )
+    g.add_argument(
+        "--output-lr", type=float, default=None, help="peak LR of the untied LM head (default --lr)"
+    )
+    g.add_argument(
+        "--wsd-cooldown-fraction",
+        type=float,
+        default=None,
+        help="with --lr-decay-style WSD: cooldown over this fraction of --train-iters",
+    )
+    g.add_argument(
+        "--no-sandwich-norm",
+        action="store_false",
+        dest="sandwich_norm",
+        help="no RMSNorm on block outputs (the paper's MoE models)",
+    )
+    g.add_argument(
+        "--block-output-scale",
+        choices=BLOCK_SCALES,
+        default="1/L",
+        help="fixed scale alpha of each block output after its Sandwich norm",
+    )
+    g.add_argument(
+        "--scaled-output-init",
+        action="store_true",
+        help="init std sigma/sqrt(2L) for attention/MLP output projections "
+        "(the paper's MoE MuonMD runs); default: all matrices 1/sqrt(d)",
+    )
+    g.add_argument(
+        "--no-embedding-scale",
+        action="store_false",
+        dest="embedding_scale",
+        help="do not multiply embeddings by sqrt(d)",
+    )
+    g.add_argument(
+        "--metrics-file",
+        type=str,
+        default=None,
+        help="JSONL metrics (default: <save>/metrics.jsonl, else runs/metrics.jsonl)",
+    )
+    return parser
+
+
+def md_config_from_args(args) -> MDConfig:
+    """The typed MD config behind the flags (raises ValueError naming a bad flag)."""
+    if args.md_gain_rank < 1:
+        raise ValueError(f"--md-gain-rank={args.md_gain_rank} must be >= 1")
+    scale = args.muon_scale_mode if args.muon_scale_mode != "spectral" else "sphere_rms"
+    return MDConfig(
+        sphere=args.md_sphere,
+        radius=args.md_radius,
+        gains=args.md_gains,
+        gain_rank=args.md_gain_rank,
+        gain_map=args.md_gain_map,
+        gain_lr=args.md_gain_lr,
+        gain_betas=(args.adam_beta1, args.adam_beta2),
+        tangent_grad=args.md_tangent_grad,
+        embedding_norm=args.md_embedding_norm,
+        output_norm=args.md_output_norm,
+        router_norm=args.md_router_norm,
+        muon_scale=scale,
+    )
+
+
+def _fail(msg: str):
+    raise SystemExit(f"pretrain_gpt.py: error: {msg}")
+
+
+def validate(args) -> MDConfig | None:
+    """Check flag combinations and inputs once, before the model or data are built."""
+    md = None
+    if args.muon_scale_mode not in UPSTREAM_MUON_SCALES + MUON_SCALES:
+        _fail(
+            f"--muon-scale-mode={args.muon_scale_mode!r} is not one of "
+            f"{', '.join(UPSTREAM_MUON_SCALES + MUON_SCALES[:-1])}"
+        )
+    if args.md_decoupling:
+        try:
+            md = md_config_from_args(args)
+        except ValueError as e:
+            _fail(str(e))
+        if args.weight_decay != 0:
+            _fail(
+                f"--md-decoupling keeps matrices on a sphere: --weight-decay must be 0 "
+                f"(got {args.weight_decay})"
+            )
+        if args.fp16:
+            _fail("--md-decoupling does not support --fp16 (use --bf16)")
+        if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
+            _fail("--md-decoupling does not support FSDP (use --use-distributed-optimizer)")
+        if args.tensor_model_parallel_size > 1:
+            _fail("--md-decoupling needs --tensor-model-parallel-size 1 (TP>1 is not supported)")
+        if args.optimizer == "muon" and args.muon_split_qkv:
+            _fail("MuonMD orthogonalizes the fused QKV matrix: add --muon-no-split-qkv")
+    elif args.muon_scale_mode == "sphere_rms":
+        _fail("--muon-scale-mode sphere_rms needs --md-decoupling (it follows the sphere radius)")
+    if args.optimizer == "muon" and not args.md_decoupling and args.muon_scale_mode == "none":
+        _fail("--muon-scale-mode none is only for --md-decoupling")
+    if args.use_layer_wise_distributed_optimizer and args.save and not args.bf16:
+        _fail(
+            "Muon with --use-distributed-optimizer (layer-wise) saves checkpoints only for bf16 "
+            "params in megatron-core 0.19.2 (core/optimizer/optimizer.py:1150): add --bf16"
+        )
+    if args.wsd_cooldown_fraction is not None:
+        if args.lr_decay_style != "WSD":
+            _fail("--wsd-cooldown-fraction needs --lr-decay-style WSD")
+        if not 0 < args.wsd_cooldown_fraction <= 1:
+            _fail(f"--wsd-cooldown-fraction={args.wsd_cooldown_fraction} must be in (0, 1]")
+    for flag in ("matrix_lr", "embedding_lr", "output_lr", "md_gain_lr"):
+        v = getattr(args, flag)
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            _fail(f"--{flag.replace('_', '-')}={v} must be a number >= 0")
+    if not args.mock_data:
+        if not args.data_path and not args.train_data_path:
+            _fail("give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
+        for prefix in _data_prefixes(args.data_path or []):
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(prefix + ext):
+                    _fail(
+                        f"--data-path: {prefix + ext} does not exist "
+                        "(build it with tools/preprocess_data.py)"
+                    )
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        check_tokenizer_dir(args.tokenizer_model)
+    return md
+
+
+def check_tokenizer_dir(tok: str | None) -> None:
+    if not tok or not os.path.isfile(os.path.join(tok, "tokenizer.json")):
+        _fail(
+            f"--tokenizer-model {tok!r} is not a tokenizer folder with tokenizer.json "
+            "(make one with tools/train_tokenizer.py)"
+        )
+
+
+def _data_prefixes(items: list[str]) -> list[str]:
+    """Prefixes of a megatron --data-path list (``P``, or ``W1 P1 W2 P2 ...``)."""
+
+    def is_num(s):
+        try:
+            float(s)
+            return True
+        except ValueError:
+            return False
+
+    if len(items) > 1 and all(is_num(x) for x in items[0::2]):
+        return items[1::2]
+    return list(items)

@@ -1,0 +1,71 @@
+"""Dataset and forward-step providers for ``megatron.training.pretrain``: megatron-core's
+GPTDataset (``--data-path`` blends of ``tools/preprocess_data.py`` output) or MockGPTDataset
+(``--mock-data``), and the standard masked LM loss."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+
+def datasets_provider(train_val_test_num_samples, vp_stage=None):
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.training import get_args, get_tokenizer
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+    )
+    cls = MockGPTDataset if args.mock_data else GPTDataset
+    return BlendedMegatronDatasetBuilder(
+        cls, train_val_test_num_samples, lambda: True, config
+    ).build()
+
+
+datasets_provider.is_distributed = True  # every rank builds (TP = PP = 1)
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Token-summed LM loss, the token count, and [sum, count] for megatron's averaging."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1).float()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def get_batch(data_iterator) -> dict:
+    """The next micro-batch on this rank's device (TP = 1: no broadcast needed)."""
+    from megatron.md import cpu_mode
+
+    batch = next(data_iterator)
+    dev = "cpu" if cpu_mode.is_active() else torch.device("cuda", torch.cuda.current_device())
+    return {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    batch = get_batch(data_iterator)
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        batch.get("attention_mask"),
+        labels=batch["labels"],
+    )
+    return output, partial(loss_func, batch["loss_mask"])

@@ -1,0 +1,350 @@
+"""Our JSONL metrics file (read by the analysis tools) and the MD diagnostics.
+
+Rows, one JSON object per line, written by global rank 0:
+
+- ``{"type": "run", ...}``: resolved config (megatron args and MD config), git commit, argv;
+- ``{"type": "train", "iteration", "lm loss", "lr": {group: lr}, "grad_norm", "tokens_per_s",
+  "elapsed_s"[, "md": {...}]}`` every ``--log-interval`` iterations;
+- ``{"type": "valid" | "test", "iteration", "lm loss"}`` after each evaluation.
+
+MD diagnostics (every ``--md-log-interval`` iterations, on every run, MD or not, so baselines
+compare): relative update ‖ΔW‖/‖W‖ per matrix class (mean over its matrices), per-layer
+activation RMS (block outputs, first micro-batch), and for MD runs the sphere drift
+max |‖Ŵ‖−c|/c and the gain spread (raw-gain norm, min and max φ(ĝ)) per class.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+
+CLASSES = ("qkv", "proj", "fc1", "fc2", "router", "experts", "shared", "embeddings", "output")
+_S: dict = {"file": None, "opt": None, "chunks": None, "diag": None, "acts": {}, "t": None}
+
+
+def matrix_class(name: str) -> str | None:
+    """The class of a 2-D parameter for the diagnostics (None: not reported)."""
+    if name.endswith("word_embeddings.weight"):
+        return "embeddings"
+    if name.endswith("output_layer.weight"):
+        return "output"
+    if ".router." in name:
+        return "router"
+    if "shared_experts" in name:
+        return "shared"
+    if ".experts." in name:
+        return "experts"
+    for key, cls in (("linear_qkv", "qkv"), ("linear_proj", "proj")):
+        if key in name:
+            return cls
+    for key, cls in (("linear_fc1", "fc1"), ("linear_fc2", "fc2")):
+        if key in name:
+            return cls
+    return None
+
+
+def git_commit() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(
+            ["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        if out.returncode == 0:
+            return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown"
+
+
+def _rank0() -> bool:
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _write(row: dict) -> None:
+    if _S["file"] is None or not _rank0():
+        return
+    with open(_S["file"], "a") as f:
+        f.write(json.dumps(row, default=str) + "\n")
+
+
+def start_run(args, md) -> str:
+    """Pick the metrics file, write the run row (rank 0); returns the path."""
+    path = args.metrics_file or os.path.join(args.save or "runs", "metrics.jsonl")
+    _S["file"] = path
+    _S["args"] = args
+    if _rank0():
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        config = {k: v for k, v in sorted(vars(args).items()) if _jsonable(v)}
+        _write(
+            {
+                "type": "run",
+                "time": time.time(),
+                "git": git_commit(),
+                "argv": sys.argv,
+                "md_config": asdict(md) if md is not None else None,
+                "args": config,
+            }
+        )
+    return path
+
+
+def _jsonable(v) -> bool:
+    return isinstance(v, str | int | float | bool | type(None) | list | tuple | dict)
+
+
+def _interval(args) -> int:
+    return args.md_log_interval or args.log_interval
+
+
+def _due(args, iteration: int) -> bool:
+    return iteration == 1 or iteration % _interval(args) == 0
+
+
+# ---- hooks ----
+def attach_optimizer(opt) -> None:
+    _S["opt"] = opt
+    orig = opt.step
+
+    @functools.wraps(orig)
+    def step(*a, **k):
+        args = _S["args"]
+        it = args.curr_iteration + 1
+        before = _snapshot() if _due(args, it) else None
+        out = orig(*a, **k)
+        if before is not None:
+            _S["diag"] = (it, _diagnostics(before))
+        return out
+
+    opt.step = step
+
+
+def attach_model(model_chunks) -> None:
+    """Block-output RMS hooks (active only on diagnostic iterations)."""
+    _S["chunks"] = model_chunks
+    for chunk in model_chunks:
+        decoder = getattr(_unwrap(chunk), "decoder", None)
+        for i, layer in enumerate(getattr(decoder, "layers", [])):
+            layer.register_forward_hook(functools.partial(_act_hook, i))
+
+
+def _unwrap(m):
+    while hasattr(m, "module"):
+        m = m.module
+    return m
+
+
+def _act_hook(i, module, inputs, output):
+    args = _S.get("args")
+    if args is None or not module.training:
+        return
+    it = args.curr_iteration + 1
+    if not _due(args, it):
+        return
+    acts = _S["acts"].setdefault(it, {})
+    if i not in acts:  # first micro-batch only
+        h = output[0] if isinstance(output, tuple) else output
+        acts[i] = float(h.detach().float().pow(2).mean().sqrt())
+
+
+def _named_matrices():
+    for chunk in _S["chunks"] or []:
+        for name, p in _unwrap(chunk).named_parameters():
+            cls = matrix_class(name) if p.ndim == 2 else None
+            if cls is not None:
+                yield name, cls, p
+
+
+@torch.no_grad()
+def _snapshot() -> dict:
+    return {name: p.detach().float().clone() for name, _, p in _named_matrices()}
+
+
+@torch.no_grad()
+def _diagnostics(before: dict) -> dict:
+    rel: dict[str, list[float]] = {}
+    for name, cls, p in _named_matrices():
+        w = p.detach().float()
+        rel.setdefault(cls, []).append(float((w - before[name]).norm() / w.norm().clamp_min(1e-30)))
+    out = {"rel_update": {c: sum(v) / len(v) for c, v in rel.items()}}
+    md = _md_stats()
+    if md:
+        out.update(md)
+    return out
+
+
+def _md_stats() -> dict:
+    """Sphere drift and gain spread from every rank's MD state (one all_gather_object)."""
+    from megatron.md import maps
+    from megatron.md.checkpoint import leaf_optimizers
+
+    local = []
+    for o in leaf_optimizers(_S["opt"]):
+        inner = o.optimizer
+        if not hasattr(inner, "slots"):
+            continue
+        for p, slot in inner.slots.items():
+            md, st = slot.md, inner.md_state[p]
+            part = torch.zeros(md.n_norm, dtype=torch.float64)
+            if md.n_norm:
+                tmp = torch.zeros(md.n_norm, dtype=torch.float32, device=p.device)
+                md.norm_partials(inner._flat_dir(p), tmp)
+                part = tmp.double().cpu()
+            gains = [st[n] for n in md.gain_names if n in ("gain_row", "gain_col", "gain_scalar")]
+            phi = [maps.phi(g, md.spec.gain_map) for g in gains]
+            radius = st.get("radius")
+            local.append(
+                {
+                    "name": slot.name,
+                    "start": md.start,
+                    "partial": part,
+                    "radius": None if radius is None else radius.detach().double().cpu(),
+                    "raw_sq": sum(float((g.double() ** 2).sum()) for g in gains),
+                    "gmin": min((float(x.min()) for x in phi), default=None),
+                    "gmax": max((float(x.max()) for x in phi), default=None),
+                }
+            )
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, local)
+    if not _rank0():
+        return {}
+    by_name: dict[str, dict] = {}
+    for rank_items in gathered:
+        for it in rank_items:
+            e = by_name.setdefault(it["name"], {"slices": {}, **it})
+            e["slices"][it["start"]] = it["partial"]  # replicas of one slice counted once
+    drift, raw, gmin, gmax = {}, {}, {}, {}
+    for name, e in by_name.items():
+        cls = matrix_class(name) or "other"
+        if e["radius"] is not None and e["slices"]:
+            norm = sum(e["slices"].values()).sqrt()
+            d = float(((norm - e["radius"]).abs() / e["radius"]).max())
+            drift[cls] = max(drift.get(cls, 0.0), d)
+        if e["gmin"] is not None:
+            raw.setdefault(cls, []).append(math.sqrt(e["raw_sq"]))
+            gmin[cls] = min(gmin.get(cls, math.inf), e["gmin"])
+            gmax[cls] = max(gmax.get(cls, -math.inf), e["gmax"])
+    out = {
+        "sphere_drift": drift,
+        "raw_gain_norm": {c: sum(v) / len(v) for c, v in raw.items()},
+        "gain_min": gmin,
+        "gain_max": gmax,
+    }
+    return {k: v for k, v in out.items() if v}
+
+
+def _lrs(opt) -> dict:
+    """Current LR per group, labelled by which of our peak LRs the group has."""
+    args = _S["args"]
+    labels = {}
+    for label, lr in (
+        ("default", args.lr),
+        ("matrix", args.matrix_lr),
+        ("embedding", args.embedding_lr),
+        ("output", args.output_lr),
+    ):
+        if lr is not None:
+            labels.setdefault(lr, []).append(label)
+    out = {}
+    for g in opt.param_groups:
+        label = "/".join(labels.get(g.get("max_lr"), ["other"]))
+        out[label] = float(g["lr"])
+    return out
+
+
+def wrap_training_log(orig):
+    @functools.wraps(orig)
+    def training_log(
+        loss_dict,
+        total_loss_dict,
+        learning_rate,
+        iteration,
+        loss_scale,
+        report_memory_flag,
+        skipped_iter,
+        grad_norm,
+        *a,
+        **k,
+    ):
+        result = orig(
+            loss_dict,
+            total_loss_dict,
+            learning_rate,
+            iteration,
+            loss_scale,
+            report_memory_flag,
+            skipped_iter,
+            grad_norm,
+            *a,
+            **k,
+        )
+        args = _S.get("args")
+        if args is None or iteration % args.log_interval and iteration != 1:
+            return result
+        now = time.perf_counter()
+        last = _S["t"]
+        _S["t"] = (now, iteration)
+        row = {"type": "train", "iteration": iteration}
+        for key, v in loss_dict.items():
+            row[key] = float(v)
+        if _S["opt"] is not None:
+            row["lr"] = _lrs(_S["opt"])
+        row["grad_norm"] = None if grad_norm is None else float(grad_norm)
+        if last is not None and iteration > last[1]:
+            tokens = (iteration - last[1]) * args.global_batch_size * args.seq_length
+            row["tokens_per_s"] = tokens / (now - last[0])
+            row["step_s"] = (now - last[0]) / (iteration - last[1])
+        diag = _S["diag"]
+        if diag is not None and diag[0] == iteration:
+            row["md"] = diag[1]
+            acts = _S["acts"].pop(iteration, {})
+            row["md"]["act_rms"] = [acts[i] for i in sorted(acts)]
+            _S["diag"] = None
+        _write(row)
+        return result
+
+    return training_log
+
+
+def wrap_evaluate_and_print(orig):
+    @functools.wraps(orig)
+    def evaluate_and_print_results(
+        prefix, forward_step_func, data_iterator, model, iteration, *a, **k
+    ):
+        _S["eval"] = ("test" if "test" in str(prefix) else "valid", iteration)
+        try:
+            return orig(prefix, forward_step_func, data_iterator, model, iteration, *a, **k)
+        finally:
+            _S["eval"] = None
+
+    return evaluate_and_print_results
+
+
+def wrap_evaluate(orig):
+    @functools.wraps(orig)
+    def evaluate(*a, **k):
+        total, non_loss, timelimit = orig(*a, **k)
+        ctx = _S.get("eval")
+        if ctx is not None and not timelimit and total:
+            row = {"type": ctx[0], "iteration": ctx[1]}
+            for key, v in total.items():
+                row[key] = float(v)
+            _write(row)
+        return total, non_loss, timelimit
+
+    return evaluate

@@ -1,0 +1,108 @@
+"""The paper's GPT (recipe §3-4) for ``megatron.training``: megatron-core's GPTModel and layer
+specs (local on CPU, Transformer Engine on GPU) plus two additions at narrow seams:
+
+- Sandwich Norm: each block output goes through its own RMSNorm and a fixed scale α before the
+  residual add — ``SandwichAdd`` takes the place of the layer's bias-dropout-add submodule;
+- embeddings × sqrt(d): a forward hook on the embedding.
+
+Init std 1/sqrt(d) for every matrix (``--init-method-std`` defaults to it); megatron's scaled
+σ/sqrt(2L) output-projection init only with ``--scaled-output-init``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+class SandwichAdd(torch.nn.Module):
+    """residual + α · RMSNorm(x + bias), in place of megatron's bias-dropout-add."""
+
+    def __init__(self, hidden: int, eps: float, alpha: float):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(hidden, eps=eps)
+        self.alpha = alpha
+
+    def forward(self, training: bool, fused: bool):  # called like get_bias_dropout_add
+        def add(x_with_bias, residual, prob):
+            x, bias = x_with_bias
+            if bias is not None:
+                x = x + bias
+            out = self.alpha * self.norm(x)
+            return residual + F.dropout(out, p=prob, training=training)
+
+        return add
+
+
+def block_scale(name: str, layers: int) -> float:
+    return {"1/L": 1 / layers, "1/sqrt(2L)": 1 / math.sqrt(2 * layers), "1": 1.0}[name]
+
+
+def _with_sandwich(spec, cfg, alpha: float):
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    add = ModuleSpec(
+        module=SandwichAdd,
+        params={"hidden": cfg.hidden_size, "eps": cfg.layernorm_epsilon, "alpha": alpha},
+    )
+    sub = dataclasses.replace(spec.submodules, self_attn_bda=add, mlp_bda=add)
+    return dataclasses.replace(spec, submodules=sub)
+
+
+def layer_spec(args, cfg, use_te: bool, vp_stage=None):
+    """Layer (dense) or block (MoE) spec, with Sandwich Norm when asked."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    alpha = block_scale(args.block_output_scale, cfg.num_layers)
+    if args.num_experts:
+        block = specs.get_gpt_decoder_block_spec(
+            cfg, use_transformer_engine=use_te, normalization=args.normalization, vp_stage=vp_stage
+        )
+        if args.sandwich_norm:
+            block.layer_specs = [_with_sandwich(s, cfg, alpha) for s in block.layer_specs]
+        return block
+    make = (
+        specs.get_gpt_layer_with_transformer_engine_spec
+        if use_te
+        else specs.get_gpt_layer_local_spec
+    )
+    spec = make(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    return _with_sandwich(spec, cfg, alpha) if args.sandwich_norm else spec
+
+
+def model_provider(
+    pre_process=True, post_process=True, config=None, pg_collection=None, vp_stage=None, **_
+):
+    """Called by megatron.training's get_model (training.py:1758)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.training import get_args
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    args = get_args()
+    cfg = config if config is not None else core_transformer_config_from_args(args)
+    if not args.scaled_output_init:  # the paper: every matrix at std 1/sqrt(d)
+        cfg.output_layer_init_method = cfg.init_method
+    use_te = args.transformer_impl == "transformer_engine"
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=layer_spec(args, cfg, use_te, vp_stage),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        pg_collection=pg_collection,
+        vp_stage=vp_stage,
+    )
+    if args.embedding_scale and pre_process:
+        scale = math.sqrt(cfg.hidden_size)
+        model.embedding.register_forward_hook(lambda m, i, out: out * scale)
+    return model

@@ -1,0 +1,139 @@
+"""Pretrain the paper's GPT with megatron.training's own loop, with AdamW / Muon / AdamMD / MuonMD.
+
+    torchrun --nproc-per-node 2 pretrain_gpt.py --preset tiny --optimizer muon --md-decoupling \
+        --use-distributed-optimizer --tokenizer-type HuggingFaceTokenizer --tokenizer-model TOK \
+        --data-path data/demo/sotu_text_document --seq-length 256 --max-position-embeddings 256 \
+        --micro-batch-size 8 --global-batch-size 16 --lr 3e-2 --train-iters 200 --save ckpt
+
+Every megatron flag works as upstream; ours are in ``megatron/md/train/args.py`` (``--md-*``,
+``--preset``, per-group LRs, architecture extras). Put in front of the user's flags (which win):
+the ``--preset`` expansion, the CPU settings on a machine without CUDA, and with
+``--md-decoupling`` the paper's MD recipe (weight decay 0, Muon momentum 0.95 Nesterov on the
+fused QKV, Adam beta2 0.99).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import megatron.md  # noqa: F401  (CPU mode first, before megatron.training is imported)
+from megatron.md import cpu_mode
+from megatron.md.train import args as md_args
+from megatron.md.train import patches, presets
+
+MD_RECIPE = [
+    "--weight-decay=0",
+    "--muon-momentum=0.95",
+    "--muon-nesterov",
+    "--muon-no-split-qkv",
+    "--adam-beta2=0.99",
+]
+
+
+def _given(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def _value(argv: list[str], flag: str) -> str | None:
+    """The last value given for ``flag`` (argparse semantics)."""
+    found = None
+    for i, a in enumerate(argv):
+        if a.startswith(flag + "="):
+            found = a.split("=", 1)[1]
+        elif a == flag and i + 1 < len(argv):
+            found = argv[i + 1]
+    return found
+
+
+def expand_argv(argv: list[str], on_cpu: bool) -> list[str]:
+    """Preset, CPU and MD-recipe flags placed before the user's own (later flags win)."""
+    front: list[str] = []
+    preset = _value(argv, "--preset")
+    if preset is not None:
+        try:
+            front += presets.preset_flags(preset)
+        except ValueError as e:
+            raise SystemExit(f"pretrain_gpt.py: error: {e}")
+    if on_cpu:
+        front += patches.cpu_flags()
+    if "--md-decoupling" in argv:
+        front += MD_RECIPE
+    return front + argv
+
+
+def finalize(args, argv: list[str]) -> None:
+    """Defaults that depend on other flags."""
+    if not _given(argv, "--init-method-std"):
+        args.init_method_std = 1 / math.sqrt(args.hidden_size)  # the paper: 1/sqrt(d)
+    if args.wsd_cooldown_fraction is not None:
+        args.lr_wsd_decay_iters = max(1, round(args.wsd_cooldown_fraction * args.train_iters))
+    if args.wandb_project and not args.tensorboard_dir:
+        # megatron logs wandb history only next to a TensorBoard writer (training.py:2681)
+        args.tensorboard_dir = os.path.join(args.save or "runs", "tensorboard")
+    if args.tokenizer_type is None:
+        raise SystemExit(
+            "pretrain_gpt.py: error: give --tokenizer-type HuggingFaceTokenizer --tokenizer-model "
+            "DIR (tools/train_tokenizer.py), or NullTokenizer --vocab-size N with --mock-data"
+        )
+
+
+def parse(argv: list[str], on_cpu: bool):
+    """megatron's args (+ ours) and the MD config, validated; ``sys.argv`` becomes the expanded
+    command line (megatron's fault-tolerance setup re-parses it)."""
+    from megatron.training.arguments import parse_and_validate_args
+
+    patches.widen_choices()
+    tok = _value(argv, "--tokenizer-model")  # megatron loads it while validating its args
+    if _value(argv, "--tokenizer-type") == "HuggingFaceTokenizer":
+        md_args.check_tokenizer_dir(tok)
+    sys.argv = [sys.argv[0]] + expand_argv(argv, on_cpu)
+    args = parse_and_validate_args(extra_args_provider=md_args.add_md_args)
+    finalize(args, sys.argv)
+    return args, md_args.validate(args)
+
+
+def _single_process_env() -> None:
+    """Run without torchrun as one process (a free local port for the rendezvous)."""
+    if "RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    os.environ.update({**env, "LOCAL_RANK": "0"})
+
+
+def main() -> None:
+    _single_process_env()
+    on_cpu = cpu_mode.is_active()
+    args, md = parse(sys.argv[1:], on_cpu)
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+    from megatron.md.train import data, metrics, model
+
+    patches.apply(md, on_cpu)
+    metrics.start_run(args, md)
+    cfg = pretrain_cfg_container_from_args(args)
+
+    def provider(*a, **k):
+        m = model.model_provider(*a, **k)
+        metrics.attach_model([m])
+        return m
+
+    pretrain(
+        cfg,
+        data.datasets_provider,
+        ModelType.encoder_or_decoder,
+        data.forward_step,
+        model_provider=provider,
+    )
+
+
+if __name__ == "__main__":
+    main()

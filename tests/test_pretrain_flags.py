@@ -1,0 +1,158 @@
+"""pretrain_gpt.py's command line: every --md-* flag parses and reaches the MD config, the
+paper's defaults apply with --md-decoupling, and bad input stops with a message naming it."""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("pretrain_gpt", ROOT / "pretrain_gpt.py")
+pg = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pg)
+
+BASE = [
+    "--preset=tiny",
+    "--mock-data",
+    "--tokenizer-type=NullTokenizer",
+    "--vocab-size=1024",
+    "--seq-length=64",
+    "--max-position-embeddings=64",
+    "--micro-batch-size=2",
+    "--global-batch-size=2",
+    "--train-iters=4",
+    "--lr=1e-3",
+]
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch):
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"])
+    import megatron.training.global_vars as gv
+
+    gv.unset_global_variables()  # parse_and_validate_args sets them once per process
+    yield
+    gv.unset_global_variables()
+
+
+def parse(*extra, base=BASE):
+    import megatron.training.global_vars as gv
+
+    gv.unset_global_variables()
+    return pg.parse(list(base) + list(extra), on_cpu=True)
+
+
+def fails(capsys, *extra, base=BASE) -> str:
+    with pytest.raises(SystemExit) as e:
+        parse(*extra, base=base)
+    out = capsys.readouterr()
+    return str(e.value.code) + out.err + out.out
+
+
+FLAGS = [
+    ("--md-sphere", "row", "sphere", "row"),
+    ("--md-radius", "shape", "radius", "shape"),
+    ("--md-gains", "lowrank", "gains", "lowrank"),
+    ("--md-gain-rank", "3", "gain_rank", 3),
+    ("--md-gain-map", "exp", "gain_map", "exp"),
+    ("--md-gain-lr", "1e-3", "gain_lr", 1e-3),
+    ("--md-embedding-norm", "none", "embedding_norm", "none"),
+    ("--md-output-norm", "none", "output_norm", "none"),
+    ("--md-router-norm", "none", "router_norm", "none"),
+    ("--muon-scale-mode", "shape_up", "muon_scale", "shape_up"),
+    ("--muon-scale-mode", "rms_match", "muon_scale", "rms_match"),
+]
+
+
+@pytest.mark.parametrize("flag,value,field,expected", FLAGS)
+def test_md_flag_reaches_config(flag, value, field, expected):
+    _, md = parse("--md-decoupling", f"{flag}={value}")
+    assert getattr(md, field) == expected
+
+
+def test_md_defaults_are_the_paper_recipe():
+    args, md = parse("--md-decoupling", "--optimizer=muon")
+    assert (md.sphere, md.radius, md.gains, md.gain_map) == (
+        "frobenius",
+        "init",
+        "rowcol",
+        "softplus",
+    )
+    assert md.muon_scale == "sphere_rms" and md.gain_lr is None and not md.tangent_grad
+    assert (md.embedding_norm, md.output_norm, md.router_norm) == ("row", "row", "row")
+    assert args.weight_decay == 0 and args.muon_momentum == 0.95 and args.muon_nesterov
+    assert not args.muon_split_qkv and args.adam_beta2 == 0.99
+    assert args.init_method_std == pytest.approx(1 / math.sqrt(128))
+    _, md = parse("--md-decoupling", "--md-tangent-grad")
+    assert md.tangent_grad
+    args, md = parse()
+    assert md is None and args.weight_decay == 0.01  # megatron's own default without MD
+
+
+def test_preset_and_cpu_flags_are_overridable():
+    args, _ = parse("--hidden-size=256", "--num-layers=2")
+    assert (args.hidden_size, args.num_layers, args.num_attention_heads) == (256, 2, 2)
+    assert args.init_method_std == pytest.approx(1 / 16)
+    assert args.transformer_impl == "local" and args.distributed_backend == "gloo"
+    assert args.qk_layernorm and args.untie_embeddings_and_output_weights and args.swiglu
+    args, _ = parse("--preset=moe-0.27B-1.2B")
+    assert args.num_experts == 64 and args.moe_router_topk == 2 and not args.sandwich_norm
+    assert args.moe_layer_freq == [0] + [1] * 13 and args.kv_channels == 64
+
+
+@pytest.mark.parametrize(
+    "flag", ["--md-sphere", "--md-radius", "--md-gains", "--md-gain-map", "--md-router-norm"]
+)
+def test_bad_choice_names_the_flag(capsys, flag):
+    assert flag in fails(capsys, "--md-decoupling", f"{flag}=bogus")
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--md-decoupling", "--weight-decay=0.1"], "--weight-decay must be 0"),
+        (["--md-decoupling", "--fp16"], "--fp16"),
+        (["--md-decoupling", "--md-gains=lowrank", "--md-gain-rank=0"], "--md-gain-rank"),
+        (["--md-decoupling", "--md-gain-lr=-1"], "--md-gain-lr"),
+        (["--muon-scale-mode=sphere_rms"], "needs --md-decoupling"),
+        (["--md-decoupling", "--muon-scale-mode=bogus"], "--muon-scale-mode"),
+        (
+            [
+                "--optimizer=muon",
+                "--use-distributed-optimizer",
+                "--save=/tmp/x",
+                "--save-interval=2",
+            ],
+            "--bf16",
+        ),
+        (["--lr-decay-style=cosine", "--wsd-cooldown-fraction=0.2"], "WSD"),
+        (["--preset=nope"], "--preset"),
+    ],
+)
+def test_bad_input_stops_with_a_message(capsys, extra, needle):
+    assert needle in fails(capsys, *extra)
+
+
+def test_missing_data_and_tokenizer_are_named(capsys, tmp_path):
+    base = [a for a in BASE if a != "--mock-data"]
+    msg = fails(capsys, f"--data-path={tmp_path}/corpus_text_document", base=base)
+    assert "corpus_text_document.bin does not exist" in msg
+    msg = fails(capsys, base=base)
+    assert "--data-path" in msg
+    hf = [a for a in BASE if "Tokenizer" not in a and "vocab" not in a]
+    msg = fails(
+        capsys, "--tokenizer-type=HuggingFaceTokenizer", f"--tokenizer-model={tmp_path}", base=hf
+    )
+    assert "tokenizer.json" in msg
+
+
+def test_wsd_cooldown_fraction_sets_decay_iters():
+    args, _ = parse(
+        "--train-iters=100", "--lr-decay-style=WSD", "--lr-wsd-decay-style=minus_sqrt",
+        "--wsd-cooldown-fraction=0.2",
+    )  # fmt: skip
+    assert args.lr_wsd_decay_iters == 20
