@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fresh-machine entry: creates/reuses a Python 3.12 venv, installs Megatron-MD, then runs
-#   bash run.sh demo   - tiny CPU pretraining comparison (AdamW, AdamMD, Muon, MuonMD)
-#   bash run.sh test   - the test suite
+#   bash run.sh demo        - tiny pretraining on 2 CPU processes: AdamW vs MuonMD (pretrain_gpt.py)
+#   bash run.sh test        - the test suite
+#   bash run.sh optimizers  - single-process comparison of AdamW, AdamMD, Muon, MuonMD (20 s)
 # Knobs: MEGATRON_MD_VENV (venv path, default ~/.venvs/megatron-md).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -35,7 +36,8 @@ fi
 PY="$VENV/bin/python"
 
 case "${1:-demo}" in
-  demo) shift || true; exec "$PY" examples/md_decoupling/cpu_demo.py "$@" ;;
+  demo) shift || true; exec "$PY" examples/md_decoupling/pretrain_demo.py "$@" ;;
+  optimizers) shift || true; exec "$PY" examples/md_decoupling/cpu_demo.py "$@" ;;
   test) shift || true; exec "$PY" -m pytest -q tests "$@" ;;
-  *) echo "usage: bash run.sh {demo|test} [args...]" >&2; exit 2 ;;
+  *) echo "usage: bash run.sh {demo|test|optimizers} [args...]" >&2; exit 2 ;;
 esac

@@ -220,9 +220,7 @@ def _md_stats() -> dict:
                 }
             )
     gathered = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, local)
-    if not _rank0():
-        return {}
+    torch.distributed.all_gather_object(gathered, local)  # every rank merges: wandb is on the last
     by_name: dict[str, dict] = {}
     for rank_items in gathered:
         for it in rank_items:
@@ -265,6 +263,21 @@ def _lrs(opt) -> dict:
         label = "/".join(labels.get(g.get("max_lr"), ["other"]))
         out[label] = float(g["lr"])
     return out
+
+
+def _to_wandb(md: dict, iteration: int) -> None:
+    """The diagnostics as wandb scalars ``md/<metric>/<class>`` (megatron's writer, last rank)."""
+    from megatron.training.global_vars import get_wandb_writer
+
+    writer = get_wandb_writer()
+    if writer is None:
+        return
+    flat = {}
+    for metric, val in md.items():
+        items = enumerate(val) if isinstance(val, list) else val.items()
+        for k, v in items:
+            flat[f"md/{metric}/{k}"] = v
+    writer.log(flat, iteration)
 
 
 def wrap_training_log(orig):
@@ -315,6 +328,7 @@ def wrap_training_log(orig):
             acts = _S["acts"].pop(iteration, {})
             row["md"]["act_rms"] = [acts[i] for i in sorted(acts)]
             _S["diag"] = None
+            _to_wandb(row["md"], iteration)
         _write(row)
         return result
 

@@ -16,6 +16,9 @@ Each is a module attribute replaced at the narrowest seam, looked up by megatron
 - ``get_muon_scale_factor`` (core/optimizer/emerging_optimizers.py:208): adds the paper's
   ``shape_up`` and ``rms_match`` modes to megatron's Muon.
 - ``training_log`` / ``evaluate`` (training.py): our JSONL metrics after megatron's own logging.
+- ``get_write_results_queue`` on CPU: torch_dist saves start a *spawn* Manager, which re-imports
+  the training script (~10 s per run on a laptop; dist_checkpointing/strategies/
+  filesystem_async.py:64); a fork Manager serves the same queue.
 - ``add_megatron_arguments`` (arguments.py:121): ``--muon-scale-mode`` also accepts the paper's
   modes, in every parser (fault-tolerance set-up re-parses argv without our provider:
   training/ft_integration.py:78).
@@ -40,9 +43,11 @@ def apply(md: MDConfig | None, on_cpu: bool) -> None:
 
     _STATE["md"] = md
     if on_cpu:
+        import megatron.core.dist_checkpointing.strategies.filesystem_async as fsa
         from megatron.training.initialize import initialize_megatron
 
         mtt.initialize_megatron = functools.partial(initialize_megatron, allow_no_cuda=True)
+        fsa.get_write_results_queue = functools.partial(fsa.get_write_results_queue, "fork")
     data_utils.compile_helpers = lambda: None
     mtt.get_megatron_optimizer_config = _wrap_optimizer_config(mtt.get_megatron_optimizer_config)
     mtt.get_megatron_optimizer = _wrap_optimizer(mtt.get_megatron_optimizer)
