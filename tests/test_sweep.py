@@ -42,11 +42,12 @@ SITE = [
 
 
 def _unique_shapes():
-    """One command per distinct flag set, LR values aside (they parse alike)."""
+    """One command per distinct flag set, numeric values aside (LRs, iterations, weight decay
+    parse alike; choices, presets and switches do not)."""
     seen = {}
     for exp in recipes.EXPERIMENTS:
         for run in sweep.plan(exp, None, "/runs", 1, None):
-            key = tuple(re.sub(r"(lr[a-z-]*=).*", r"\1X", f) for f in run.flags)
+            key = tuple(re.sub(r"=[0-9.e+-]+$", "=N", f) for f in run.flags)
             seen.setdefault(key, (exp, run))
     return list(seen.values())
 
@@ -97,7 +98,11 @@ def test_dry_run_prints_every_command_and_writes_a_manifest(tmp_path, capsys):
     assert manifest["runs"][0]["run_dir"].startswith(str(tmp_path))
     sweep.main(["ablation-rewarm", "--dry-run", "--run-root", str(tmp_path)])
     out = capsys.readouterr().out.strip().splitlines()
-    src = [ln for ln in out if "rewarm-source" in ln]
+    src = [
+        ln
+        for ln in out
+        if ln.startswith("sbatch --job-name=dense-150M-adamw-lr0.003-rewarm-source ")
+    ]
     assert len(src) == 1 and all(f"--load={tmp_path}/" in ln for ln in out if ln not in src)
 
 
@@ -169,6 +174,7 @@ def test_launcher_runs_locally(tmp_path):
         "--lr=1e-3",
         "--eval-iters=0",
         "--eval-interval=100",
+        "--log-interval=1",
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

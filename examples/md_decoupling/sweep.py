@@ -32,12 +32,14 @@ from megatron.md.train import recipes  # noqa: E402
 LAUNCHER = ROOT / "examples" / "md_decoupling" / "launch.sbatch"
 
 
-def plan(experiment: str, lrs, run_root: str, ep: int, only: str | None) -> list[recipes.Run]:
+def plan(
+    experiment: str, lrs, run_root: str, ep: int, only: str | None, mbs: int = 4
+) -> list[recipes.Run]:
     runs = recipes.experiment(experiment, lrs)
     if only:
         runs = [r for r in runs if re.search(only, r.name)]
     for r in runs:
-        r.flags = [f.format(run_root=run_root, ep=ep) for f in r.flags]
+        r.flags = [f.format(run_root=run_root, ep=ep, mbs=mbs) for f in r.flags]
     return runs
 
 
@@ -77,6 +79,7 @@ def main(argv=None) -> None:
     ap.add_argument("--account", default=os.environ.get("SBATCH_ACCOUNT"))
     ap.add_argument("--partition", default=os.environ.get("SBATCH_PARTITION"))
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE ladder)")
+    ap.add_argument("--micro-batch-size", type=int, default=4, help="per-GPU micro-batch")
     ap.add_argument(
         "--run-root",
         default=os.environ.get("RUN_ROOT"),
@@ -91,7 +94,7 @@ def main(argv=None) -> None:
     if args.experiment not in recipes.EXPERIMENTS:
         ap.error(f"experiment {args.experiment!r} is not one of {', '.join(recipes.EXPERIMENTS)}")
     run_root = os.path.abspath(args.run_root or ROOT / "runs" / args.experiment)
-    runs = plan(args.experiment, args.lrs, run_root, args.ep, args.only)
+    runs = plan(args.experiment, args.lrs, run_root, args.ep, args.only, args.micro_batch_size)
     if not runs:
         ap.error(f"--only {args.only!r} matches no run of {args.experiment}")
     job_ids: dict[str, str | None] = {}

@@ -139,6 +139,7 @@ def _dense_run(size: str, method: str, lr: float, tag: str = "", extra=(), iters
         f"--seq-length={SEQ}",
         f"--max-position-embeddings={SEQ}",
         f"--global-batch-size={GBS}",
+        "--micro-batch-size={mbs}",
         *dense_recipe(method, lr),
         *extra,
     ]
@@ -286,6 +287,7 @@ def moe_ladder() -> list[Run]:
                     f"--seq-length={SEQ}",
                     f"--max-position-embeddings={SEQ}",
                     f"--global-batch-size={GBS}",
+                    "--micro-batch-size={mbs}",
                     *moe_recipe(method, lr, t.side_lr, 0.1 * t.wd),
                     "--expert-model-parallel-size={ep}",
                 ]
@@ -319,6 +321,7 @@ def throughput_runs() -> list[Run]:
                 f"--seq-length={SEQ}",
                 f"--max-position-embeddings={SEQ}",
                 f"--global-batch-size={gbs}",
+                "--micro-batch-size={mbs}",
                 *dense_recipe(m, 4e-3),
                 "--log-throughput",
                 "--log-interval=10",
