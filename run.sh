@@ -38,6 +38,6 @@ PY="$VENV/bin/python"
 case "${1:-demo}" in
   demo) shift || true; exec "$PY" examples/md_decoupling/pretrain_demo.py "$@" ;;
   optimizers) shift || true; exec "$PY" examples/md_decoupling/cpu_demo.py "$@" ;;
-  test) shift || true; exec "$PY" -m pytest -q tests "$@" ;;
+  test) shift || true; exec "$PY" -m pytest -q --durations=12 tests "$@" ;;
   *) echo "usage: bash run.sh {demo|test|optimizers} [args...]" >&2; exit 2 ;;
 esac
