@@ -38,3 +38,21 @@ def test_flags_and_unknown_preset():
     assert "--kv-channels=128" in preset_flags("dense-181M")
     with pytest.raises(ValueError, match="--preset"):
         preset_flags("dense-2B")
+
+
+def test_param_table_tool(tmp_path, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "param_table.py"
+    spec = importlib.util.spec_from_file_location("param_table", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    rows = tool.main(["--json", str(tmp_path / "t.json")])
+    out = capsys.readouterr().out
+    assert "dense-181M" in out and "moe-0.81B-6.7B" in out
+    assert json.loads((tmp_path / "t.json").read_text()) == rows
+    for r in rows:
+        assert abs(r["total_diff"]) < (0.02 if "active" in r else 0.01), r
+        assert abs(r.get("active_diff", 0)) < 0.025, r
