@@ -16,6 +16,7 @@ max |‖Ŵ‖−c|/c and the gain spread (raw-gain norm, min and max φ(ĝ)) per
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import math
 import os
@@ -282,31 +283,13 @@ def _to_wandb(md: dict, iteration: int) -> None:
 
 
 def wrap_training_log(orig):
+    sig = inspect.signature(orig)
+
     @functools.wraps(orig)
-    def training_log(
-        loss_dict,
-        total_loss_dict,
-        learning_rate,
-        iteration,
-        loss_scale,
-        report_memory_flag,
-        skipped_iter,
-        grad_norm,
-        *a,
-        **k,
-    ):
-        result = orig(
-            loss_dict,
-            total_loss_dict,
-            learning_rate,
-            iteration,
-            loss_scale,
-            report_memory_flag,
-            skipped_iter,
-            grad_norm,
-            *a,
-            **k,
-        )
+    def training_log(*a, **k):
+        result = orig(*a, **k)
+        call = sig.bind(*a, **k).arguments
+        loss_dict, iteration, grad_norm = call["loss_dict"], call["iteration"], call["grad_norm"]
         args = _S.get("args")
         if args is None or iteration % args.log_interval and iteration != 1:
             return result
