@@ -34,6 +34,7 @@ if [ ! -f "$stamp" ] || ! here_installed; then
   touch "$stamp"
 fi
 PY="$VENV/bin/python"
+export PATH="$VENV/bin:$PATH"  # torchrun, shellcheck and python of the venv for child processes
 
 case "${1:-demo}" in
   demo) shift || true; exec "$PY" examples/md_decoupling/pretrain_demo.py "$@" ;;

