@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import traceback
 
 import megatron.md  # noqa: F401  (CPU mode first, before megatron.training is imported)
 from megatron.md import cpu_mode
@@ -88,8 +89,15 @@ def parse(argv: list[str], on_cpu: bool):
     tok = _value(argv, "--tokenizer-model")  # megatron loads it while validating its args
     if _value(argv, "--tokenizer-type") == "HuggingFaceTokenizer":
         md_args.check_tokenizer_dir(tok)
+    for flag in ("--save", "--load"):
+        md_args.check_not_a_file(flag, _value(argv, flag))
     sys.argv = [sys.argv[0]] + expand_argv(argv, on_cpu)
-    args = parse_and_validate_args(extra_args_provider=md_args.add_md_args)
+    try:
+        args = parse_and_validate_args(extra_args_provider=md_args.add_md_args)
+    except AssertionError as e:  # megatron validates its flags with asserts: say it plainly
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        msg = str(e) or f"{where.line} ({os.path.basename(where.filename)}:{where.lineno})"
+        raise SystemExit(f"pretrain_gpt.py: error: {msg}") from None
     finalize(args, sys.argv)
     return args, md_args.validate(args)
 
@@ -126,14 +134,31 @@ def main() -> None:
         metrics.attach_model([m])
         return m
 
-    pretrain(
-        cfg,
-        data.datasets_provider,
-        ModelType.encoder_or_decoder,
-        data.forward_step,
-        model_provider=provider,
-    )
+    try:
+        pretrain(
+            cfg,
+            data.datasets_provider,
+            ModelType.encoder_or_decoder,
+            data.forward_step,
+            model_provider=provider,
+        )
+    except SystemExit:  # megatron's early exits (signal, duration) end with sys.exit
+        mark_signal_exit(args)
+        raise
     mark_finished(args)
+
+
+def mark_signal_exit(args) -> None:
+    """``<save>/exited_on_signal`` (the saved iteration) when ``--exit-signal-handler`` stopped
+    the run: the launcher turns torchrun's signal exit status into 0 (a clean, resumable stop)."""
+    if not (args.save and args.exit_signal_handler) or int(os.environ.get("RANK", "0")) != 0:
+        return
+    from megatron.training.global_vars import get_signal_handler
+
+    if getattr(get_signal_handler(), "_signal_received", False):  # local: no collective here
+        tracker = os.path.join(args.save, "latest_checkpointed_iteration.txt")
+        with open(os.path.join(args.save, "exited_on_signal"), "w") as f:
+            f.write(open(tracker).read().strip() + "\n")
 
 
 def mark_finished(args) -> None:

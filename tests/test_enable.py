@@ -65,3 +65,37 @@ def test_md_phases_are_timed_with_megatron_timers():
     opt.step()
     for name in ("md-step", "md-fuse"):
         assert timers._timers[name].elapsed(reset=False) > 0
+
+
+def test_nonfinite_gradients_skip_the_step():
+    """With the guard (megatron's NaN check off), a NaN gradient skips the step: no weight or
+    MD state changes; the next finite step is applied."""
+    from megatron.md.enable import enable_md
+    from megatron.md.train import nonfinite
+
+    dmodel, opt = _build()
+    enable_md(opt, [dmodel], MDConfig())
+    nonfinite.guard(opt)
+    x = torch.randint(0, 256, (2, 16))
+
+    def grads(poison: bool):
+        dmodel.zero_grad_buffer()
+        cpu_demo.lm_loss(dmodel, x, x).backward()
+        dmodel.finish_grad_sync()
+        if poison:
+            next(p for p in dmodel.parameters() if p.ndim == 2).main_grad.view(-1)[3] = float("nan")
+
+    grads(False)
+    opt.step()  # creates the state
+    before = [p.detach().clone() for p in dmodel.parameters()]
+    state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.optimizer.md_state.items()}
+    grads(True)
+    ok, grad_norm, _ = opt.step()
+    assert not ok and grad_norm is None and nonfinite.guard.skipped == 1
+    assert all(torch.equal(a, p) for a, p in zip(before, dmodel.parameters()))
+    for p, s in opt.optimizer.md_state.items():
+        assert all(torch.equal(v, state[id(p)][k]) for k, v in s.items())
+    grads(False)
+    ok, grad_norm, _ = opt.step()
+    assert ok and grad_norm > 0
+    assert not all(torch.equal(a, p) for a, p in zip(before, dmodel.parameters()))

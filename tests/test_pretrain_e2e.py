@@ -1,8 +1,10 @@
 """End to end: pretrain_gpt.py (megatron.training's loop) on 2 gloo processes, tiny presets on
-megatron's mock data, for AdamW, Muon, AdamMD, MuonMD (dense) and MuonMD (MoE). Each run must
-lower the loss, write the MD diagnostics, save a torch_dist checkpoint whose weights hold the
-sphere invariant (MD runs) and whose parameter count is the preset's; AdamMD also resumes
-exactly."""
+megatron's mock data, for AdamW, Muon, AdamMD, MuonMD (dense) and MuonMD (MoE), 20 iterations
+with checkpoints at 10 and 20. Each run must lower the loss, write the MD diagnostics, save a
+torch_dist checkpoint whose weights hold the sphere invariant (MD runs) and whose parameter
+count is the preset's. Reliability (issue 7): every dense run resumed from iteration 10 repeats
+iterations 11-20 exactly; AdamMD/MuonMD resumed at 1 and 4 ranks continue the 2-rank trace.
+The analysis tools read these runs' logs."""
 
 import json
 import os
@@ -23,8 +25,8 @@ VOCAB = 1024
 COMMON = [
     "--mock-data", "--tokenizer-type=NullTokenizer", f"--vocab-size={VOCAB}",
     "--seq-length=64", "--max-position-embeddings=64", "--micro-batch-size=4",
-    "--global-batch-size=8", "--log-interval=1", "--eval-interval=8", "--eval-iters=1",
-    "--use-distributed-optimizer", "--seed=7",
+    "--global-batch-size=8", "--log-interval=1", "--eval-interval=10", "--eval-iters=1",
+    "--use-distributed-optimizer", "--seed=7", "--timing-log-level=2",
 ]  # fmt: skip
 RUNS = {
     "adamw": ["--preset=tiny", "--optimizer=adam", "--lr=3e-3", "--weight-decay=0.1"],
@@ -39,6 +41,7 @@ RUNS = {
     "muon_md_moe": ["--preset=tiny-moe", "--optimizer=muon", "--md-decoupling", "--lr=3e-3",
                     "--matrix-lr=2e-2", "--bf16"],
 }  # fmt: skip
+SECRET = "wandb-key-0123456789abcdef-must-not-leak"  # set in every run's environment
 DENSE = {"qkv", "proj", "fc1", "fc2", "embeddings", "output"}
 
 
@@ -46,23 +49,27 @@ def is_md(name: str) -> bool:
     return "md" in name.split("_")
 
 
-def pretrain(tmp: Path, name: str, *extra: str) -> tuple[list[dict], Path]:
-    save = tmp / name
-    metrics = tmp / f"{name}.jsonl"
-    if is_md(name):  # baselines need no checkpoint here (megatron's own code)
-        extra = (*extra, f"--save={save}", "--save-interval=4")
+def command(tmp: Path, name: str, *extra: str, nproc: int = 2) -> tuple[list[str], dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
         f"--master-port={port}", str(ROOT / "pretrain_gpt.py"), *COMMON, *extra,
-        f"--metrics-file={metrics}",
+        f"--metrics-file={tmp / f'{name}.jsonl'}",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return cmd, {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_API_KEY": SECRET}
+
+
+def pretrain(
+    tmp: Path, name: str, *extra: str, nproc: int = 2, save: Path | None = None
+) -> tuple[list[dict], Path]:
+    save = save or tmp / name
+    cmd, env = command(tmp, name, *extra, f"--save={save}", "--save-interval=10", nproc=nproc)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp)
+    (tmp / f"{name}.log").write_text(out.stdout + out.stderr)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    return [json.loads(line) for line in metrics.open()], save
+    return [json.loads(line) for line in (tmp / f"{name}.jsonl").open()], save
 
 
 def read_checkpoint(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -120,7 +127,7 @@ def model_param_count(sd: dict) -> int:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pretrain")
-    return {name: pretrain(tmp, name, "--train-iters=8", *flags) for name, flags in RUNS.items()}
+    return {name: pretrain(tmp, name, "--train-iters=20", *flags) for name, flags in RUNS.items()}
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -129,7 +136,9 @@ def test_loss_decreases_and_diagnostics_are_logged(runs, name):
     run = rows[0]
     train = [r for r in rows if r["type"] == "train"]
     assert (
-        run["type"] == "run" and run["git"] and [r["iteration"] for r in train] == list(range(1, 9))
+        run["type"] == "run"
+        and run["git"]
+        and [r["iteration"] for r in train] == list(range(1, 21))
     )
     first, last = train[0]["lm loss"], sum(r["lm loss"] for r in train[-2:]) / 2
     assert last < 0.9 * first, (first, last)
@@ -153,7 +162,7 @@ def test_loss_decreases_and_diagnostics_are_logged(runs, name):
 @pytest.mark.parametrize("name", [n for n in RUNS if is_md(n)])
 def test_checkpoint_counts_and_sphere(runs, name):
     rows, save = runs[name]
-    sd = read_checkpoint(save / "iter_0000008")
+    sd = read_checkpoint(save / "iter_0000020")
     preset = presets.PRESETS["tiny-moe" if "moe" in name else "tiny"]
     assert model_param_count(sd) == presets.count_params(preset, vocab=VOCAB)[0]
     errs = sphere_errors(sd, rows[0]["md_config"]["gain_map"])
@@ -168,19 +177,209 @@ def test_md_flags_reach_the_optimizer(runs):
 
     from megatron.md.checkpoint import _find_md_configs
 
-    common = dist_checkpointing.load_common_state_dict(str(runs["adam_md"][1] / "iter_0000008"))
+    common = dist_checkpointing.load_common_state_dict(str(runs["adam_md"][1] / "iter_0000020"))
     saved = _find_md_configs(common["optimizer"])
     assert saved and all(c["gain_map"] == "exp" for c in saved)
     lrs = [r["lr"] for r in runs["muon_md"][0] if r["type"] == "train"][2]
     assert lrs["matrix"] / lrs["output"] == pytest.approx(40) and "embedding" in lrs
 
 
-def test_adam_md_resumes_exactly(runs, tmp_path):
-    """Resume from iteration 4 of the adam_md run: iterations 5-8 match it exactly."""
+def train_rows(rows: list[dict]) -> dict[int, dict]:
+    return {r["iteration"]: r for r in rows if r["type"] == "train"}
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon", "adam_md", "muon_md"])
+def test_resume_is_exact(runs, tmp_path, name):
+    """10 iterations + resume for 10 == 20 uninterrupted: the same loss every iteration (bit
+    for bit), the same data order and LR schedule, and the same final weights and optimizer
+    state (every tensor of the iteration-20 checkpoints, MD state included)."""
+    rows, save = runs[name]
+    part, save2 = pretrain(tmp_path, "resumed", "--train-iters=20", f"--load={save}",
+                           "--ckpt-step=10", *RUNS[name])  # fmt: skip
+    full, resumed = train_rows(rows), train_rows(part)
+    assert sorted(resumed) == list(range(11, 21))
+    for i in range(11, 21):
+        for key in ("lm loss", "consumed_samples", "lr"):
+            assert resumed[i][key] == full[i][key], (i, key, resumed[i][key], full[i][key])
+    a, b = read_checkpoint(save / "iter_0000020"), read_checkpoint(save2 / "iter_0000020")
+    assert a.keys() == b.keys() and any("optimizer" in k for k in a)
+    if is_md(name):
+        assert any(".gain_row" in k for k in a) and any(".radius" in k for k in a)
+    diff = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not diff, diff[:5]
+
+
+@pytest.mark.parametrize("name,nproc", [("adam_md", 1), ("adam_md", 4), ("muon_md", 1)])
+def test_resume_reshards(runs, tmp_path, name, nproc):
+    """Saved at 2 ranks (iteration 10), resumed at 1 or 4: iterations 11-20 follow the 2-rank
+    run. Not bit-exact: data-parallel sums (and gradient accumulation at 1 rank) add the same
+    numbers in another order. fp32 (AdamMD): <= 1e-5 relative; MuonMD runs bf16 params
+    (layer-wise saves need them), whose roundings amplify the reordering: <= 2e-3."""
+    rows, save = runs[name]
+    mbs = ["--micro-batch-size=2"] if nproc == 4 else []  # 4 ranks x 2 = the global batch 8
+    part, _ = pretrain(tmp_path, f"reshard{nproc}", "--train-iters=20", f"--load={save}",
+                       "--ckpt-step=10", *RUNS[name], *mbs, nproc=nproc)  # fmt: skip
+    full, resumed = train_rows(rows), train_rows(part)
+    assert sorted(resumed) == list(range(11, 21))
+    tol = 2e-3 if "--bf16" in RUNS[name] else 1e-5
+    for i in range(11, 21):
+        assert resumed[i]["consumed_samples"] == full[i]["consumed_samples"]
+        assert resumed[i]["lm loss"] == pytest.approx(full[i]["lm loss"], rel=tol), i
+
+
+def test_throughput_tool_reads_the_runs(runs, tmp_path):
+    """tools/throughput.py --logs: the paper's table for the four methods from these logs."""
+    metrics = {m: runs[n][1].parent / f"{n}.jsonl" for m, n in
+               (("adamw", "adamw"), ("muon", "muon"), ("adammd", "adam_md"),
+                ("muonmd", "muon_md"))}  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "throughput.py"), "--warmup=5",
+         f"--out={tmp_path}", "--logs", *(f"{m}={p}" for m, p in metrics.items())],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    res = json.loads((tmp_path / "throughput.json").read_text())
+    assert list(res) == ["adamw", "muon", "adammd", "muonmd"]
+    for m, r in res.items():
+        assert r["measured_iterations"] == 15 and r["tokens_per_s_per_gpu"] > 0
+        assert r["tflops_per_gpu"] > 0 and r["mfu"] is None  # no peak known for a CPU
+        assert r["phases_ms"]["optimizer-inner-step"] > 0
+        assert ("md-step" in r["phases_ms"]) == m.endswith("md")
+    assert res["adammd"]["slowdown_vs_base"] > 0 and res["adamw"]["slowdown_vs_base"] is None
+    assert "muonmd |" in out.stdout
+
+
+def test_diagnostics_plot_of_real_runs(runs, tmp_path):
+    p = {n: runs[n][1].parent / f"{n}.jsonl" for n in ("adamw", "muon_md")}
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "plot_diagnostics.py"), f"--out={tmp_path}",
+         *(f"{n}={q}" for n, q in p.items())],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    import csv
+
+    rows = list(csv.DictReader((tmp_path / "diagnostics.csv").open()))
+    metrics = {(r["run"], r["metric"]) for r in rows}
+    assert ("muon_md", "sphere_drift") in metrics and ("muon_md", "gain_max") in metrics
+    assert ("adamw", "rel_update") in metrics and ("adamw", "sphere_drift") not in metrics
+    assert (tmp_path / "diagnostics.png").stat().st_size > 20_000
+
+
+def tree(d: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``d``: (size, mtime_ns) — to prove nothing was changed."""
+    return {str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(d.rglob("*")) if p.is_file()}  # fmt: skip
+
+
+def test_sigkill_mid_save_keeps_the_previous_checkpoint(runs, tmp_path):
+    """Every process killed (SIGKILL) while iteration 20 is being saved: iteration 10 stays
+    intact and the tracker at 10; --load resumes from 10 (never the partial 20), repeats
+    iterations 11-20 exactly and then saves 20 over the partial directory."""
+    import shutil
+    import signal
+    import time
+
     rows, save = runs["adam_md"]
-    part, _ = pretrain(tmp_path, "resumed", "--train-iters=8", f"--load={save}", "--ckpt-step=4",
-                       *RUNS["adam_md"])  # fmt: skip
-    loss = {r["iteration"]: r["lm loss"] for r in rows if r["type"] == "train"}
-    resumed = {r["iteration"]: r["lm loss"] for r in part if r["type"] == "train"}
-    assert sorted(resumed) == [5, 6, 7, 8]
-    assert [resumed[i] for i in range(5, 9)] == [loss[i] for i in range(5, 9)]
+    d = tmp_path / "run"
+    shutil.copytree(save / "iter_0000010", d / "iter_0000010")
+    (d / "latest_checkpointed_iteration.txt").write_text("10")
+    before = tree(d / "iter_0000010")
+    cmd, env = command(tmp_path, "killed", "--train-iters=20", f"--load={d}", f"--save={d}",
+                       "--save-interval=10", *RUNS["adam_md"])  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + 300
+    while not (d / "iter_0000020").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before saving"
+        time.sleep(0.002)
+    import psutil  # torchrun starts its workers in their own sessions: kill each process
+
+    for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+        p.send_signal(signal.SIGKILL)
+    proc.wait()
+    time.sleep(1)  # nothing may survive to finish the save
+    assert not (d / "iter_0000020" / ".metadata").exists()
+    assert (d / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+    assert tree(d / "iter_0000010") == before
+    part, _ = pretrain(tmp_path, "after-kill", "--train-iters=20", f"--load={d}", *RUNS["adam_md"],
+                       save=d)  # fmt: skip
+    full, resumed = train_rows(rows), train_rows(part)
+    assert sorted(resumed) == list(range(11, 21))
+    assert [resumed[i]["lm loss"] for i in resumed] == [full[i]["lm loss"] for i in resumed]
+    assert (d / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
+    a, b = read_checkpoint(save / "iter_0000020"), read_checkpoint(d / "iter_0000020")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_loading_md_checkpoint_without_md_is_refused(runs, tmp_path):
+    """A real run refuses before reading anything, and the checkpoint is untouched."""
+    save = runs["adam_md"][1]
+    before = tree(save)
+    flags = [f for f in RUNS["adam_md"] if not f.startswith("--md-")]
+    cmd, env = command(tmp_path, "plain", "--train-iters=20", f"--load={save}",
+                       "--ckpt-step=10", *flags, nproc=1)  # fmt: skip
+    out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0
+    assert "it was trained with --md-decoupling" in out.stdout + out.stderr
+    assert tree(save) == before
+
+
+def saved_args(ckpt: Path):
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load_common_state_dict(str(ckpt))["args"]
+
+
+def test_bad_checkpoints_are_named(runs, tmp_path):
+    """ckpt_checks on real checkpoints: truncated or missing shard files, another model shape,
+    MD state vs --md-decoupling (both ways; the continual-training path only on purpose)."""
+    import copy
+    import shutil
+
+    from megatron.md.train import ckpt_checks
+
+    md_ckpt, plain_ckpt = runs["adam_md"][1] / "iter_0000010", runs["adamw"][1] / "iter_0000010"
+    args = copy.copy(saved_args(md_ckpt))
+    args.no_load_optim = args.finetune = False
+    args.md_from_plain_checkpoint = False
+    assert ckpt_checks.check_all(str(md_ckpt), args) is True  # the run that saved it
+
+    cut = tmp_path / "cut"
+    shutil.copytree(md_ckpt, cut)
+    shard = cut / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(RuntimeError, match=r"__1_0.distcp is \d+ bytes, its metadata needs"):
+        ckpt_checks.check_all(str(cut), args)
+    shard.unlink()
+    with pytest.raises(RuntimeError, match="__1_0.distcp is missing"):
+        ckpt_checks.check_all(str(cut), args)
+
+    other = copy.copy(args)
+    other.hidden_size, other.ffn_hidden_size = 256, 1024
+    with pytest.raises(
+        RuntimeError, match="another shape.*hidden_size: checkpoint 128, this run 256"
+    ):
+        ckpt_checks.check_all(str(md_ckpt), other)
+
+    plain = copy.copy(args)
+    plain.md_decoupling = False
+    with pytest.raises(RuntimeError, match="--no-load-optim to start a plain optimizer"):
+        ckpt_checks.check_all(str(md_ckpt), plain)
+    plain.no_load_optim = True
+    assert ckpt_checks.check_all(str(md_ckpt), plain) is True  # weights only: allowed
+
+    with pytest.raises(RuntimeError, match="add --md-from-plain-checkpoint"):
+        ckpt_checks.check_all(str(plain_ckpt), args)
+    args.md_from_plain_checkpoint = True
+    assert ckpt_checks.check_all(str(plain_ckpt), args) is False
+
+
+def test_no_credential_in_logs_metrics_or_checkpoints(runs):
+    """WANDB_API_KEY was set for every run: it appears in no console log, metrics file or
+    checkpoint file."""
+    tmp = runs["adamw"][1].parent
+    files = [p for p in tmp.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".distcp" for p in files) and any(p.suffix == ".log" for p in files)
+    leaked = [str(p) for p in files if SECRET.encode() in p.read_bytes()]
+    assert not leaked, leaked

@@ -175,3 +175,67 @@ def test_load_names_a_missing_or_partial_checkpoint(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("eight\n")
     with pytest.raises(RuntimeError, match="not an iteration"):
         checkpoint_dir(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--lr-warmup-iters=4"], "--lr-warmup-iters=4 is not shorter than the run"),
+        (["--md-from-plain-checkpoint"], "needs --md-decoupling and --load"),
+        (["--optimizer=muon", "--use-torch-fsdp2"], "FSDP"),
+    ],
+)
+def test_contradictory_flags_stop(capsys, extra, needle):
+    assert needle in fails(capsys, *extra)
+
+
+def test_save_or_load_pointing_at_a_file(capsys, tmp_path):
+    f = tmp_path / "ckpt"
+    f.write_text("precious\n")
+    for flag in ("--save", "--load"):
+        assert f"{flag} {f} is a file" in fails(capsys, f"{flag}={f}")
+    assert f.read_text() == "precious\n"  # untouched
+
+
+def build_dataset(prefix, docs, dtype=None):
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    b = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype or np.uint16)
+    for doc in docs:
+        b.add_item(torch.tensor(doc))
+        b.end_document()
+    b.finalize(f"{prefix}.idx")
+    return prefix
+
+
+def test_bad_datasets_are_named(capsys, tmp_path):
+    """Empty, truncated and corrupt .idx/.bin pairs, and token ids beyond the vocabulary, stop
+    before anything is built, naming the file; a good pair passes."""
+    base = [a for a in BASE if a != "--mock-data"]
+    good = build_dataset(tmp_path / "good", [[1, 2, 3, 4] * 50, [5, 6, 7] * 40])
+    args, _ = parse(f"--data-path={good}", base=base)
+    assert args.data_path == [str(good)]
+
+    def msg(prefix):
+        return fails(capsys, f"--data-path={prefix}", base=base)
+
+    empty = tmp_path / "empty"
+    (tmp_path / "empty.bin").write_bytes(b"")
+    (tmp_path / "empty.idx").write_bytes(b"")
+    assert "empty.idx is 0 bytes: empty or truncated" in msg(empty)
+    none = build_dataset(tmp_path / "none", [])
+    assert "holds no sequences" in msg(none)
+    cut = build_dataset(tmp_path / "cut", [[1, 2, 3] * 100])
+    data = (tmp_path / "cut.bin").read_bytes()
+    (tmp_path / "cut.bin").write_bytes(data[: len(data) // 2])
+    assert "cut.bin is 300 bytes but its index says 600" in msg(cut)
+    bad = build_dataset(tmp_path / "bad", [[1, 2, 3]])
+    idx = (tmp_path / "bad.idx").read_bytes()
+    (tmp_path / "bad.idx").write_bytes(b"GARBAGE!!" + idx[9:])
+    assert "bad.idx is not a megatron index file" in msg(bad)
+    (tmp_path / "bad.idx").write_bytes(idx[:-5])
+    assert "bad.idx is corrupt or truncated" in msg(bad)
+    big = build_dataset(tmp_path / "big", [[1, 2, 5000, 3]])  # --vocab-size=1024 in BASE
+    assert "holds token id 5000 but the tokenizer has 1025 tokens" in msg(big)

@@ -147,8 +147,7 @@ def test_shellcheck_clean():
     assert out.returncode == 0, out.stdout
 
 
-@pytest.mark.distributed
-def test_launcher_runs_locally(tmp_path):
+def launcher(tmp_path, *flags) -> tuple[list[str], dict]:
     env = {
         **os.environ,
         "RUN_ROOT": str(tmp_path),
@@ -160,24 +159,17 @@ def test_launcher_runs_locally(tmp_path):
     for k in ("SLURM_JOB_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(k, None)
     cmd = [
-        "bash",
-        str(EX / "launch.sbatch"),
-        "--local",
-        "--",
-        "--preset=tiny",
-        "--mock-data",
-        "--tokenizer-type=NullTokenizer",
-        "--vocab-size=1024",
-        "--seq-length=64",
-        "--max-position-embeddings=64",
-        "--micro-batch-size=2",
-        "--global-batch-size=4",
-        "--train-iters=4",
-        "--lr=1e-3",
-        "--eval-iters=0",
-        "--eval-interval=100",
-        "--log-interval=1",
-    ]
+        "bash", str(EX / "launch.sbatch"), "--local", "--", "--preset=tiny", "--mock-data",
+        "--tokenizer-type=NullTokenizer", "--vocab-size=1024", "--seq-length=64",
+        "--max-position-embeddings=64", "--micro-batch-size=2", "--global-batch-size=4",
+        "--lr=1e-3", "--eval-iters=0", "--eval-interval=100", "--log-interval=1", *flags,
+    ]  # fmt: skip
+    return cmd, env
+
+
+@pytest.mark.distributed
+def test_launcher_runs_locally(tmp_path):
+    cmd, env = launcher(tmp_path, "--train-iters=4")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "[launch] git " in out.stdout and "pretrain_gpt.py" in out.stdout
@@ -185,3 +177,34 @@ def test_launcher_runs_locally(tmp_path):
     assert (run / "finished").exists() and (run / "iter_0000004").is_dir()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").open()]
     assert [r["iteration"] for r in rows if r["type"] == "train"][-1] == 4
+
+
+@pytest.mark.distributed
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    """SLURM preemption: SIGTERM to every process (launcher, torchrun, workers). The run saves
+    the iteration it reached and the launcher exits 0 within a bounded time; not 'finished'."""
+    import signal
+    import time
+
+    cmd, env = launcher(tmp_path, "--train-iters=100000", "--lr-decay-iters=100")
+    env["SAVE_INTERVAL"] = "100000"
+    log = (tmp_path / "launch.log").open("w+")
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, start_new_session=True, stdout=log,
+                            stderr=subprocess.STDOUT)  # fmt: skip
+    metrics, deadline = tmp_path / "tiny" / "metrics.jsonl", time.time() + 300
+    while not metrics.exists() or metrics.read_text().count('"train"') < 3:
+        assert proc.poll() is None and time.time() < deadline, log.name
+        time.sleep(0.2)
+    t0 = time.time()
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=120)
+    took = time.time() - t0
+    out = (tmp_path / "launch.log").read_text()
+    assert proc.returncode == 0, out[-3000:]
+    assert took < 60, took
+    run = tmp_path / "tiny"
+    saved = int((run / "latest_checkpointed_iteration.txt").read_text())
+    logged = [json.loads(x)["iteration"] for x in metrics.open() if '"train"' in x]
+    assert saved >= logged[-1] >= 3 and (run / f"iter_{saved:07d}" / ".metadata").is_file()
+    assert (run / "exited_on_signal").read_text().strip() == str(saved)
+    assert not (run / "finished").exists() and "stopped by a signal" in out

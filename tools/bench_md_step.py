@@ -11,9 +11,13 @@ with megatron-core's own optimizers and ``enable_md``:
 
 Times are medians over ``--steps`` of the full ``optimizer.step()`` (clip, inner step, copy to
 the model, param all-gather) and of the inner torch step alone; random gradients are written
-into the grad buffers once (no forward/backward). Prints a table and one JSON line.
+into the grad buffers once (no forward/backward). Also per step under ZeRO-1: the bytes of
+MD's one extra all-reduce against the bytes of megatron's param all-gather (the whole param
+buffer). Prints a table and one JSON line per world size; ``--world 1 2 4`` runs the ladder
+(one torchrun per size) and ``--json`` collects it.
 
     python tools/bench_md_step.py [--model 181M 457M] [--steps 3] [--nproc 2] [--dtype bf16]
+    python tools/bench_md_step.py --model 181M 457M 827M 1.29B --world 1 2 4 --dtype fp32 bf16
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -152,6 +157,20 @@ def state_bytes(opt) -> int:
     return total
 
 
+def collective_bytes(dmodel, opt) -> dict:
+    """Per step: MD's extra all-reduce payload (all ZeRO-1 instances) vs the param all-gather
+    (the full param buffers; each rank receives (world-1)/world of them)."""
+    from megatron.md.checkpoint import leaf_optimizers
+
+    md = sum(getattr(o.optimizer, "last_payload_bytes", 0) for o in leaf_optimizers(opt))
+    gather = sum(
+        b.param_data.numel() * b.param_data.element_size()
+        for b in [*dmodel.buffers, *dmodel.expert_parallel_buffers]
+        if b.param_data is not None
+    )
+    return {"md_allreduce": md, "param_allgather": gather, "ratio": md / gather}
+
+
 def sync() -> None:
     if DEV == "cuda":
         torch.cuda.synchronize()
@@ -220,7 +239,6 @@ def log(rank: int, msg: str) -> None:
 
 
 def worker(args) -> None:
-    import gc
     import logging
     import warnings
 
@@ -237,44 +255,13 @@ def worker(args) -> None:
         return profile(args.model[0], args.vocab, args.dtype)
     results = {}
     for name in args.model:
-        row = {}
-        for opt_name in ("adam", "muon"):
-            for md_on in (False, True):
-                t0 = time.perf_counter()
-                dmodel, opt = build(name, opt_name, md_on, args.dtype, args.vocab)
-                log(
-                    rank, f"{name} {opt_name} md={md_on}: built in {time.perf_counter() - t0:.1f} s"
-                )
-                full, inn = time_steps(opt, args.steps)
-                log(rank, f"  step {full:.3f} s, inner {inn:.3f} s")
-                row[f"{opt_name}{'_md' if md_on else ''}"] = {"step_s": full, "inner_s": inn}
-                del dmodel, opt
-                free(gc)
-        sb = {}
-        for md_on in (False, True):
-            dmodel, opt = build(name, "adam", md_on, "bf16", args.vocab)
-            opt.step()  # torch AdamW creates its state lazily
-            t = torch.tensor(float(state_bytes(opt)), device=DEV)
-            torch.distributed.all_reduce(t)
-            sb[md_on] = float(t)
-            del dmodel, opt
-            free(gc)
-        row["ratios"] = {
-            "adam_md/adam step": row["adam_md"]["step_s"] / row["adam"]["step_s"],
-            "adam_md/adam inner": row["adam_md"]["inner_s"] / row["adam"]["inner_s"],
-            "muon_md/muon step": row["muon_md"]["step_s"] / row["muon"]["step_s"],
-            "muon_md/muon inner": row["muon_md"]["inner_s"] / row["muon"]["inner_s"],
-            "state bytes md/base (bf16 params)": sb[True] / sb[False],
-        }
-        results[name] = row
+        for dtype in args.dtype:
+            results[f"{name} {dtype}"] = measure(name, dtype, args, rank)
     if rank == 0:
         world = torch.distributed.get_world_size()
         where = torch.cuda.get_device_name() if DEV == "cuda" else "CPU/gloo"
-        print(
-            f"\nMD optimizer-step cost, {where}, {world} ranks, {args.dtype} params,"
-            f" median of {args.steps} steps"
-        )
-        print(f"{'model':<6} {'ratio':<36} {'value':>7}   (seconds: base -> MD)")
+        print(f"\nMD optimizer-step cost, {where}, {world} ranks, median of {args.steps} steps")
+        print(f"{'model':<12} {'ratio':<40} {'value':>7}   (seconds: base -> MD)")
         for name, row in results.items():
             for key, val in row["ratios"].items():
                 base = key.split("/")[1].split()[0]
@@ -283,19 +270,52 @@ def worker(args) -> None:
                 if which in ("step", "inner"):
                     b, m = row[base][f"{which}_s"], row[f"{base}_md"][f"{which}_s"]
                     secs = f"   {b:.3f} -> {m:.3f}"
-                print(f"{name:<6} {key:<36} {val:>7.3f}{secs}")
-        print(
-            json.dumps(
-                {
-                    "world": world,
-                    "steps": args.steps,
-                    "device": where,
-                    "dtype": args.dtype,
-                    "results": results,
-                }
-            )
-        )
+                print(f"{name:<12} {key:<40} {val:>7.4g}{secs}")
+        summary = {"world": world, "steps": args.steps, "device": where, "results": results}
+        print(JSON_TAG + json.dumps(summary))
     torch.distributed.destroy_process_group()
+
+
+JSON_TAG = "BENCH_JSON "
+
+
+def measure(name: str, dtype: str, args, rank: int) -> dict:
+    import gc
+
+    row = {}
+    for opt_name in ("adam", "muon"):
+        for md_on in (False, True):
+            t0 = time.perf_counter()
+            dmodel, opt = build(name, opt_name, md_on, dtype, args.vocab)
+            log(
+                rank,
+                f"{name} {dtype} {opt_name} md={md_on}: built in {time.perf_counter() - t0:.1f} s",
+            )
+            full, inn = time_steps(opt, args.steps)
+            log(rank, f"  step {full:.3f} s, inner {inn:.3f} s")
+            row[f"{opt_name}{'_md' if md_on else ''}"] = {"step_s": full, "inner_s": inn}
+            if opt_name == "adam" and md_on:
+                row["bytes"] = collective_bytes(dmodel, opt)
+            del dmodel, opt
+            free(gc)
+    sb = {}
+    for md_on in (False, True):
+        dmodel, opt = build(name, "adam", md_on, "bf16", args.vocab)
+        opt.step()  # torch AdamW creates its state lazily
+        t = torch.tensor(float(state_bytes(opt)), device=DEV)
+        torch.distributed.all_reduce(t)
+        sb[md_on] = float(t)
+        del dmodel, opt
+        free(gc)
+    row["ratios"] = {
+        "adam_md/adam step": row["adam_md"]["step_s"] / row["adam"]["step_s"],
+        "adam_md/adam inner": row["adam_md"]["inner_s"] / row["adam"]["inner_s"],
+        "muon_md/muon step": row["muon_md"]["step_s"] / row["muon"]["step_s"],
+        "muon_md/muon inner": row["muon_md"]["inner_s"] / row["muon"]["inner_s"],
+        "state bytes md/base (bf16 params)": sb[True] / sb[False],
+        "md all-reduce / param all-gather bytes": row["bytes"]["ratio"],
+    }
+    return row
 
 
 def main(argv=None) -> None:
@@ -304,20 +324,36 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--nproc", type=int, default=torch.cuda.device_count() if DEV == "cuda" else 2)
     ap.add_argument("--vocab", type=int, default=VOCAB)
-    ap.add_argument(
-        "--dtype", choices=("fp32", "bf16"), default="bf16" if DEV == "cuda" else "fp32"
-    )
+    ap.add_argument("--dtype", nargs="+", choices=("fp32", "bf16"),
+                    default=["bf16" if DEV == "cuda" else "fp32"])  # fmt: skip
+    ap.add_argument("--world", type=int, nargs="+", help="world sizes to run in turn (ladder)")
+    ap.add_argument("--json", type=Path, help="write every world size's results here")
     ap.add_argument("--profile", action="store_true", help="kernel table of one MD step instead")
     args = ap.parse_args(argv)
     if "LOCAL_RANK" in os.environ:
         return worker(args)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}"]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd += [f"--master-port={port}", __file__, *(argv if argv is not None else sys.argv[1:])]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.nproc))}
-    sys.exit(subprocess.call(cmd, env=env))
+    if args.profile:
+        args.dtype = args.dtype[:1]
+    ladder = []
+    for world in args.world or [args.nproc]:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}"]
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        own = [a for a in (argv if argv is not None else sys.argv[1:])]
+        cmd += [f"--master-port={port}", __file__, *own]
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world))}
+        out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+        for line in out.stdout.splitlines():
+            if line.startswith(JSON_TAG):
+                ladder.append(json.loads(line[len(JSON_TAG) :]))
+            else:
+                print(line)
+        if out.returncode:
+            sys.exit(out.returncode)
+    if args.json:
+        args.json.write_text(json.dumps(ladder, indent=1))
+    print(json.dumps(ladder))
 
 
 if __name__ == "__main__":

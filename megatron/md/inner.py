@@ -67,6 +67,7 @@ class MDInner(torch.optim.Optimizer):
         self.timers = None  # megatron Timers (config.timers) when the training loop sets them
         self.n_collectives = 0
         self.last_payload = 0
+        self.last_payload_bytes = 0
 
     # ---- set-up ----
     def bind(self, main: torch.Tensor, slot: MDSlot) -> None:
@@ -133,6 +134,7 @@ class MDInner(torch.optim.Optimizer):
     def _counting_reduce(self, buf: torch.Tensor) -> None:
         self.n_collectives += 1
         self.last_payload = buf.numel()
+        self.last_payload_bytes = buf.numel() * buf.element_size()
         with self._timer("md-reduce"):
             self.reduce(buf)
 

@@ -8,6 +8,7 @@ import math
 import os
 
 from megatron.md.config import GAIN_MAPS, GAINS, MUON_SCALES, RADII, ROW_NORMS, SPHERES, MDConfig
+from megatron.md.train import datacheck
 
 #: --muon-scale-mode values megatron-core's Muon knows; the rest are ours (see patches.py).
 UPSTREAM_MUON_SCALES = ("spectral", "unit_rms_norm", "shape_scaling")
@@ -71,6 +72,12 @@ def add_md_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--md-tangent-grad",
         action="store_true",
         help="project the direction gradient onto the sphere's tangent space",
+    )
+    g.add_argument(
+        "--md-from-plain-checkpoint",
+        action="store_true",
+        help="continual training: --load a checkpoint without MD state (e.g. AdamW) with its "
+        "optimizer state; MD state is created from its weights (radius = their norm, gains 1)",
     )
     g.add_argument(
         "--md-log-interval",
@@ -201,6 +208,8 @@ def validate(args) -> MDConfig | None:
         v = getattr(args, flag)
         if v is not None and not (math.isfinite(v) and v >= 0):
             _fail(f"--{flag.replace('_', '-')}={v} must be a number >= 0")
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        check_tokenizer_dir(args.tokenizer_model)
     if not args.mock_data:
         if not args.data_path and not args.train_data_path:
             _fail("give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
@@ -211,9 +220,22 @@ def validate(args) -> MDConfig | None:
                         f"--data-path: {prefix + ext} does not exist "
                         "(build it with tools/preprocess_data.py)"
                     )
-    if args.tokenizer_type == "HuggingFaceTokenizer":
-        check_tokenizer_dir(args.tokenizer_model)
+        err = datacheck.check_data(_data_prefixes(args.data_path or []), args)
+        if err:
+            _fail(f"--data-path: {err}")
+    if args.lr_warmup_iters and args.train_iters and args.lr_warmup_iters >= args.train_iters:
+        _fail(
+            f"--lr-warmup-iters={args.lr_warmup_iters} is not shorter than the run "
+            f"(--train-iters={args.train_iters})"
+        )
+    if args.md_from_plain_checkpoint and not (args.md_decoupling and args.load):
+        _fail("--md-from-plain-checkpoint needs --md-decoupling and --load")
     return md
+
+
+def check_not_a_file(flag: str, path: str | None) -> None:
+    if path and os.path.exists(path) and not os.path.isdir(path):
+        _fail(f"{flag} {path} is a file, not a checkpoint directory")
 
 
 def check_tokenizer_dir(tok: str | None) -> None:

@@ -3,8 +3,11 @@
 Rows, one JSON object per line, written by global rank 0:
 
 - ``{"type": "run", ...}``: resolved config (megatron args and MD config), git commit, argv;
-- ``{"type": "train", "iteration", "lm loss", "lr": {group: lr}, "grad_norm", "tokens_per_s",
-  "elapsed_s"[, "md": {...}]}`` every ``--log-interval`` iterations;
+- ``{"type": "train", "iteration", "consumed_samples", "lm loss", "lr": {group: lr},
+  "grad_norm", "tokens_per_s", "step_s", "flops_per_iter"[, "timers_ms": {...}][, "md": {...}]}``
+  every ``--log-interval`` iterations; ``timers_ms``: rank 0's megatron timers
+  (``--timing-log-level`` ≥ 1) and ours (``md-step`` ⊃ ``md-reduce``, ``md-fuse``; level 2),
+  milliseconds per iteration;
 - ``{"type": "valid" | "test", "iteration", "lm loss"}`` after each evaluation.
 
 MD diagnostics (every ``--md-log-interval`` iterations, on every run, MD or not, so baselines
@@ -98,6 +101,7 @@ def start_run(args, md) -> str:
                 "time": time.time(),
                 "git": git_commit(),
                 "argv": sys.argv,
+                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                 "md_config": asdict(md) if md is not None else None,
                 "args": config,
             }
@@ -287,16 +291,17 @@ def wrap_training_log(orig):
 
     @functools.wraps(orig)
     def training_log(*a, **k):
-        result = orig(*a, **k)
         call = sig.bind(*a, **k).arguments
         loss_dict, iteration, grad_norm = call["loss_dict"], call["iteration"], call["grad_norm"]
         args = _S.get("args")
         if args is None or iteration % args.log_interval and iteration != 1:
-            return result
+            return orig(*a, **k)
         now = time.perf_counter()
         last = _S["t"]
+        timers = _timers_ms(iteration - last[1] if last else 1)  # before megatron resets them
         _S["t"] = (now, iteration)
-        row = {"type": "train", "iteration": iteration}
+        row = {"type": "train", "iteration": iteration,
+               "consumed_samples": args.consumed_train_samples}  # fmt: skip
         for key, v in loss_dict.items():
             row[key] = float(v)
         if _S["opt"] is not None:
@@ -306,6 +311,9 @@ def wrap_training_log(orig):
             tokens = (iteration - last[1]) * args.global_batch_size * args.seq_length
             row["tokens_per_s"] = tokens / (now - last[0])
             row["step_s"] = (now - last[0]) / (iteration - last[1])
+        row["flops_per_iter"] = _flops(args)
+        if timers:
+            row["timers_ms"] = timers
         diag = _S["diag"]
         if diag is not None and diag[0] == iteration:
             row["md"] = diag[1]
@@ -314,9 +322,51 @@ def wrap_training_log(orig):
             _S["diag"] = None
             _to_wandb(row["md"], iteration)
         _write(row)
-        return result
+        return orig(*a, **k)
 
     return training_log
+
+
+#: megatron's optimizer/step timers and ours, as read into ``timers_ms``
+TIMERS = (
+    "forward-backward",
+    "all-grads-sync",
+    "params-all-gather",
+    "optimizer-copy-to-main-grad",
+    "optimizer-clip-main-grad",
+    "optimizer-inner-step",
+    "optimizer-copy-main-to-model-params",
+    "optimizer",
+    "md-step",
+    "md-reduce",
+    "md-fuse",
+)
+
+
+def _timers_ms(n_iters: int) -> dict:
+    """Rank 0's timers in ms per iteration since the last log. Megatron resets its own in
+    training_log (called after this); ours (``md-*``) are not in its list, so we reset them."""
+    from megatron.training.global_vars import get_timers
+
+    try:
+        timers = get_timers()
+    except AssertionError:
+        return {}
+    out = {}
+    for name in TIMERS:
+        t = timers._timers.get(name)  # only enabled timers are stored (timers.py:241)
+        if t is not None:
+            out[name] = 1e3 * t.elapsed(reset=name.startswith("md-")) / max(1, n_iters)
+    return out
+
+
+def _flops(args) -> float:
+    """Model FLOPs of one global batch (megatron's formula, as ``--log-throughput`` uses)."""
+    if "flops" not in _S:
+        from megatron.training.training import num_floating_point_operations
+
+        _S["flops"] = float(num_floating_point_operations(args, args.global_batch_size))
+    return _S["flops"]
 
 
 def wrap_evaluate_and_print(orig):

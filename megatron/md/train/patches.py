@@ -125,12 +125,17 @@ def _wrap_optimizer(orig):
     def get_optimizer(config, model_chunks, *a, **kw):
         from megatron.md.checkpoint import fix_plain_resume
         from megatron.md.enable import enable_md
+        from megatron.md.train import nonfinite
 
         opt = orig(config, model_chunks, *a, **kw)
         if _STATE["md"] is not None:
             enable_md(opt, model_chunks, _STATE["md"])
         else:
             fix_plain_resume(opt)
+        from megatron.training import get_args
+
+        if not get_args().check_for_nan_in_loss_and_grad:  # else megatron stops at a NaN
+            nonfinite.guard(opt)
         _STATE["optimizer"] = opt
         from megatron.md.train import metrics
 
@@ -171,9 +176,12 @@ def _wrap_load(orig):
         from megatron.training import get_args
 
         from megatron.md.checkpoint import prepare_md_load
+        from megatron.md.train import ckpt_checks
 
         args = get_args()
         path = checkpoint_dir(args.load, args.ckpt_step) if args.load else None
+        if path is not None:
+            ckpt_checks.check_all(path, args)
         if path is not None and optimizer is not None and _STATE["md"] is not None:
             try:
                 prepare_md_load(optimizer, path)

@@ -1,0 +1,86 @@
+"""Start-up checks of ``--data-path`` datasets (megatron's ``.idx``/``.bin`` pairs), so a
+truncated, empty or mis-tokenized dataset is named before the model is built.
+
+Index layout (megatron/core/datasets/indexed_dataset.py, ``_IndexReader``): 9-byte magic,
+u64 version, u8 dtype code, u64 sequence count S, u64 document count D, then int32 lengths[S],
+int64 byte pointers[S], int64 document indices[D] (and int8 modes[S] for multimodal data).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+
+MAGIC = b"MMIDIDX\x00\x00"
+HEADER = 34
+DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+          7: np.float32, 8: np.uint16}  # fmt: skip
+SAMPLE_TOKENS = 1 << 22  # tokens read from the start and the end of .bin for the id check
+
+
+def check_prefix(prefix: str) -> tuple[str | None, int]:
+    """(error message or None, largest token id seen in the sampled tokens)."""
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    size = os.path.getsize(idx)
+    if size < HEADER:
+        return f"{idx} is {size} bytes: empty or truncated (an index has a {HEADER}-byte header)", 0
+    with open(idx, "rb") as f:
+        head = f.read(HEADER)
+    if head[:9] != MAGIC:
+        return f"{idx} is not a megatron index file (bad magic bytes)", 0
+    (version,) = struct.unpack("<Q", head[9:17])
+    code = head[17]
+    seqs, docs = struct.unpack("<QQ", head[18:34])
+    if version != 1 or code not in DTYPES:
+        return f"{idx}: unknown version {version} or dtype code {code}", 0
+    want = HEADER + 12 * seqs + 8 * docs
+    if size not in (want, want + seqs):
+        return (f"{idx} is corrupt or truncated: {size} bytes, its header "
+                f"({seqs} sequences, {docs} documents) needs {want}"), 0  # fmt: skip
+    if seqs == 0:
+        return f"{prefix}: the dataset holds no sequences (empty)", 0
+    dtype = np.dtype(DTYPES[code])
+    lengths = np.memmap(idx, np.int32, "r", HEADER, (seqs,))
+    pointers = np.memmap(idx, np.int64, "r", HEADER + 4 * seqs, (seqs,))
+    need = int(pointers[-1]) + int(lengths[-1]) * dtype.itemsize
+    have = os.path.getsize(bin_)
+    if have != need:
+        return (f"{bin_} is {have} bytes but its index says {need}: truncated or not the "
+                f"pair of {idx}"), 0  # fmt: skip
+    n = have // dtype.itemsize
+    tokens = np.memmap(bin_, dtype, "r")
+    top = max(
+        int(tokens[: min(n, SAMPLE_TOKENS)].max()), int(tokens[max(0, n - SAMPLE_TOKENS) :].max())
+    )
+    return None, top
+
+
+def tokenizer_vocab(args) -> int | None:
+    """The tokenizer's vocabulary size, when it can be known before megatron builds it."""
+    if args.tokenizer_type == "NullTokenizer":
+        return args.vocab_size + 1  # its EOD id is vocab_size
+    if args.tokenizer_type == "HuggingFaceTokenizer" and args.tokenizer_model:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            return None
+        path = os.path.join(args.tokenizer_model, "tokenizer.json")
+        return Tokenizer.from_file(path).get_vocab_size(with_added_tokens=True)
+    return None
+
+
+def check_data(prefixes: list[str], args) -> str | None:
+    """The first problem with the datasets, or None."""
+    vocab = tokenizer_vocab(args)
+    for prefix in prefixes:
+        err, top = check_prefix(prefix)
+        if err:
+            return err
+        if vocab is not None and top >= vocab:
+            return (
+                f"{prefix}.bin holds token id {top} but the tokenizer has {vocab} tokens: the "
+                "data was made with another tokenizer (or --vocab-size is too small)"
+            )
+    return None

@@ -1,0 +1,175 @@
+"""The analysis tools on synthetic inputs with known answers: the scaling-law fit and its
+bootstrap, the LR-sweep tool (optimum, crashed/incomplete/diverged runs), bad input."""
+
+import csv
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import scaling_law  # noqa: E402
+
+TRUE = {"adamw": (12.0, 0.05), "muon": (12.0 * 0.978, 0.05), "muonmd": (12.0 * 0.966, 0.05)}
+
+
+def synthetic_runs(seed=0, noise=0.002):
+    """Per method and compute budget, 4 LRs: the best lands on L = A·C^-α (× lognormal noise),
+    the others 1-6 % above it (an LR sweep's suboptimal points)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for m, (a, alpha) in TRUE.items():
+        for c in np.geomspace(1e18, 1e21, 10):
+            best = a * c**-alpha * math.exp(rng.normal(0, noise))
+            for k, pen in enumerate((0.0, 0.01, 0.03, 0.06)):
+                rows.append({"name": f"{m}-{c:.2g}-{k}", "method": m, "compute": c,
+                             "tail_loss": best * (1 + pen), "status": "ok"})  # fmt: skip
+    return rows
+
+
+def write_csv(path, rows):
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def test_scaling_law_recovers_power_law_and_ci_covers_savings(tmp_path):
+    path = write_csv(tmp_path / "runs.csv", synthetic_runs())
+    target = 12.0 * 1e20**-0.05
+    res = scaling_law.main([str(path), "--target-loss", str(target), "--out", str(tmp_path)])
+    for m, (a, alpha) in TRUE.items():
+        fit = res["fits"][m]
+        assert fit["n"] == 10  # the envelope is exactly the best run of each budget
+        assert abs(fit["A"] / a - 1) < 0.02 and abs(fit["alpha"] / alpha - 1) < 0.02, (m, fit)
+    for m in ("muon", "muonmd"):
+        true = (TRUE["adamw"][0] / TRUE[m][0]) ** (1 / 0.05)  # same α: (A_base / A)^(1/α)
+        s = res["savings"][m]
+        assert abs(s["ratio"] / true - 1) < 0.05, (m, s, true)
+        assert s["ci95"]["lo"] <= true <= s["ci95"]["hi"], (m, s, true)
+        assert s["ci95"]["resamples"] >= 450
+    assert (tmp_path / "scaling_law.png").stat().st_size > 10_000
+    assert {r["method"] for r in csv.DictReader((tmp_path / "scaling_law.csv").open())} == set(TRUE)
+
+
+def test_envelope_keeps_record_lows_only():
+    pts = [(1, 5.0), (2, 4.0), (2, 3.9), (3, 4.5), (4, 3.0), (5, 3.2)]
+    assert scaling_law.envelope(pts) == [(1, 5.0), (2, 3.9), (4, 3.0)]
+
+
+def test_scaling_law_bad_input(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("method,loss\nadamw,3.0\n")
+    out = run_tool("scaling_law.py", str(bad))
+    assert out.returncode != 0 and "needs columns method, tail_loss" in out.stderr
+    only = write_csv(tmp_path / "one.csv", [r for r in synthetic_runs() if r["method"] == "muon"])
+    out = run_tool("scaling_law.py", str(only))
+    assert out.returncode != 0 and "baseline 'adamw' has no runs" in out.stderr
+
+
+def run_tool(name, *args, timeout=120):
+    return subprocess.run([sys.executable, str(ROOT / "tools" / name), *args],
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def fake_run(root: Path, name: str, lr: float, best: float, iters=40, stop=None, nan=False):
+    """A metrics.jsonl whose loss ends near 3 + (log2(lr/best))² / 10."""
+    d = root / name
+    d.mkdir(parents=True)
+    final = 3.0 + math.log2(lr / best) ** 2 / 10
+    with (d / "metrics.jsonl").open("w") as f:
+        f.write(json.dumps({"type": "run", "args": {}}) + "\n")
+        for i in range(1, (stop or iters) + 1):
+            loss = final + 2.0 * (1 - i / iters) ** 2
+            if nan and i > iters // 2:
+                loss = float("nan")
+            f.write(json.dumps({"type": "train", "iteration": i, "lm loss": loss}) + "\n")
+    if stop:  # killed mid-write: a partial last line
+        with (d / "metrics.jsonl").open("a") as f:
+            f.write('{"type": "train", "itera')
+    return d
+
+
+def test_lr_sweep_finds_optimum_and_reports_broken_runs(tmp_path):
+    lrs = [1e-3 * 2**k for k in range(6)]
+    optimum = {("tiny", "adamw"): 4e-3, ("tiny", "muonmd"): 32e-3, ("dense-181M", "muonmd"): 8e-3}
+    entries = []
+    for (size, method), best in optimum.items():
+        for lr in lrs:
+            name = f"{size}-{method}-lr{lr:g}"
+            kw = {}
+            if (method, lr) == ("adamw", 32e-3):
+                kw = {"nan": True}
+            elif (method, lr) == ("adamw", 16e-3):
+                kw = {"stop": 30}
+            if not (method == "muonmd" and lr == 1e-3 and size == "tiny"):  # never started
+                fake_run(tmp_path, name, lr, best, **kw)
+            flags = [f"--preset={size}", "--train-iters=40", "--global-batch-size=8",
+                     "--seq-length=64"]  # fmt: skip
+            meta = {"size": size, "method": method, "matrix_lr": lr}
+            entries.append({"name": name, "flags": flags, "meta": meta,
+                            "run_dir": str(tmp_path / name)})  # fmt: skip
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"experiment": "synthetic", "runs": entries}))
+    out = run_tool("lr_sweep.py", str(manifest), "--out", str(tmp_path / "a"))
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "a" / "lr_sweep.json").read_text())
+    best = {(b["size"], b["method"]): b["best_lr"] for b in report["optima"]}
+    assert best == pytest.approx(optimum)
+    status = {r["name"]: r["status"] for r in report["runs"]}
+    assert status["tiny-adamw-lr0.032"] == "diverged"
+    assert status["tiny-adamw-lr0.016"] == "incomplete"
+    assert status["tiny-muonmd-lr0.001"] == "missing"
+    assert sum(s == "ok" for s in status.values()) == 18 - 3
+    for name in ("tiny-adamw-lr0.032", "tiny-adamw-lr0.016", "tiny-muonmd-lr0.001"):
+        assert name in out.stderr
+    edge = {(b["size"], b["method"]): b["at_grid_edge"] for b in report["optima"]}
+    assert edge[("tiny", "muonmd")] and not edge[("tiny", "adamw")]  # 32e-3: the grid's top
+    rows = list(csv.DictReader((tmp_path / "a" / "lr_sweep.csv").open()))
+    r = next(r for r in rows if r["name"] == "tiny-adamw-lr0.004")
+    assert float(r["tail_loss"]) == pytest.approx(3.0 + 2.0 * np.mean(
+        [(1 - i / 40) ** 2 for i in range(16, 41)]))  # fmt: skip
+    assert int(r["tokens"]) == 40 * 8 * 64 and int(r["n_active_non_embedding"]) > 0
+    for png in ("lr_sweep.png", "lr_transfer.png"):
+        assert (tmp_path / "a" / png).stat().st_size > 10_000
+
+
+def test_lr_sweep_bad_manifest(tmp_path):
+    out = run_tool("lr_sweep.py", str(tmp_path / "nope.json"))
+    assert out.returncode != 0 and "nope.json: no such manifest" in out.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"runs": [{"name": "x"}]}')
+    out = run_tool("lr_sweep.py", str(bad))
+    assert out.returncode != 0 and "not a sweep manifest" in out.stderr
+
+
+@pytest.mark.parametrize("tool", ["throughput.py", "lr_sweep.py", "scaling_law.py",
+                                  "plot_diagnostics.py"])  # fmt: skip
+def test_tools_explain_themselves(tool):
+    out = run_tool(tool, "--help")
+    assert out.returncode == 0 and len(out.stdout) > 500, out.stderr
+
+
+@pytest.mark.distributed
+def test_throughput_cpu_smoke_run(tmp_path):
+    """Run mode: the four methods through pretrain_gpt.py (tiny preset, 2 gloo ranks), one
+    table with all four, each MD variant's slowdown and the MD phases."""
+    out = run_tool("throughput.py", "--preset=tiny", "--iters=6", "--warmup=2", "--nproc=2",
+                   f"--out={tmp_path}", timeout=900)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads((tmp_path / "throughput.json").read_text())
+    assert list(res) == ["adamw", "muon", "adammd", "muonmd"]
+    for m, r in res.items():
+        assert r["measured_iterations"] == 4 and r["tokens_per_s_per_gpu"] > 0
+        assert ("md-step" in r["phases_ms"]) == m.endswith("md")
+    assert res["adammd"]["slowdown_vs_base"] > 0 and res["muonmd"]["slowdown_vs_base"] > 0
+    table = out.stdout.splitlines()
+    assert sum(line.split(" | ")[0] in res for line in table) == 4
+    assert (tmp_path / "throughput.png").stat().st_size > 10_000

@@ -1,0 +1,182 @@
+"""LR sweeps: tail loss vs matrix LR per method and model size, with each optimum marked.
+
+Reads a sweep manifest (``examples/md_decoupling/sweep.py``, or any JSON with
+``runs[].name/meta/flags/run_dir``; ``meta`` gives ``size``, ``method``, ``matrix_lr`` and an
+optional ``variant``) and each run's log (``<run_dir>/metrics.jsonl``, or ``meta.log`` when
+set). A run's score is its tail loss: the mean LM loss of its last ``--tail`` (25) logged
+iterations. Runs that are missing, stopped before ``--train-iters`` or not finite are reported
+with their status and left out of the optimum; they never stop the tool.
+
+Writes ``lr_sweep.json`` (every run and the optima), ``lr_sweep.csv`` (one row per run, with
+the active non-embedding parameter count and token count that ``tools/scaling_law.py``
+reads), ``lr_sweep.png`` (a panel per size: a curve per method) and ``lr_transfer.png`` (a
+panel per method: a curve per size, i.e. the paper's width/depth transfer figure).
+
+    python tools/lr_sweep.py runs/dense-grid/manifest.json --out runs/dense-grid/analysis
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
+
+from runlog import TAIL, LogError, flag, read_log, read_manifest  # noqa: E402
+
+
+def size_counts(size: str, flags: list[str]) -> tuple[int | None, int | None]:
+    """(active non-embedding parameters, tokens) of a run, or None where unknown."""
+    from megatron.md.train.presets import PRESETS, count_params
+
+    n_act = None
+    if size in PRESETS:
+        p = PRESETS[size]
+        vocab = int(flag(flags, "vocab-size") or p.vocab)
+        n_act = count_params(p, vocab)[1] - 2 * vocab * p.hidden  # embeddings and LM head out
+    iters, gbs, seq = (flag(flags, k) for k in ("train-iters", "global-batch-size", "seq-length"))
+    tokens = int(iters) * int(gbs) * int(seq) if iters and gbs and seq else None
+    return n_act, tokens
+
+
+def score_run(entry: dict, tail: int) -> dict:
+    meta, flags = entry["meta"], entry.get("flags", [])
+    size = str(meta.get("size", "?"))
+    n_act, tokens = size_counts(size, flags)
+    row = {
+        "name": entry["name"],
+        "size": size,
+        "method": meta.get("method", "?"),
+        "variant": meta.get("variant", ""),
+        "matrix_lr": float(meta.get("matrix_lr") or flag(flags, "matrix-lr") or "nan"),
+        "n_active_non_embedding": n_act,
+        "tokens": tokens,
+        "tail_loss": None,
+        "last_iteration": 0,
+    }
+    path = Path(meta.get("log") or Path(entry["run_dir"]) / "metrics.jsonl")
+    try:
+        log = read_log(path)
+    except LogError as e:
+        return {**row, "status": "missing", "detail": str(e)}
+    row["last_iteration"] = log.last_iteration()
+    want = int(flag(flags, "train-iters") or 0)
+    losses = [v for _, v in log.losses()]
+    if any(not math.isfinite(v) for v in losses):
+        return {**row, "status": "diverged", "detail": "non-finite loss logged"}
+    if want and row["last_iteration"] < want:
+        return {**row, "status": "incomplete",
+                "detail": f"stopped at iteration {row['last_iteration']} of {want}"}  # fmt: skip
+    t = log.tail_loss(tail)
+    if t is None:
+        return {**row, "status": "incomplete", "detail": f"fewer than {tail} logged iterations"}
+    return {**row, "status": "ok", "tail_loss": t}
+
+
+def optima(rows: list[dict]) -> list[dict]:
+    """Best LR per (size, method, variant) among the runs that finished."""
+    best: dict[tuple, dict] = {}
+    grid: dict[tuple, list[float]] = {}
+    for r in rows:
+        key = (r["size"], r["method"], r["variant"])
+        grid.setdefault(key, []).append(r["matrix_lr"])
+        if r["status"] == "ok" and (key not in best or r["tail_loss"] < best[key]["tail_loss"]):
+            best[key] = r
+    out = []
+    for key, lrs in grid.items():
+        b = best.get(key)
+        out.append({
+            "size": key[0], "method": key[1], "variant": key[2],
+            "best_lr": b and b["matrix_lr"], "best_loss": b and b["tail_loss"],
+            "at_grid_edge": bool(b) and b["matrix_lr"] in (min(lrs), max(lrs)),
+            "runs": len(lrs), "ok": sum(1 for r in rows if r["status"] == "ok"
+                                        and (r["size"], r["method"], r["variant"]) == key),
+        })  # fmt: skip
+    return out
+
+
+def label(method: str, variant: str) -> str:
+    return f"{method} [{variant}]" if variant else method
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def panels(outer: str, inner: str, path: Path, title: str) -> None:
+        keys = sorted({r[outer] for r in rows})
+        fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
+        for ax, k in zip(axes[0], keys):
+            series: dict[tuple, list] = {}
+            for r in rows:
+                if r[outer] == k and r["status"] == "ok":
+                    series.setdefault((r[inner], r["variant"]), []).append(r)
+            for (name, variant), pts in sorted(series.items()):
+                pts.sort(key=lambda r: r["matrix_lr"])
+                line = ax.plot([r["matrix_lr"] for r in pts], [r["tail_loss"] for r in pts],
+                               "o-", ms=3, label=label(name, variant))[0]  # fmt: skip
+                b = min(pts, key=lambda r: r["tail_loss"])
+                ax.plot(b["matrix_lr"], b["tail_loss"], "*", ms=12, color=line.get_color())
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("matrix LR")
+            ax.set_title(f"{title} {k}")
+            ax.grid(alpha=0.3)
+            if series:
+                ax.legend(fontsize=7)
+        axes[0][0].set_ylabel(f"tail loss (last {TAIL} iterations)")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+    panels("size", "method", out / "lr_sweep.png", "size")
+    panels("method", "size", out / "lr_transfer.png", "method")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("manifest", type=Path, help="sweep manifest (JSON)")
+    ap.add_argument("--tail", type=int, default=TAIL, help="iterations in the tail loss")
+    ap.add_argument("--out", type=Path, default=None, help="default: <manifest dir>/analysis")
+    args = ap.parse_args(argv)
+    try:
+        manifest = read_manifest(args.manifest)
+    except LogError as e:
+        sys.exit(f"[lr_sweep] {e}")
+    out = args.out or args.manifest.parent / "analysis"
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [score_run(e, args.tail) for e in manifest["runs"]]
+    best = optima(rows)
+    for r in rows:
+        if r["status"] != "ok":
+            print(f"[lr_sweep] {r['name']}: {r['status']} ({r['detail']})", file=sys.stderr)
+    print("size | method | best matrix LR | tail loss | finished runs")
+    print("--- | --- | --- | --- | ---")
+    for b in best:
+        lr = "none finished" if b["best_lr"] is None else f"{b['best_lr']:.4g}"
+        edge = " (grid edge)" if b["at_grid_edge"] else ""
+        loss = "" if b["best_loss"] is None else f"{b['best_loss']:.4f}"
+        print(f"{b['size']} | {label(b['method'], b['variant'])} | {lr}{edge} | {loss} | "
+              f"{b['ok']}/{b['runs']}")  # fmt: skip
+    report = {"experiment": manifest.get("experiment"), "tail": args.tail, "runs": rows,
+              "optima": best}  # fmt: skip
+    (out / "lr_sweep.json").write_text(json.dumps(report, indent=1))
+    with (out / "lr_sweep.csv").open("w", newline="") as f:
+        keys = ["name", "size", "method", "variant", "matrix_lr", "status", "tail_loss",
+                "last_iteration", "n_active_non_embedding", "tokens"]  # fmt: skip
+        w = csv.DictWriter(f, keys, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    plot(rows, out)
+    print(f"[lr_sweep] wrote {out}/lr_sweep.{{json,csv,png}}, lr_transfer.png", file=sys.stderr)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Run logs for the analysis tools: reading our JSONL metrics files (``pretrain_gpt.py
+--metrics-file``; rows described in ``megatron/md/train/metrics.py``), CSV logs with an
+``iteration`` and a loss column, and sweep manifests (``examples/md_decoupling/sweep.py``);
+and launching ``pretrain_gpt.py`` under torchrun for the tools that make their own runs.
+
+A resumed run appends to the same JSONL file, so iterations can repeat: the last row of an
+iteration wins (it is the one the surviving run continued from).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TAIL = 25  # the paper's tail loss: mean LM loss over the last 25 logged iterations
+
+
+class LogError(ValueError):
+    """A log or manifest that is missing or malformed (the message names the file)."""
+
+
+@dataclass
+class RunLog:
+    path: Path
+    run: dict = field(default_factory=dict)  # the first "run" row (config), {} for CSV logs
+    train: dict[int, dict] = field(default_factory=dict)  # iteration -> last train row
+    valid: dict[int, dict] = field(default_factory=dict)
+
+    @property
+    def args(self) -> dict:
+        return self.run.get("args", {})
+
+    def losses(self, key: str = "lm loss") -> list[tuple[int, float]]:
+        return [(i, float(r[key])) for i, r in sorted(self.train.items()) if key in r]
+
+    def tail_loss(self, n: int = TAIL) -> float | None:
+        """Mean of the last ``n`` logged losses; None if fewer than ``n`` or any is not finite."""
+        vals = [v for _, v in self.losses()[-n:]]
+        if len(vals) < n or not all(math.isfinite(v) for v in vals):
+            return None
+        return sum(vals) / n
+
+    def last_iteration(self) -> int:
+        return max(self.train, default=0)
+
+
+def read_log(path: str | Path) -> RunLog:
+    """A JSONL metrics file, a CSV log, or a run directory holding ``metrics.jsonl``."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    if not path.is_file():
+        raise LogError(f"{path}: no such log file")
+    if path.suffix == ".csv":
+        return _read_csv(path)
+    log = RunLog(path)
+    with path.open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                if n == _count_lines(path):  # a run killed mid-write leaves a partial last line
+                    break
+                raise LogError(f"{path}:{n}: not a JSON line") from None
+            kind = row.get("type") if isinstance(row, dict) else None
+            if kind == "run":
+                log.run = log.run or row
+            elif kind in ("train", "valid"):
+                if not isinstance(row.get("iteration"), int):
+                    raise LogError(f"{path}:{n}: {kind} row without an integer 'iteration'")
+                (log.train if kind == "train" else log.valid)[row["iteration"]] = row
+    return log
+
+
+def _count_lines(path: Path) -> int:
+    with path.open() as f:
+        return sum(1 for _ in f)
+
+
+def _read_csv(path: Path) -> RunLog:
+    log = RunLog(path)
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows or "iteration" not in rows[0]:
+        raise LogError(f"{path}: a CSV log needs an 'iteration' column and at least one row")
+    key = next((k for k in ("lm loss", "lm_loss", "loss") if k in rows[0]), None)
+    if key is None:
+        raise LogError(f"{path}: a CSV log needs a 'loss' (or 'lm loss') column")
+    for n, r in enumerate(rows, 2):
+        try:
+            log.train[int(r["iteration"])] = {"iteration": int(r["iteration"]),
+                                              "lm loss": float(r[key])}  # fmt: skip
+        except ValueError:
+            raise LogError(f"{path}:{n}: iteration/loss are not numbers") from None
+    return log
+
+
+def read_manifest(path: str | Path) -> dict:
+    """A sweep manifest: ``{"experiment", "runs": [{"name", "flags", "meta", "run_dir"}]}``."""
+    path = Path(path)
+    if not path.is_file():
+        raise LogError(f"{path}: no such manifest")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise LogError(f"{path}: not JSON ({e})") from None
+    runs = manifest.get("runs") if isinstance(manifest, dict) else None
+    if not isinstance(runs, list) or not all(
+        isinstance(r, dict) and {"name", "meta", "run_dir"} <= set(r) for r in runs
+    ):
+        raise LogError(f"{path}: not a sweep manifest (needs runs[].name/meta/run_dir)")
+    return manifest
+
+
+def flag(flags: list[str], name: str) -> str | None:
+    """The value of ``--name=V`` or ``--name V`` in a flag list (last one wins)."""
+    val = None
+    for i, f in enumerate(flags):
+        if f.startswith(f"--{name}="):
+            val = f.split("=", 1)[1]
+        elif f == f"--{name}" and i + 1 < len(flags):
+            val = flags[i + 1]
+    return val
+
+
+def run_pretrain(nproc: int, flags: list[str], log: Path, cwd: Path) -> int:
+    """``pretrain_gpt.py FLAGS`` under torchrun on a free local port, output to ``log``; the
+    CPU threads split between the ranks. Returns the exit status."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={port}", str(root / "pretrain_gpt.py"), *flags]  # fmt: skip
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // nproc)))
+    with open(log, "w") as f:
+        return subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd)

@@ -1,0 +1,261 @@
+"""The paper's throughput table: AdamW, Muon, AdamMD and MuonMD on the same model, side by side.
+
+Runs ``pretrain_gpt.py`` once per method (mock data, same preset, batch and seed; with
+``--timing-log-level 2`` so the optimizer step is broken into megatron's timers and ours), or
+reads the JSONL logs of runs made elsewhere (``--logs``, or a sweep manifest such as the
+``throughput`` experiment of ``sweep.py``), and prints per method, as medians over the logged
+iterations after ``--warmup``: tokens/s/GPU, model TFLOP/s/GPU and MFU (megatron's FLOP count;
+MFU needs a peak: known GPUs or ``--peak-tflops``), the slowdown of each MD variant against its
+base (AdamMD/AdamW, MuonMD/Muon) and the step's phases in ms. Writes throughput.{json,csv,png}.
+
+    python tools/throughput.py --preset dense-181M --iters 40 --out runs/tput      # on GPUs
+    python tools/throughput.py --preset tiny --iters 12 --warmup 4 --out /tmp/tput  # CPU smoke
+    python tools/throughput.py --logs adamw=a/metrics.jsonl adammd=b/metrics.jsonl ...
+    python tools/throughput.py --manifest runs/throughput/manifest.json
+    python tools/throughput.py --preset tiny --out /tmp/t -- --seq-length=128   # extra flags
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
+
+from runlog import LogError, RunLog, read_log, read_manifest, run_pretrain  # noqa: E402
+
+METHODS = ("adamw", "muon", "adammd", "muonmd")
+BASE = {"adammd": "adamw", "muonmd": "muon"}
+#: dense bf16 peak TFLOP/s by device-name substring (first match wins)
+PEAKS = (("GH200", 989.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0),
+         ("A100", 312.0), ("B200", 2250.0))  # fmt: skip
+PHASES = ("optimizer", "optimizer-inner-step", "md-step", "md-reduce", "md-fuse",
+          "params-all-gather", "forward-backward")  # fmt: skip
+
+
+def peak_for(device: str, override: float | None) -> float | None:
+    if override:
+        return override
+    return next((p for key, p in PEAKS if key in device), None)
+
+
+def summarize(log: RunLog, warmup: int, peak: float | None) -> dict:
+    """Medians over the train rows after ``warmup`` iterations."""
+    rows = [r for i, r in sorted(log.train.items()) if i > warmup and r.get("step_s")]
+    if not rows:
+        raise LogError(
+            f"{log.path}: no timed iterations after warm-up {warmup} "
+            f"(last iteration {log.last_iteration()}); log every iteration and run longer"
+        )
+    world = int(log.args.get("world_size") or 1)
+    step = statistics.median(r["step_s"] for r in rows)
+    tokens = statistics.median(r["tokens_per_s"] for r in rows) / world
+    flops = rows[-1].get("flops_per_iter")
+    tflops = flops / step / world / 1e12 if flops else None
+    device = log.run.get("device", "unknown")
+    peak = peak_for(device, peak)
+    phases = {}
+    for name in PHASES:
+        vals = [r["timers_ms"][name] for r in rows if name in r.get("timers_ms", {})]
+        if vals:
+            phases[name] = statistics.median(vals)
+    return {
+        "log": str(log.path),
+        "device": device,
+        "world_size": world,
+        "measured_iterations": len(rows),
+        "step_ms": 1e3 * step,
+        "tokens_per_s_per_gpu": tokens,
+        "tflops_per_gpu": tflops,
+        "mfu": tflops / peak if tflops and peak else None,
+        "phases_ms": phases,
+    }
+
+
+def table(results: dict[str, dict]) -> str:
+    for m, r in results.items():
+        base = results.get(BASE.get(m, ""))
+        r["slowdown_vs_base"] = (
+            base["tokens_per_s_per_gpu"] / r["tokens_per_s_per_gpu"] if base else None
+        )
+    cols = ["method", "tok/s/GPU", "TFLOP/s/GPU", "MFU", "vs base", "step ms", *PHASES]
+    lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
+
+    def f(x, fmt):
+        return "n/a" if x is None else format(x, fmt)
+
+    for m, r in results.items():
+        rel = r["slowdown_vs_base"]
+        cells = [
+            m,
+            f(r["tokens_per_s_per_gpu"], ",.0f"),
+            f(r["tflops_per_gpu"], ".3g"),
+            f(r["mfu"] and 100 * r["mfu"], ".1f") + ("%" if r["mfu"] else ""),
+            "" if rel is None else f"{rel:.3f}x ({100 * (1 / rel - 1):+.1f}% tok/s)",
+            f(r["step_ms"], ".1f"),
+            *(f(r["phases_ms"].get(p), ".1f") for p in PHASES),
+        ]
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def write_outputs(results: dict[str, dict], out: Path, title: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "throughput.json").write_text(json.dumps(results, indent=1))
+    with (out / "throughput.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["method", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu",
+                    "slowdown_vs_base", "step_ms", *PHASES])  # fmt: skip
+        for m, r in results.items():
+            w.writerow([m, r["tokens_per_s_per_gpu"], r["tflops_per_gpu"], r["mfu"],
+                        r["slowdown_vs_base"], r["step_ms"],
+                        *(r["phases_ms"].get(p) for p in PHASES)])  # fmt: skip
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    names = list(results)
+    a.bar(names, [results[m]["tokens_per_s_per_gpu"] for m in names], color="tab:blue")
+    a.set_ylabel("tokens/s/GPU")
+    a.set_title(title)
+    bottom = [0.0] * len(names)
+    parts = {  # disjoint pieces of the optimizer step
+        "md-reduce": lambda p: p.get("md-reduce", 0),
+        "md-step (compute)": lambda p: p.get("md-step", 0) - p.get("md-reduce", 0),
+        "md-fuse": lambda p: p.get("md-fuse", 0),
+        "inner step, other": lambda p: p.get("optimizer-inner-step", 0)
+        - p.get("md-step", 0) - p.get("md-fuse", 0),
+        "rest of optimizer()": lambda p: p.get("optimizer", 0) - p.get("optimizer-inner-step", 0),
+    }  # fmt: skip
+    for label, fn in parts.items():
+        vals = [max(0.0, fn(results[m]["phases_ms"])) for m in names]
+        b.bar(names, vals, bottom=bottom, label=label)
+        bottom = [x + y for x, y in zip(bottom, vals)]
+    b.set_ylabel("ms per iteration")
+    b.set_title("optimizer step (rank 0 timers)")
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=110)
+
+
+def run_methods(args, extra: list[str]) -> dict[str, Path]:
+    sys.path.insert(0, str(ROOT))
+    from megatron.md.train import recipes
+    from megatron.md.train.presets import PRESETS
+
+    if args.preset not in PRESETS:
+        sys.exit(f"--preset {args.preset!r} is not one of {', '.join(PRESETS)}")
+    gpu = _cuda()
+    args.out.mkdir(parents=True, exist_ok=True)
+    logs = {}
+    for m in args.methods:
+        metrics = args.out / f"{m}.jsonl"
+        metrics.unlink(missing_ok=True)
+        flags = [
+            f"--preset={args.preset}", *recipes.dense_recipe(m, args.matrix_lr),
+            "--lr-warmup-iters=0", "--mock-data", "--tokenizer-type=NullTokenizer",
+            f"--vocab-size={PRESETS[args.preset].vocab}", f"--train-iters={args.iters}",
+            "--log-interval=1", "--timing-log-level=2", "--eval-iters=0",
+            f"--md-log-interval={args.iters + 1}",  # diagnostics only at iteration 1 (warm-up)
+            f"--eval-interval={args.iters + 1}", "--use-distributed-optimizer",
+            f"--micro-batch-size={args.micro_batch_size}",
+            f"--global-batch-size={args.global_batch_size}", f"--seq-length={args.seq_length}",
+            f"--max-position-embeddings={args.seq_length}", f"--metrics-file={metrics}",
+            *(["--bf16"] if gpu else []), *extra,
+        ]  # fmt: skip
+        print(f"[throughput] {m}: {args.iters} iterations on {args.nproc} ranks", file=sys.stderr)
+        rc = run_pretrain(args.nproc, flags, args.out / f"{m}.log", args.out)
+        if rc != 0:
+            sys.exit(f"[throughput] {m} failed (exit {rc}); see {args.out / f'{m}.log'}")
+        logs[m] = metrics
+    return logs
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def from_manifest(path: Path) -> dict[str, dict[str, Path]]:
+    """Groups of runs (same size and batch) -> method -> run dir."""
+    groups: dict[str, dict[str, Path]] = {}
+    for r in read_manifest(path)["runs"]:
+        meta = r["meta"]
+        if meta.get("method") not in METHODS:
+            continue
+        key = f"{meta.get('size', '?')}-gbs{meta.get('gbs', '?')}"
+        groups.setdefault(key, {})[meta["method"]] = Path(r["run_dir"])
+    if not groups:
+        raise LogError(f"{path}: no runs with meta.method in {METHODS}")
+    return groups
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--logs", nargs="+", metavar="METHOD=PATH", help="read these runs' logs")
+    src.add_argument("--manifest", type=Path, help="read the runs of a sweep manifest")
+    ap.add_argument("--preset", default="tiny", help="run mode: model preset")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs, or 2 on CPU)")
+    ap.add_argument("--iters", type=int, default=40, help="run mode: iterations per method")
+    ap.add_argument("--warmup", type=int, default=10, help="iterations left out of the medians")
+    ap.add_argument("--matrix-lr", type=float, default=4e-3)
+    ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--global-batch-size", type=int, default=None, help="default mbs × ranks")
+    ap.add_argument("--seq-length", type=int, default=None, help="default 4096 on GPU, 128 CPU")
+    ap.add_argument("--peak-tflops", type=float, help="per-GPU peak for MFU (else by device)")
+    ap.add_argument("--out", type=Path, default=Path("runs/throughput"))
+    args = ap.parse_args(argv)
+    if extra and (args.logs or args.manifest):
+        ap.error("extra pretrain flags after -- only apply when the tool runs the methods")
+    try:
+        if args.manifest:
+            groups = {k: {m: read_log(p) for m, p in g.items()}
+                      for k, g in from_manifest(args.manifest).items()}  # fmt: skip
+        elif args.logs:
+            pairs = [x.split("=", 1) for x in args.logs]
+            bad = [x for x, p in zip(args.logs, pairs) if len(p) != 2 or p[0] not in METHODS]
+            if bad:
+                ap.error(f"--logs wants METHOD=PATH with METHOD in {METHODS}; got {bad}")
+            groups = {"logs": {m: read_log(p) for m, p in pairs}}
+        else:
+            if args.iters <= args.warmup:
+                ap.error(f"--iters {args.iters} must exceed --warmup {args.warmup}")
+            gpu = _cuda()
+            args.nproc = args.nproc or (_gpu_count() if gpu else 2)
+            args.seq_length = args.seq_length or (4096 if gpu else 128)
+            args.global_batch_size = args.global_batch_size or args.micro_batch_size * args.nproc
+            groups = {args.preset: {m: read_log(p) for m, p in run_methods(args, extra).items()}}
+        report = {}
+        for key, logs in groups.items():
+            results = {m: summarize(logs[m], args.warmup, args.peak_tflops)
+                       for m in METHODS if m in logs}  # fmt: skip
+            text = table(results)
+            print(f"\n## {key} (medians after {args.warmup} warm-up iterations)\n\n{text}")
+            write_outputs(results, args.out / key if len(groups) > 1 else args.out, key)
+            report[key] = results
+    except LogError as e:
+        sys.exit(f"[throughput] {e}")
+    print(f"\n[throughput] wrote {args.out}/throughput.{{json,csv,png}}", file=sys.stderr)
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+if __name__ == "__main__":
+    main()
