@@ -1,0 +1,276 @@
+"""Laptop-scale reproduction of the paper's three claims, on 2 CPU processes.
+
+On the demo corpus (State of the Union addresses, built once by ``tools/build_demo_corpus.py``)
+with a tiny dense GPT of the paper's architecture (4 layers, head dim 32, d_ff = 4d, sequence
+256, global batch 8, 160 iterations: 328k tokens per run), through ``pretrain_gpt.py``:
+
+1. optimizer comparison: a 5-point matrix-LR sweep (×2 steps) for AdamW, Muon, AdamMD and
+   MuonMD at d = 128 under the paper's recipe (baselines: weight decay 0.1 and 10 % warmup; MD:
+   neither). Score: the final validation loss (2 % of documents held out) and the tail train
+   loss (mean of the last 25 iterations, ``tools/lr_sweep.py``);
+2. width transfer: the same sweep for AdamW and MuonMD at d = 64 and 256 (128 from part 1): the
+   optimal LR per width;
+3. invariant dynamics: in the best AdamW and MuonMD runs at d = 128, the relative update
+   ‖ΔW‖/‖W‖ of the hidden matrices divided by the matrix LR, over the iterations where the LR
+   is at least 10 % of its peak (after warmup): its coefficient of variation, and the ratio of
+   its last-quarter mean to its first-quarter mean.
+
+Writes ``<out>/results.json``, ``lr_sweep.png``, ``lr_transfer.png``, ``relative_update.png``
+and a manifest in ``sweep.py``'s format (``tools/lr_sweep.py`` reads it). Finished runs are
+kept: re-running continues an interrupted reproduction (``--parts`` runs a subset). ``--smoke``:
+mock data, 1 process, 6 iterations, AdamW and MuonMD, 1 LR, widths 64 and 128 — checks the
+pipeline, not the claims.
+
+    python examples/md_decoupling/cpu_repro/run.py                 # the full run (~80 min, 2 cores)
+    python examples/md_decoupling/cpu_repro/run.py --smoke --out /tmp/repro
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
+
+import lr_sweep  # noqa: E402
+from runlog import read_log, run_pretrain  # noqa: E402
+
+METHODS = ("adamw", "muon", "adammd", "muonmd")
+GRID_START = {"adamw": 1e-3, "adammd": 2e-3, "muon": 4e-3, "muonmd": 4e-3}  # ×2 steps
+HIDDEN = ("qkv", "proj", "fc1", "fc2")
+
+
+def method_flags(method: str, iters: int) -> list[str]:
+    warm = [f"--lr-warmup-iters={max(1, iters // 10)}", "--weight-decay=0.1"]
+    return {
+        "adamw": ["--optimizer=adam", *warm],
+        "muon": ["--optimizer=muon", "--muon-momentum=0.95", "--muon-nesterov",
+                 "--muon-no-split-qkv", "--muon-scale-mode=unit_rms_norm", *warm],
+        "adammd": ["--optimizer=adam", "--md-decoupling"],
+        "muonmd": ["--optimizer=muon", "--md-decoupling", "--muon-scale-mode=shape_up"],
+    }[method]  # fmt: skip
+
+
+def width_flags(width: int) -> list[str]:
+    heads = width // 32
+    return [f"--hidden-size={width}", f"--ffn-hidden-size={4 * width}",
+            f"--num-attention-heads={heads}", f"--num-query-groups={max(1, heads // 2)}",
+            "--kv-channels=32"]  # fmt: skip
+
+
+def plan(args) -> list[dict]:
+    """The runs (sweep.py's manifest entries): part 1 at d=128, then the width sweeps."""
+    points = [("compare", m, 128) for m in args.methods]
+    points += [("width", m, w) for m in ("adamw", "muonmd") if m in args.methods
+               for w in args.widths if w != 128]  # fmt: skip
+    runs = []
+    for part, method, width in points:
+        for k in range(args.lrs):
+            lr = GRID_START[method] * 2**k
+            name = f"d{width}-{method}-lr{lr:.4g}"
+            flags = [*args.data_flags, "--preset=tiny", *width_flags(width),
+                     f"--train-iters={args.iters}", f"--seq-length={args.seq}",
+                     f"--max-position-embeddings={args.seq}",
+                     f"--micro-batch-size={args.gbs // args.nproc}",
+                     f"--global-batch-size={args.gbs}", "--lr-decay-style=linear",
+                     "--min-lr=1e-6", "--adam-beta1=0.9", "--adam-beta2=0.99", "--clip-grad=1.0",
+                     "--lr=3e-3", "--embedding-lr=3e-3", "--output-lr=1e-3",
+                     f"--matrix-lr={lr:.4g}", "--log-interval=1", "--md-log-interval=5",
+                     f"--eval-interval={args.iters}", f"--eval-iters={args.eval_iters}",
+                     "--use-distributed-optimizer", "--seed=1234",
+                     *method_flags(method, args.iters)]  # fmt: skip
+            runs.append({"name": name, "flags": flags, "run_dir": str(args.out / name),
+                         "meta": {"size": f"d{width}", "method": method, "matrix_lr": lr,
+                                  "width": width, "part": part}})  # fmt: skip
+    return runs
+
+
+def done(run: dict, iters: int) -> bool:
+    try:
+        log = read_log(Path(run["run_dir"]))
+    except ValueError:
+        return False
+    return log.last_iteration() >= iters and bool(log.valid)
+
+
+def execute(runs: list[dict], args) -> None:
+    runs = [r for r in runs if r["meta"]["part"] in args.parts]
+    todo = [r for r in runs if not done(r, args.iters)]
+    print(f"[repro] {len(runs)} runs, {len(runs) - len(todo)} already finished", file=sys.stderr)
+    for i, r in enumerate(todo, 1):
+        d = Path(r["run_dir"])
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "metrics.jsonl").unlink(missing_ok=True)
+        t0 = time.time()
+        rc = run_pretrain(args.nproc, [*r["flags"], f"--metrics-file={d / 'metrics.jsonl'}"],
+                          d / "train.log", args.out)  # fmt: skip
+        status = "ok" if rc == 0 else f"FAILED (exit {rc}, see {d / 'train.log'})"
+        print(f"[repro] {i}/{len(todo)} {r['name']}: {status}, {time.time() - t0:.0f} s",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+
+def final_valid(run_dir: str) -> float | None:
+    try:
+        log = read_log(Path(run_dir))
+    except ValueError:
+        return None
+    last = log.valid.get(max(log.valid, default=-1))
+    return float(last["lm loss"]) if last and math.isfinite(last["lm loss"]) else None
+
+
+def dynamics(run_dir: str) -> dict:
+    """Relative update of the hidden matrices / matrix LR, where the LR ≥ 10 % of its peak."""
+    log = read_log(Path(run_dir))
+    pts = []
+    for it, row in sorted(log.train.items()):
+        lrs = row.get("lr") or {}  # groups sharing a peak LR share a label, e.g. "matrix/output"
+        md = row.get("md")
+        lr = next((v for k, v in lrs.items() if "matrix" in k.split("/")), None)
+        if md and lr:
+            rel = [md["rel_update"][c] for c in HIDDEN if c in md["rel_update"]]
+            pts.append((it, sum(rel) / len(rel), lr))
+    peak = max(p[2] for p in pts)
+    warm = int(log.args.get("lr_warmup_iters") or 0)
+    use = [(it, r, lr) for it, r, lr in pts if lr >= 0.1 * peak and it > warm]
+    ratio = [r / lr for _, r, lr in use]
+    q = max(1, len(ratio) // 4)
+    return {
+        "points": [{"iteration": it, "rel_update": r, "lr": lr} for it, r, lr in pts],
+        "used_iterations": [it for it, _, _ in use],
+        "ratio_cv": statistics.pstdev(ratio) / statistics.mean(ratio),
+        "ratio_last_over_first_quarter": statistics.mean(ratio[-q:]) / statistics.mean(ratio[:q]),
+    }
+
+
+def analyse(runs: list[dict], manifest: Path, args) -> dict:
+    report = lr_sweep.main([str(manifest), "--out", str(args.out)])
+    scores = {r["name"]: r for r in report["runs"]}
+    per = {}
+    for r in runs:
+        m = r["meta"]
+        entry = per.setdefault(m["size"], {}).setdefault(m["method"], [])
+        entry.append({"lr": m["matrix_lr"], "valid": final_valid(r["run_dir"]),
+                      "tail": scores[r["name"]]["tail_loss"], "run_dir": r["run_dir"]})  # fmt: skip
+    best = {}
+    for size, methods in per.items():
+        for method, pts in methods.items():
+            ok = [p for p in pts if p["valid"] is not None]
+            if ok:
+                b = min(ok, key=lambda p: p["valid"])
+                best.setdefault(size, {})[method] = {**b, "grid": [p["lr"] for p in pts],
+                                                     "finished": len(ok)}  # fmt: skip
+    claims = {}
+    d128 = best.get("d128", {})
+    for md, base in (("adammd", "adamw"), ("muonmd", "muon")):
+        if md in d128 and base in d128:
+            a, b = d128[md]["valid"], d128[base]["valid"]
+            claims[f"{md} >= {base} at the optimum"] = {
+                "holds": a <= b,
+                "md_valid": a,
+                "base_valid": b,
+                "difference": a - b,
+            }
+    for method in ("adamw", "muonmd"):
+        opt = {s: best[s][method]["lr"] for s in sorted(best, key=lambda s: int(s[1:]))
+               if method in best[s]}  # fmt: skip
+        if len(opt) >= 2:
+            steps = [math.log2(v / list(opt.values())[0]) for v in opt.values()]
+            claims[f"{method} optimal LR across width"] = {
+                "optimal_lr": opt,
+                "spread_in_x2_steps": max(steps) - min(steps),
+            }
+    if "muonmd" in d128 and "adamw" in d128:
+        dyn = {m: dynamics(d128[m]["run_dir"]) for m in ("muonmd", "adamw")}
+        claims["relative update follows the LR schedule"] = {
+            m: {k: v for k, v in d.items() if k != "points"} for m, d in dyn.items()
+        }
+        plot_dynamics(dyn, args.out / "relative_update.png")
+    return {"config": {k: str(v) for k, v in vars(args).items() if k != "data_flags"},
+            "best": best, "claims": claims}  # fmt: skip
+
+
+def plot_dynamics(dyn: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for m, d in dyn.items():
+        it = [p["iteration"] for p in d["points"]]
+        rel = [p["rel_update"] for p in d["points"]]
+        lr = [p["lr"] for p in d["points"]]
+        line = a.plot(it, rel, label=f"{m}: ‖ΔW‖/‖W‖ (hidden matrices)")[0]
+        a.plot(it, [x * max(rel) / max(lr) for x in lr], "--", color=line.get_color(), lw=1,
+               label=f"{m}: matrix LR (scaled)")  # fmt: skip
+        used = set(d["used_iterations"])
+        b.plot([i for i in it if i in used],
+               [r / x for i, r, x in zip(it, rel, lr) if i in used], label=m)  # fmt: skip
+    a.set_xlabel("iteration")
+    a.set_yscale("log")
+    a.legend(fontsize=7)
+    a.set_title("relative update and the LR schedule")
+    b.set_xlabel("iteration")
+    b.set_ylabel("relative update / matrix LR")
+    b.set_yscale("log")
+    b.legend(fontsize=7)
+    b.set_title("ratio (LR ≥ 10 % of peak, after warmup)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "cpu_repro")
+    ap.add_argument("--data", type=Path, default=ROOT / "data" / "demo")
+    ap.add_argument("--iters", type=int, default=160)
+    ap.add_argument("--lrs", type=int, default=5, help="LR grid points per method and width")
+    ap.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument(
+        "--parts",
+        nargs="+",
+        default=["compare", "width"],
+        choices=["compare", "width"],
+        help="runs to make (the analysis reads all)",
+    )
+    ap.add_argument("--smoke", action="store_true", help="pipeline check only (~1.5 min)")
+    args = ap.parse_args(argv)
+    args.seq, args.gbs, args.eval_iters = 256, 8, 8
+    if args.smoke:
+        args.iters, args.lrs, args.widths, args.nproc = 6, 1, [64, 128], 1
+        args.methods = ["adamw", "muonmd"]
+        args.seq, args.gbs, args.eval_iters = 64, 4, 1
+        args.data_flags = ["--mock-data", "--tokenizer-type=NullTokenizer", "--vocab-size=1024"]
+    else:
+        import build_demo_corpus
+
+        build_demo_corpus.build(args.data, 8192)
+        args.data_flags = ["--tokenizer-type=HuggingFaceTokenizer",
+                           f"--tokenizer-model={args.data / 'tokenizer'}",
+                           f"--data-path={args.data / 'sotu_text_document'}", "--split=98,2,0",
+                           f"--data-cache-path={args.data / 'cache'}"]  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs = plan(args)
+    manifest = args.out / "manifest.json"
+    manifest.write_text(json.dumps({"experiment": "cpu_repro", "runs": runs}, indent=1))
+    t0 = time.time()
+    execute(runs, args)
+    result = analyse(runs, manifest, args)
+    result["wall_s"] = time.time() - t0
+    (args.out / "results.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["claims"], indent=1))
+    print(f"[repro] {args.out}/results.json and figures, {time.time() - t0:.0f} s", file=sys.stderr)
+    return result
+
+
+if __name__ == "__main__":
+    main()

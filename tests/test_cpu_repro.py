@@ -1,0 +1,38 @@
+"""The laptop-scale reproduction's pipeline end to end in its smoke mode (mock data, 1 process,
+6 iterations, 4 runs): runs, manifest, LR-sweep analysis, claims and figures. Checks the
+pipeline only, not the paper's claims (the full run's numbers are in the README)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.distributed
+
+
+def test_cpu_repro_smoke(tmp_path):
+    script = ROOT / "examples" / "md_decoupling" / "cpu_repro" / "run.py"
+    out = subprocess.run([sys.executable, str(script), "--smoke", f"--out={tmp_path}"],
+                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert set(res["best"]) == {"d64", "d128"}
+    assert set(res["best"]["d128"]) == {"adamw", "muonmd"}
+    for size in res["best"].values():
+        for b in size.values():
+            assert b["finished"] == 1 and b["valid"] > 0 and b["lr"] in b["grid"]
+    claims = res["claims"]
+    assert {"adamw optimal LR across width", "muonmd optimal LR across width",
+            "relative update follows the LR schedule"} <= set(claims)  # fmt: skip
+    dyn = claims["relative update follows the LR schedule"]
+    assert all(d["ratio_cv"] >= 0 and d["used_iterations"] for d in dyn.values())
+    for png in ("lr_sweep.png", "lr_transfer.png", "relative_update.png"):
+        assert (tmp_path / png).stat().st_size > 10_000
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert len(manifest["runs"]) == 4
+    again = subprocess.run([sys.executable, str(script), "--smoke", f"--out={tmp_path}"],
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert again.returncode == 0 and "4 already finished" in again.stderr  # resumable
