@@ -74,6 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("runs/long_run"))
     ap.add_argument("--check", type=Path, nargs="+", help="only check these metrics files")
     args = ap.parse_args(argv)
+    args.out = args.out.resolve()  # runs start in args.out: keep their paths absolute
     args.out.mkdir(parents=True, exist_ok=True)
     paths = args.check or [run(m, args.iters, args.nproc, args.out) for m in args.methods]
     ok = True

@@ -21,6 +21,7 @@ import argparse
 import csv
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -111,7 +112,9 @@ def plot(rows: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     def panels(outer: str, inner: str, path: Path, title: str) -> None:
-        keys = sorted({r[outer] for r in rows})
+        keys = sorted({r[outer] for r in rows if r["status"] == "ok"}, key=_natural)
+        if not keys:
+            return
         fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
         for ax, k in zip(axes[0], keys):
             series: dict[tuple, list] = {}
@@ -137,6 +140,11 @@ def plot(rows: list[dict], out: Path) -> None:
 
     panels("size", "method", out / "lr_sweep.png", "size")
     panels("method", "size", out / "lr_transfer.png", "method")
+
+
+def _natural(text: str):
+    """d64 < d128 < d256 (digits compared as numbers)."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(text))]
 
 
 def main(argv=None) -> dict:

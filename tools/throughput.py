@@ -218,6 +218,7 @@ def main(argv=None) -> None:
     ap.add_argument("--peak-tflops", type=float, help="per-GPU peak for MFU (else by device)")
     ap.add_argument("--out", type=Path, default=Path("runs/throughput"))
     args = ap.parse_args(argv)
+    args.out = args.out.resolve()  # runs start in args.out: keep their paths absolute
     if extra and (args.logs or args.manifest):
         ap.error("extra pretrain flags after -- only apply when the tool runs the methods")
     try:

@@ -244,6 +244,7 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--smoke", action="store_true", help="pipeline check only (~1.5 min)")
     args = ap.parse_args(argv)
+    args.out = args.out.resolve()  # the runs' working directory is args.out
     args.seq, args.gbs, args.eval_iters = 256, 8, 8
     if args.smoke:
         args.iters, args.lrs, args.widths, args.nproc = 6, 1, [64, 128], 1
