@@ -149,7 +149,8 @@ def dynamics(run_dir: str) -> dict:
 
 
 def analyse(runs: list[dict], manifest: Path, args) -> dict:
-    report = lr_sweep.main([str(manifest), "--out", str(args.out)])
+    tail = min(25, max(1, args.iters // 2))  # the paper's 25, fewer for short (smoke) runs
+    report = lr_sweep.main([str(manifest), "--out", str(args.out), "--tail", str(tail)])
     scores = {r["name"]: r for r in report["runs"]}
     per = {}
     for r in runs:
