@@ -77,6 +77,17 @@ def test_muon_md_layerwise_bf16():
     check(res, 2, "bf16")
 
 
+@pytest.mark.parametrize("nproc,dtype,experts", [(2, "fp32", 0), (2, "bf16", 4)])
+def test_adam_md_layerwise(nproc, dtype, experts):
+    """--md-adam-layer-wise: AdamMD on whole matrices owned layer-wise (megatron's layer-wise
+    optimizer built as Muon, base step swapped for Adam) vs the Adam reference."""
+    res = torchrun("md_check.py", nproc, "--optimizer", "adam", "--dist", "layerwise",
+                   "--dtype", dtype, "--experts", str(experts))  # fmt: skip
+    check(res, nproc, dtype)
+    assert "MDFloat16OptimizerWithFloat16Params" in res["classes"]
+    assert res["payload"] == res["expected_payload"]  # only embedding/LM-head rows reduced
+
+
 @pytest.mark.parametrize("optimizer,dtype", [("adam", "fp32"), ("muon", "bf16")])
 def test_md_replicated_optimizers(optimizer, dtype):
     res = torchrun(

@@ -184,6 +184,37 @@ def test_md_flags_reach_the_optimizer(runs):
     assert lrs["matrix"] / lrs["output"] == pytest.approx(40) and "embedding" in lrs
 
 
+def test_adam_md_layer_wise_equals_zero1(runs, tmp_path):
+    """--md-adam-layer-wise (whole matrices per rank) runs the same AdamMD as ZeRO-1 slices:
+    the same loss every iteration up to reduction order (fp32; seen <= 1.2e-7)."""
+    cmd, env = command(tmp_path, "lw", "--train-iters=20", "--md-adam-layer-wise", *RUNS["adam_md"])
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "lw.jsonl").open()]
+    assert rows[0]["md_config"]["adam_layer_wise"] is True
+    lw, zero1 = train_rows(rows), train_rows(runs["adam_md"][0])
+    assert sorted(lw) == sorted(zero1) == list(range(1, 21))
+    worst = max(abs(lw[i]["lm loss"] - zero1[i]["lm loss"]) for i in lw)
+    assert worst <= 1e-5, worst
+    assert max(lw[20]["md"]["sphere_drift"].values()) < 1e-5
+
+
+def test_adam_md_expert_parallel(tmp_path):
+    """EP=2 at 4 ranks: expert matrices are ZeRO-1 slices over the expert-data-parallel group
+    (2 ranks), dense ones over the data-parallel group (4). A norm reduced over the wrong group
+    puts the matrix off its sphere: every MD matrix of the saved checkpoint (all 4 experts of
+    both EP ranks included) must be on it."""
+    flags = ["--train-iters=10", "--preset=tiny-moe", "--optimizer=adam", "--md-decoupling",
+             "--lr=1e-2", "--expert-model-parallel-size=2", "--micro-batch-size=2"]  # fmt: skip
+    rows, save = pretrain(tmp_path, "ep", *flags, nproc=4)
+    train = train_rows(rows)
+    assert sorted(train) == list(range(1, 11)) and train[10]["lm loss"] < 0.8 * train[1]["lm loss"]
+    errs = sphere_errors(read_checkpoint(save / "iter_0000010"), "softplus")
+    experts = [k for k in errs if "experts" in k and "shared" not in k]
+    assert len(experts) >= 2 and any("router" in k for k in errs), sorted(errs)
+    assert max(errs.values()) < 1e-5, sorted(errs.items(), key=lambda kv: -kv[1])[:3]
+
+
 def train_rows(rows: list[dict]) -> dict[int, dict]:
     return {r["iteration"]: r for r in rows if r["type"] == "train"}
 

@@ -150,6 +150,14 @@ def test_missing_data_and_tokenizer_are_named(capsys, tmp_path):
     assert "tokenizer.json" in msg
 
 
+def test_md_adam_layer_wise_selects_megatron_layer_wise_sharding():
+    args, md = parse(
+        "--md-decoupling", "--md-adam-layer-wise", "--optimizer=adam", "--use-distributed-optimizer"
+    )
+    assert md.adam_layer_wise and args.optimizer == "adam"
+    assert args.use_layer_wise_distributed_optimizer and not args.use_distributed_optimizer
+
+
 def test_wsd_cooldown_fraction_sets_decay_iters():
     args, _ = parse(
         "--train-iters=100", "--lr-decay-style=WSD", "--lr-wsd-decay-style=minus_sqrt",
@@ -183,6 +191,8 @@ def test_load_names_a_missing_or_partial_checkpoint(tmp_path):
         (["--lr-warmup-iters=4"], "--lr-warmup-iters=4 is not shorter than the run"),
         (["--md-from-plain-checkpoint"], "needs --md-decoupling and --load"),
         (["--optimizer=muon", "--use-torch-fsdp2"], "FSDP"),
+        (["--md-adam-layer-wise"], "--md-adam-layer-wise needs --md-decoupling"),
+        (["--md-decoupling", "--md-adam-layer-wise", "--optimizer=muon"], "needs --optimizer adam"),
     ],
 )
 def test_contradictory_flags_stop(capsys, extra, needle):

@@ -7,6 +7,7 @@ with megatron-core's own optimizers and ``enable_md``:
 
 - AdamMD / Adam under ZeRO-1 (``DistributedOptimizer``);
 - MuonMD / Muon layer-wise (``LayerWiseDistributedOptimizer``, Adam for embeddings/LM head);
+- AdamMD layer-wise (``--md-adam-layer-wise``) / AdamMD ZeRO-1: the two sharding strategies;
 - optimizer-state bytes with MD / without, bf16 params (fp32 main params held by megatron).
 
 Times are medians over ``--steps`` of the full ``optimizer.step()`` (clip, inner step, copy to
@@ -101,7 +102,8 @@ def build(name: str, optimizer: str, md_on: bool, dtype: str, vocab: int):
         use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False
     )
     extra = {}
-    if optimizer == "muon":
+    layer_wise = optimizer in ("muon", "adam_lw")  # adam_lw: --md-adam-layer-wise
+    if layer_wise:
         tag_params_for_buffer_routing([module])
         world = torch.distributed.get_world_size()
         extra["full_param_layout"] = LayerWiseDistributedOptimizer.compute_full_param_layout(
@@ -109,13 +111,13 @@ def build(name: str, optimizer: str, md_on: bool, dtype: str, vocab: int):
         )
     dmodel = DDP(cfg, ddpc, module, **extra)
     ocfg = OptimizerConfig(
-        optimizer=optimizer,
+        optimizer="muon" if layer_wise else optimizer,
         lr=1e-3,
         weight_decay=0.0,
         clip_grad=1.0,
-        bf16=dtype == "bf16" or optimizer == "muon",  # LayerWise needs bf16=True
+        bf16=dtype == "bf16" or layer_wise,  # LayerWise needs bf16=True
         use_distributed_optimizer=True,
-        use_layer_wise_distributed_optimizer=optimizer == "muon",
+        use_layer_wise_distributed_optimizer=layer_wise,
         muon_split_qkv=False,
         muon_nesterov=True,
         muon_scale_mode="unit_rms_norm",
@@ -124,7 +126,7 @@ def build(name: str, optimizer: str, md_on: bool, dtype: str, vocab: int):
     )
     opt = get_megatron_optimizer(ocfg, [dmodel])
     if md_on:
-        enable_md(opt, [dmodel], MDConfig())
+        enable_md(opt, [dmodel], MDConfig(adam_layer_wise=optimizer == "adam_lw"))
     gen = torch.Generator(DEV).manual_seed(1)
     for p in dmodel.module.parameters():
         p.main_grad.copy_(torch.randn(p.shape, generator=gen, device=DEV) * 1e-3)
@@ -265,11 +267,11 @@ def worker(args) -> None:
         print(f"{'model':<12} {'ratio':<40} {'value':>7}   (seconds: base -> MD)")
         for name, row in results.items():
             for key, val in row["ratios"].items():
-                base = key.split("/")[1].split()[0]
                 which = key.split()[-1]
+                pair = PAIRS.get(key.rsplit(" ", 1)[0])
                 secs = ""
-                if which in ("step", "inner"):
-                    b, m = row[base][f"{which}_s"], row[f"{base}_md"][f"{which}_s"]
+                if pair and which in ("step", "inner"):
+                    b, m = (row[k][f"{which}_s"] for k in pair)
                     secs = f"   {b:.3f} -> {m:.3f}"
                 print(f"{name:<12} {key:<40} {val:>7.4g}{secs}")
         summary = {"world": world, "steps": args.steps, "device": where, "results": results}
@@ -278,27 +280,34 @@ def worker(args) -> None:
 
 
 JSON_TAG = "BENCH_JSON "
+#: ratio name -> (denominator run, numerator run)
+PAIRS = {
+    "adam_md/adam": ("adam", "adam_md"),
+    "muon_md/muon": ("muon", "muon_md"),
+    "adam_md layer-wise/zero1": ("adam_md", "adam_lw_md"),
+}
+#: (optimizer, MD on): adam/muon as megatron builds them; adam_lw = AdamMD layer-wise
+RUNS = [("adam", False), ("adam", True), ("muon", False), ("muon", True), ("adam_lw", True)]
 
 
 def measure(name: str, dtype: str, args, rank: int) -> dict:
     import gc
 
     row = {}
-    for opt_name in ("adam", "muon"):
-        for md_on in (False, True):
-            t0 = time.perf_counter()
-            dmodel, opt = build(name, opt_name, md_on, dtype, args.vocab)
-            log(
-                rank,
-                f"{name} {dtype} {opt_name} md={md_on}: built in {time.perf_counter() - t0:.1f} s",
-            )
-            full, inn = time_steps(opt, args.steps)
-            log(rank, f"  step {full:.3f} s, inner {inn:.3f} s")
-            row[f"{opt_name}{'_md' if md_on else ''}"] = {"step_s": full, "inner_s": inn}
-            if opt_name == "adam" and md_on:
-                row["bytes"] = collective_bytes(dmodel, opt)
-            del dmodel, opt
-            free(gc)
+    for opt_name, md_on in RUNS:
+        t0 = time.perf_counter()
+        dmodel, opt = build(name, opt_name, md_on, dtype, args.vocab)
+        log(
+            rank,
+            f"{name} {dtype} {opt_name} md={md_on}: built in {time.perf_counter() - t0:.1f} s",
+        )
+        full, inn = time_steps(opt, args.steps)
+        log(rank, f"  step {full:.3f} s, inner {inn:.3f} s")
+        row[f"{opt_name}{'_md' if md_on else ''}"] = {"step_s": full, "inner_s": inn}
+        if opt_name == "adam" and md_on:
+            row["bytes"] = collective_bytes(dmodel, opt)
+        del dmodel, opt
+        free(gc)
     sb = {}
     for md_on in (False, True):
         dmodel, opt = build(name, "adam", md_on, "bf16", args.vocab)
@@ -313,6 +322,7 @@ def measure(name: str, dtype: str, args, rank: int) -> dict:
         "adam_md/adam inner": row["adam_md"]["inner_s"] / row["adam"]["inner_s"],
         "muon_md/muon step": row["muon_md"]["step_s"] / row["muon"]["step_s"],
         "muon_md/muon inner": row["muon_md"]["inner_s"] / row["muon"]["inner_s"],
+        "adam_md layer-wise/zero1 step": row["adam_lw_md"]["step_s"] / row["adam_md"]["step_s"],
         "state bytes md/base (bf16 params)": sb[True] / sb[False],
         "md all-reduce / param all-gather bytes": row["bytes"]["ratio"],
     }

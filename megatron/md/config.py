@@ -83,6 +83,11 @@ class MDConfig:
     lowrank_init_std: float = 1.0
     """Std of the random init of the lowrank factor A (B starts at 0, so Γ = 1)."""
 
+    adam_layer_wise: bool = False
+    """AdamMD on whole matrices owned layer-wise (``--md-adam-layer-wise``) instead of ZeRO-1
+    slices: the optimizer is built as megatron's layer-wise Muon (megatron-core shards
+    layer-wise only for emerging optimizers) and the matrices' base step is Adam."""
+
     def __post_init__(self) -> None:
         self.validate()
 

@@ -70,7 +70,12 @@ def setup_whole(opt, roles: dict, names: dict, md: MDConfig, layer_wise: bool) -
 
     if opt.is_stub_optimizer:
         return
-    if isinstance(opt.optimizer, TensorParallelMuon):
+    if isinstance(opt.optimizer, TensorParallelMuon) and md.adam_layer_wise:
+        base, muon = "adam", None  # layer-wise AdamMD: Muon's groups get Adam's constants
+        for group in opt.optimizer.param_groups:
+            group.update(betas=(opt.config.adam_beta1, opt.config.adam_beta2))
+            group.update(eps=opt.config.adam_eps)
+    elif isinstance(opt.optimizer, TensorParallelMuon):
         base, muon = "muon", muon_hparams(opt.config)
     elif isinstance(opt.optimizer, torch.optim.Adam | torch.optim.AdamW):
         base, muon = "adam", None

@@ -9,6 +9,8 @@ gradient; the check isolates the optimizer.
 
 --vs reference: the oracle is the single-process ``MDOptimizer`` (reference MD step) fed the
     gradient megatron computed (captured before the DP reduction), clipped like megatron.
+--optimizer adam --dist layerwise: AdamMD on whole matrices owned layer-wise (built as megatron's
+    layer-wise Muon, base step swapped for Adam: MDConfig.adam_layer_wise).
 --vs megatron: MD switched off (no sphere, no gains, no row norms) must reproduce megatron's
     own optimizer run through the same wrapper bit for bit (a second model in this process).
 
@@ -42,7 +44,10 @@ def parse(argv=None):
     ap.add_argument("--vs", default="reference", choices=["reference", "megatron"])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.vs == "megatron" and args.dist == "layerwise" and args.optimizer == "adam":
+        ap.error("megatron-core has no layer-wise Adam to compare with")
+    return args
 
 
 def md_config(args):
@@ -57,7 +62,8 @@ def md_config(args):
             router_norm="none",
             muon_scale="unit_rms_norm",
         )
-    return MDConfig(sphere=args.sphere)
+    # --optimizer adam --dist layerwise: AdamMD on whole matrices (built as layer-wise Muon)
+    return MDConfig(sphere=args.sphere, adam_layer_wise=args.dist == "layerwise")
 
 
 def build(args, world):
@@ -88,7 +94,7 @@ def build(args, world):
         )
     dmodel = DDP(model.config, ddpc, inner, **extra)
     cfg = OptimizerConfig(
-        optimizer=args.optimizer,
+        optimizer="muon" if args.dist == "layerwise" else args.optimizer,
         lr=LR,
         weight_decay=0.0,
         adam_beta1=0.9,

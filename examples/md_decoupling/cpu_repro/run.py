@@ -42,7 +42,10 @@ import lr_sweep  # noqa: E402
 from runlog import read_log, run_pretrain  # noqa: E402
 
 METHODS = ("adamw", "muon", "adammd", "muonmd")
-GRID_START = {"adamw": 1e-3, "adammd": 2e-3, "muon": 4e-3, "muonmd": 4e-3}  # ×2 steps
+# ×2 steps; 6 points. Session 4's 5-point grids (AdamW from 1e-3, Muon/MuonMD from 4e-3) had
+# 3 of 4 optima on the top edge, hence these.
+GRID_START = {"adamw": 2e-3, "adammd": 2e-3, "muon": 8e-3, "muonmd": 8e-3}
+SEED, EXTRA_SEED, SEED_POINTS = 1234, 1235, 3
 HIDDEN = ("qkv", "proj", "fc1", "fc2")
 
 
@@ -69,26 +72,38 @@ def plan(args) -> list[dict]:
     points = [("compare", m, 128) for m in args.methods]
     points += [("width", m, w) for m in ("adamw", "muonmd") if m in args.methods
                for w in args.widths if w != 128]  # fmt: skip
-    runs = []
-    for part, method, width in points:
-        for k in range(args.lrs):
-            lr = GRID_START[method] * 2**k
-            name = f"d{width}-{method}-lr{lr:.4g}"
-            flags = [*args.data_flags, "--preset=tiny", *width_flags(width),
-                     f"--train-iters={args.iters}", f"--seq-length={args.seq}",
-                     f"--max-position-embeddings={args.seq}",
-                     f"--micro-batch-size={args.gbs // args.nproc}",
-                     f"--global-batch-size={args.gbs}", "--lr-decay-style=linear",
-                     "--min-lr=1e-6", "--adam-beta1=0.9", "--adam-beta2=0.99", "--clip-grad=1.0",
-                     "--lr=3e-3", "--embedding-lr=3e-3", "--output-lr=1e-3",
-                     f"--matrix-lr={lr:.4g}", "--log-interval=1", "--md-log-interval=5",
-                     f"--eval-interval={args.iters}", f"--eval-iters={args.eval_iters}",
-                     "--use-distributed-optimizer", "--seed=1234",
-                     *method_flags(method, args.iters)]  # fmt: skip
-            runs.append({"name": name, "flags": flags, "run_dir": str(args.out / name),
-                         "meta": {"size": f"d{width}", "method": method, "matrix_lr": lr,
-                                  "width": width, "part": part}})  # fmt: skip
-    return runs
+    return [run_spec(args, part, method, width, GRID_START[method] * 2**k)
+            for part, method, width in points for k in range(args.lrs)]  # fmt: skip
+
+
+def seed_plan(args, runs: list[dict]) -> list[dict]:
+    """Part 1 again with a second seed, at the SEED_POINTS best LRs (by valid loss) per method."""
+    extra = []
+    for method in args.methods:
+        pts = [(final_valid(r["run_dir"]), r["meta"]["matrix_lr"]) for r in runs
+               if r["meta"]["part"] == "compare" and r["meta"]["method"] == method]  # fmt: skip
+        ok = sorted(p for p in pts if p[0] is not None)
+        extra += [run_spec(args, "seeds", method, 128, lr, EXTRA_SEED)
+                  for _, lr in ok[:SEED_POINTS]]  # fmt: skip
+    return extra
+
+
+def run_spec(args, part: str, method: str, width: int, lr: float, seed: int = SEED) -> dict:
+    name = f"d{width}-{method}-lr{lr:.4g}" + ("" if seed == SEED else f"-seed{seed}")
+    flags = [*args.data_flags, "--preset=tiny", *width_flags(width),
+             f"--train-iters={args.iters}", f"--seq-length={args.seq}",
+             f"--max-position-embeddings={args.seq}",
+             f"--micro-batch-size={args.gbs // args.nproc}",
+             f"--global-batch-size={args.gbs}", "--lr-decay-style=linear",
+             "--min-lr=1e-6", "--adam-beta1=0.9", "--adam-beta2=0.99", "--clip-grad=1.0",
+             "--lr=3e-3", "--embedding-lr=3e-3", "--output-lr=1e-3",
+             f"--matrix-lr={lr:.4g}", "--log-interval=1", "--md-log-interval=5",
+             f"--eval-interval={args.iters}", f"--eval-iters={args.eval_iters}",
+             "--use-distributed-optimizer", f"--seed={seed}",
+             *method_flags(method, args.iters)]  # fmt: skip
+    meta = {"size": f"d{width}", "method": method, "matrix_lr": lr, "width": width, "part": part,
+            "seed": seed, **({} if seed == SEED else {"variant": f"seed {seed}"})}  # fmt: skip
+    return {"name": name, "flags": flags, "run_dir": str(args.out / name), "meta": meta}
 
 
 def done(run: dict, iters: int) -> bool:
@@ -102,6 +117,8 @@ def done(run: dict, iters: int) -> bool:
 def execute(runs: list[dict], args) -> None:
     runs = [r for r in runs if r["meta"]["part"] in args.parts]
     todo = [r for r in runs if not done(r, args.iters)]
+    if not runs:
+        return
     print(f"[repro] {len(runs)} runs, {len(runs) - len(todo)} already finished", file=sys.stderr)
     for i, r in enumerate(todo, 1):
         d = Path(r["run_dir"])
@@ -152,9 +169,12 @@ def analyse(runs: list[dict], manifest: Path, args) -> dict:
     tail = min(25, max(1, args.iters // 2))  # the paper's 25, fewer for short (smoke) runs
     report = lr_sweep.main([str(manifest), "--out", str(args.out), "--tail", str(tail)])
     scores = {r["name"]: r for r in report["runs"]}
-    per = {}
+    per, seeds = {}, {}
     for r in runs:
         m = r["meta"]
+        if m["part"] == "seeds":
+            seeds.setdefault(m["method"], {})[m["matrix_lr"]] = final_valid(r["run_dir"])
+            continue
         entry = per.setdefault(m["size"], {}).setdefault(m["method"], [])
         entry.append({"lr": m["matrix_lr"], "valid": final_valid(r["run_dir"]),
                       "tail": scores[r["name"]]["tail_loss"], "run_dir": r["run_dir"]})  # fmt: skip
@@ -177,6 +197,11 @@ def analyse(runs: list[dict], manifest: Path, args) -> dict:
                 "base_valid": b,
                 "difference": a - b,
             }
+            two = two_seed_best(per["d128"], seeds, (md, base))
+            if two:
+                diff = two[md]["mean_valid"] - two[base]["mean_valid"]
+                claims[f"{md} >= {base} at the optimum"]["two_seeds"] = {
+                    **two, "difference": diff, "holds": diff <= 0}  # fmt: skip
     for method in ("adamw", "muonmd"):
         opt = {s: best[s][method]["lr"] for s in sorted(best, key=lambda s: int(s[1:]))
                if method in best[s]}  # fmt: skip
@@ -194,6 +219,28 @@ def analyse(runs: list[dict], manifest: Path, args) -> dict:
         plot_dynamics(dyn, args.out / "relative_update.png")
     return {"config": {k: str(v) for k, v in vars(args).items() if k != "data_flags"},
             "best": best, "claims": claims}  # fmt: skip
+
+
+def two_seed_best(d128: dict, seeds: dict, methods: tuple) -> dict | None:
+    """Per method: the LR with the best mean valid loss over both seeds (LRs run with both), the
+    two losses, and the largest seed-to-seed difference at any such LR."""
+    out = {}
+    for method in methods:
+        first = {p["lr"]: p["valid"] for p in d128.get(method, []) if p["valid"] is not None}
+        both = {lr: (first[lr], v) for lr, v in seeds.get(method, {}).items()
+                if v is not None and lr in first}  # fmt: skip
+        if not both:
+            return None
+        lr, pair = min(both.items(), key=lambda kv: sum(kv[1]))
+        spread = max(abs(a - b) for a, b in both.values())
+        out[method] = {
+            "lr": lr,
+            "valid": list(pair),
+            "mean_valid": sum(pair) / 2,
+            "lrs_with_both_seeds": sorted(both),
+            "max_seed_difference": spread,
+        }
+    return out
 
 
 def plot_dynamics(dyn: dict, path: Path) -> None:
@@ -232,7 +279,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "cpu_repro")
     ap.add_argument("--data", type=Path, default=ROOT / "data" / "demo")
     ap.add_argument("--iters", type=int, default=160)
-    ap.add_argument("--lrs", type=int, default=5, help="LR grid points per method and width")
+    ap.add_argument("--lrs", type=int, default=6, help="LR grid points per method and width")
     ap.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--nproc", type=int, default=2)
@@ -240,8 +287,9 @@ def main(argv=None) -> dict:
         "--parts",
         nargs="+",
         default=["compare", "width"],
-        choices=["compare", "width"],
-        help="runs to make (the analysis reads all)",
+        choices=["compare", "width", "seeds"],
+        help="runs to make (the analysis reads all finished ones); seeds: part 1 again with a "
+        f"second seed ({EXTRA_SEED}) at the {SEED_POINTS} best LRs per method (~20 min)",
     )
     ap.add_argument("--smoke", action="store_true", help="pipeline check only (~1.5 min)")
     args = ap.parse_args(argv)
@@ -266,6 +314,10 @@ def main(argv=None) -> dict:
     manifest.write_text(json.dumps({"experiment": "cpu_repro", "runs": runs}, indent=1))
     t0 = time.time()
     execute(runs, args)
+    extra = seed_plan(args, runs)  # from part 1's results, so after them
+    runs += [r for r in extra if "seeds" in args.parts or done(r, args.iters)]
+    execute(extra, args)
+    manifest.write_text(json.dumps({"experiment": "cpu_repro", "runs": runs}, indent=1))
     result = analyse(runs, manifest, args)
     result["wall_s"] = time.time() - t0
     (args.out / "results.json").write_text(json.dumps(result, indent=1))

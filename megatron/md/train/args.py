@@ -74,6 +74,12 @@ def add_md_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="project the direction gradient onto the sphere's tangent space",
     )
     g.add_argument(
+        "--md-adam-layer-wise",
+        action="store_true",
+        help="with --optimizer adam --md-decoupling --use-distributed-optimizer: each rank owns "
+        "whole matrices (megatron's layer-wise optimizer) instead of ZeRO-1 slices",
+    )
+    g.add_argument(
         "--md-from-plain-checkpoint",
         action="store_true",
         help="continual training: --load a checkpoint without MD state (e.g. AdamW) with its "
@@ -157,6 +163,7 @@ def md_config_from_args(args) -> MDConfig:
         output_norm=args.md_output_norm,
         router_norm=args.md_router_norm,
         muon_scale=scale,
+        adam_layer_wise=args.md_adam_layer_wise,
     )
 
 
@@ -188,8 +195,19 @@ def validate(args) -> MDConfig | None:
             _fail("--md-decoupling does not support FSDP (use --use-distributed-optimizer)")
         if args.tensor_model_parallel_size > 1:
             _fail("--md-decoupling needs --tensor-model-parallel-size 1 (TP>1 is not supported)")
+        if args.md_adam_layer_wise:
+            if args.optimizer != "adam" or not (
+                args.use_distributed_optimizer or args.use_layer_wise_distributed_optimizer
+            ):
+                _fail("--md-adam-layer-wise needs --optimizer adam --use-distributed-optimizer")
+            # megatron shards layer-wise only for emerging optimizers: its args say so for
+            # muon (training/arguments.py:1680); patches build the optimizer as layer-wise Muon
+            args.use_layer_wise_distributed_optimizer = True
+            args.use_distributed_optimizer = False
         if args.optimizer == "muon" and args.muon_split_qkv:
             _fail("MuonMD orthogonalizes the fused QKV matrix: add --muon-no-split-qkv")
+    elif args.md_adam_layer_wise:
+        _fail("--md-adam-layer-wise needs --md-decoupling")
     elif args.muon_scale_mode == "sphere_rms":
         _fail("--muon-scale-mode sphere_rms needs --md-decoupling (it follows the sphere radius)")
     if args.optimizer == "muon" and not args.md_decoupling and args.muon_scale_mode == "none":

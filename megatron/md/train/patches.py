@@ -99,6 +99,9 @@ def _wrap_optimizer_config(orig):
         from megatron.core.optimizer.optimizer_config import ParamKey, ParamWithNamePredicate
 
         config, overrides = orig(args)
+        if getattr(args, "md_adam_layer_wise", False):  # built as layer-wise Muon, see args.py
+            config.optimizer, config.muon_split_qkv = "muon", False
+            config.use_layer_wise_distributed_optimizer = True
         if config.use_layer_wise_distributed_optimizer:
             config.bf16 = True  # layer_wise_optimizer.py:505 needs it even for fp32 params
         overrides = dict(overrides or {})
