@@ -63,7 +63,8 @@ def md_config(args):
             muon_scale="unit_rms_norm",
         )
     # --optimizer adam --dist layerwise: AdamMD on whole matrices (built as layer-wise Muon)
-    return MDConfig(sphere=args.sphere, adam_layer_wise=args.dist == "layerwise")
+    lw_adam = args.dist == "layerwise" and args.optimizer == "adam"
+    return MDConfig(sphere=args.sphere, adam_layer_wise=lw_adam)
 
 
 def build(args, world):
