@@ -36,3 +36,19 @@ def test_cpu_repro_smoke(tmp_path):
     again = subprocess.run([sys.executable, str(script), "--smoke", f"--out={tmp_path}"],
                            capture_output=True, text=True, timeout=300)  # fmt: skip
     assert again.returncode == 0 and "4 already finished" in again.stderr  # resumable
+
+
+def test_two_seed_best_picks_the_best_mean():
+    sys.path.insert(0, str(ROOT / "examples" / "md_decoupling" / "cpu_repro"))
+    import run
+
+    d128 = {"adamw": [{"lr": 1.0, "valid": 6.0}, {"lr": 2.0, "valid": 5.9},
+                      {"lr": 4.0, "valid": None}],
+            "adammd": [{"lr": 1.0, "valid": 5.8}, {"lr": 2.0, "valid": 5.7}]}  # fmt: skip
+    seeds = {"adamw": {1.0: 5.85, 2.0: 6.0, 4.0: 5.0}, "adammd": {2.0: 5.75}}
+    two = run.two_seed_best(d128, seeds, ("adammd", "adamw"))
+    assert two["adamw"]["lr"] == 1.0 and two["adamw"]["valid"] == [6.0, 5.85]
+    assert two["adamw"]["lrs_with_both_seeds"] == [1.0, 2.0]  # 4.0: first seed diverged
+    assert two["adamw"]["max_seed_difference"] == pytest.approx(0.15)
+    assert two["adammd"]["mean_valid"] == pytest.approx(5.725)
+    assert run.two_seed_best(d128, {"adamw": {1.0: 5.9}}, ("adammd", "adamw")) is None

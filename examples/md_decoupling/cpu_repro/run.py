@@ -4,7 +4,7 @@ On the demo corpus (State of the Union addresses, built once by ``tools/build_de
 with a tiny dense GPT of the paper's architecture (4 layers, head dim 32, d_ff = 4d, sequence
 256, global batch 8, 160 iterations: 328k tokens per run), through ``pretrain_gpt.py``:
 
-1. optimizer comparison: a 5-point matrix-LR sweep (×2 steps) for AdamW, Muon, AdamMD and
+1. optimizer comparison: a 6-point matrix-LR sweep (×2 steps) for AdamW, Muon, AdamMD and
    MuonMD at d = 128 under the paper's recipe (baselines: weight decay 0.1 and 10 % warmup; MD:
    neither). Score: the final validation loss (2 % of documents held out) and the tail train
    loss (mean of the last 25 iterations, ``tools/lr_sweep.py``);
@@ -14,6 +14,9 @@ with a tiny dense GPT of the paper's architecture (4 layers, head dim 32, d_ff =
    ‖ΔW‖/‖W‖ of the hidden matrices divided by the matrix LR, over the iterations where the LR
    is at least 10 % of its peak (after warmup): its coefficient of variation, and the ratio of
    its last-quarter mean to its first-quarter mean.
+
+``--parts seeds`` (not in the default): part 1 again with a second seed at the two best LRs of
+each method; the claim is then also judged on the two-seed mean.
 
 Writes ``<out>/results.json``, ``lr_sweep.png``, ``lr_transfer.png``, ``relative_update.png``
 and a manifest in ``sweep.py``'s format (``tools/lr_sweep.py`` reads it). Finished runs are
@@ -45,7 +48,7 @@ METHODS = ("adamw", "muon", "adammd", "muonmd")
 # ×2 steps; 6 points. Session 4's 5-point grids (AdamW from 1e-3, Muon/MuonMD from 4e-3) had
 # 3 of 4 optima on the top edge, hence these.
 GRID_START = {"adamw": 2e-3, "adammd": 2e-3, "muon": 8e-3, "muonmd": 8e-3}
-SEED, EXTRA_SEED, SEED_POINTS = 1234, 1235, 3
+SEED, EXTRA_SEED, SEED_POINTS = 1234, 1235, 2
 HIDDEN = ("qkv", "proj", "fc1", "fc2")
 
 
