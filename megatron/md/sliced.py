@@ -130,6 +130,8 @@ class SliceMD:
             if self.spec.sphere == "frobenius":  # a dot product: no temporary
                 flat = w.reshape(-1)
                 out += flat @ flat
+            elif self.spec.sphere == "row":  # one pass, no temporary of the block's size
+                out[blk.r0 : blk.r0 + blk.nr] += torch.linalg.vector_norm(w, dim=1).square_()
             else:
                 self._axis_sum(blk, w * w, out)
 
@@ -256,6 +258,8 @@ class SliceMD:
                 gd = w * gb
                 self._gain_partials(blk, gd, g, gain_out)
                 self._apply_into(blk, gb, g, gd)  # reuse the Ŵ⊙G buffer for G_Ŵ
+            elif self.spec.gains == "none" and pre is None:
+                gd = gb  # G_Ŵ = G (embeddings, LM head): read in place, no copy
             else:
                 gd = self._apply(blk, gb, g)
             if pre is not None and self.n_pre_partials():
