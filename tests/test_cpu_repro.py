@@ -52,3 +52,32 @@ def test_two_seed_best_picks_the_best_mean():
     assert two["adamw"]["max_seed_difference"] == pytest.approx(0.15)
     assert two["adammd"]["mean_valid"] == pytest.approx(5.725)
     assert run.two_seed_best(d128, {"adamw": {1.0: 5.9}}, ("adammd", "adamw")) is None
+
+
+@pytest.mark.parametrize(
+    "best,expected", [(0.5, [0.64, 1.28]), (0.1, []), (0.003, [0.005, 0.0025])]
+)
+def test_grid_extends_past_an_edge_optimum(monkeypatch, tmp_path, best, expected):
+    import argparse
+    import math
+
+    sys.path.insert(0, str(ROOT / "examples" / "md_decoupling" / "cpu_repro"))
+    import run
+
+    loss = {}  # run_dir -> final valid loss, a parabola in log2(LR) with its minimum at `best`
+    monkeypatch.setattr(run, "final_valid", lambda d: loss[d])
+    made = []
+
+    def execute(new, args):
+        for r in new:
+            made.append(r["meta"]["matrix_lr"])
+            loss[r["run_dir"]] = (math.log2(r["meta"]["matrix_lr"] / best)) ** 2
+
+    monkeypatch.setattr(run, "execute", execute)
+    args = argparse.Namespace(extend=2, parts=["compare"], data_flags=[], iters=4, seq=8, gbs=2,
+                              nproc=1, eval_iters=1, out=tmp_path)  # fmt: skip
+    grid = [run.run_spec(args, "compare", "adamw", 128, 0.01 * 2**k) for k in range(6)]
+    execute(grid, args)
+    made.clear()
+    added = run.extend(grid, args)
+    assert made == pytest.approx(expected) and len(added) == len(expected)

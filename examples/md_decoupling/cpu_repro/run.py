@@ -15,8 +15,9 @@ with a tiny dense GPT of the paper's architecture (4 layers, head dim 32, d_ff =
    is at least 10 % of its peak (after warmup): its coefficient of variation, and the ratio of
    its last-quarter mean to its first-quarter mean.
 
-``--parts seeds`` (not in the default): part 1 again with a second seed at the two best LRs of
-each method; the claim is then also judged on the two-seed mean.
+Where a sweep's optimum sits on its grid's edge, up to ``--extend`` (2) more LRs are run past
+that edge. ``--parts seeds`` (not in the default): part 1 again with a second seed at the two
+best LRs of each method; the claim is then also judged on the two-seed mean.
 
 Writes ``<out>/results.json``, ``lr_sweep.png``, ``lr_transfer.png``, ``relative_update.png``
 and a manifest in ``sweep.py``'s format (``tools/lr_sweep.py`` reads it). Finished runs are
@@ -77,6 +78,34 @@ def plan(args) -> list[dict]:
                for w in args.widths if w != 128]  # fmt: skip
     return [run_spec(args, part, method, width, GRID_START[method] * 2**k)
             for part, method, width in points for k in range(args.lrs)]  # fmt: skip
+
+
+def extend(runs: list[dict], args) -> list[dict]:
+    """Where a sweep's best final validation loss sits on its grid's edge, run the next LR past
+    that edge (×2 or ÷2), up to ``args.extend`` points per sweep; returns the added runs."""
+    added: list[dict] = []
+    for _ in range(args.extend):
+        sweeps: dict[tuple, list[dict]] = {}
+        for r in runs + added:
+            m = r["meta"]
+            if m["part"] in ("compare", "width") and m["part"] in args.parts:
+                sweeps.setdefault((m["part"], m["method"], m["width"]), []).append(r)
+        new = []
+        for (part, method, width), rs in sweeps.items():
+            pts = sorted((r["meta"]["matrix_lr"], final_valid(r["run_dir"])) for r in rs)
+            ok = [p for p in pts if p[1] is not None]
+            if not ok:
+                continue
+            best = min(ok, key=lambda p: p[1])[0]
+            if best == pts[-1][0]:
+                new.append(run_spec(args, part, method, width, best * 2))
+            elif best == pts[0][0]:
+                new.append(run_spec(args, part, method, width, best / 2))
+        if not new:
+            break
+        execute(new, args)
+        added += new
+    return added
 
 
 def seed_plan(args, runs: list[dict]) -> list[dict]:
@@ -283,6 +312,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--data", type=Path, default=ROOT / "data" / "demo")
     ap.add_argument("--iters", type=int, default=160)
     ap.add_argument("--lrs", type=int, default=6, help="LR grid points per method and width")
+    ap.add_argument(
+        "--extend",
+        type=int,
+        default=2,
+        help="LR points added past a grid edge where a sweep's optimum sits on it (per sweep)",
+    )
     ap.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--nproc", type=int, default=2)
@@ -299,7 +334,7 @@ def main(argv=None) -> dict:
     args.out = args.out.resolve()  # the runs' working directory is args.out
     args.seq, args.gbs, args.eval_iters = 256, 8, 8
     if args.smoke:
-        args.iters, args.lrs, args.widths, args.nproc = 6, 1, [64, 128], 1
+        args.iters, args.lrs, args.widths, args.nproc, args.extend = 6, 1, [64, 128], 1, 0
         args.methods = ["adamw", "muonmd"]
         args.seq, args.gbs, args.eval_iters = 64, 4, 1
         args.data_flags = ["--mock-data", "--tokenizer-type=NullTokenizer", "--vocab-size=1024"]
@@ -317,6 +352,7 @@ def main(argv=None) -> dict:
     manifest.write_text(json.dumps({"experiment": "cpu_repro", "runs": runs}, indent=1))
     t0 = time.time()
     execute(runs, args)
+    runs += extend(runs, args)
     extra = seed_plan(args, runs)  # from part 1's results, so after them
     runs += [r for r in extra if "seeds" in args.parts or done(r, args.iters)]
     execute(extra, args)
