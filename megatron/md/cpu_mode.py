@@ -70,7 +70,7 @@ class _CpuRedirect(TorchFunctionMode):
                 )
             if len(args) > 1 and isinstance(args[1], str):
                 args = (args[0], args[1].replace("torch.cuda.", "torch."), *args[2:])
-        if func is _all_to_all_single():
+        if func is _ALL_TO_ALL_SINGLE:
             # Expert parallelism: megatron turns the split sizes into numpy arrays only for CUDA
             # tensors (core/transformer/moe/moe_utils.py:1184); gloo wants int sequences.
             for k in ("output_split_sizes", "input_split_sizes"):
@@ -79,10 +79,7 @@ class _CpuRedirect(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _all_to_all_single():
-    import torch.distributed as dist
-
-    return getattr(dist, "all_to_all_single", None)
+_ALL_TO_ALL_SINGLE = getattr(torch.distributed, "all_to_all_single", None)  # resolved once
 
 
 class _Dummy:
