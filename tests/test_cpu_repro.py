@@ -68,8 +68,8 @@ def test_grid_extends_past_an_edge_optimum(monkeypatch, tmp_path, best, expected
     monkeypatch.setattr(run, "final_valid", lambda d: loss[d])
     made = []
 
-    def execute(new, args):
-        for r in new:
+    def execute(new, args):  # like run.execute: only the parts asked for
+        for r in (r for r in new if r["meta"]["part"] in args.parts):
             made.append(r["meta"]["matrix_lr"])
             loss[r["run_dir"]] = (math.log2(r["meta"]["matrix_lr"] / best)) ** 2
 
@@ -81,3 +81,8 @@ def test_grid_extends_past_an_edge_optimum(monkeypatch, tmp_path, best, expected
     made.clear()
     added = run.extend(grid, args)
     assert made == pytest.approx(expected) and len(added) == len(expected)
+    # another part's sweep: nothing is run, finished extension runs are still returned
+    args.parts = ["seeds"]
+    monkeypatch.setattr(run, "done", lambda r, iters: r["run_dir"] in loss)
+    made.clear()
+    assert len(run.extend(grid, args)) == len(expected) and made == []

@@ -82,13 +82,14 @@ def plan(args) -> list[dict]:
 
 def extend(runs: list[dict], args) -> list[dict]:
     """Where a sweep's best final validation loss sits on its grid's edge, run the next LR past
-    that edge (×2 or ÷2), up to ``args.extend`` points per sweep; returns the added runs."""
+    that edge (×2 or ÷2), up to ``args.extend`` points per sweep; returns the added runs (for
+    parts not in ``args.parts``: those already finished, so the analysis still sees them)."""
     added: list[dict] = []
     for _ in range(args.extend):
         sweeps: dict[tuple, list[dict]] = {}
         for r in runs + added:
             m = r["meta"]
-            if m["part"] in ("compare", "width") and m["part"] in args.parts:
+            if m["part"] in ("compare", "width"):
                 sweeps.setdefault((m["part"], m["method"], m["width"]), []).append(r)
         new = []
         for (part, method, width), rs in sweeps.items():
@@ -101,6 +102,7 @@ def extend(runs: list[dict], args) -> list[dict]:
                 new.append(run_spec(args, part, method, width, best * 2))
             elif best == pts[0][0]:
                 new.append(run_spec(args, part, method, width, best / 2))
+        new = [r for r in new if r["meta"]["part"] in args.parts or done(r, args.iters)]
         if not new:
             break
         execute(new, args)
@@ -327,7 +329,7 @@ def main(argv=None) -> dict:
         default=["compare", "width"],
         choices=["compare", "width", "seeds"],
         help="runs to make (the analysis reads all finished ones); seeds: part 1 again with a "
-        f"second seed ({EXTRA_SEED}) at the {SEED_POINTS} best LRs per method (~20 min)",
+        f"second seed ({EXTRA_SEED}) at the {SEED_POINTS} best LRs per method (~15 min)",
     )
     ap.add_argument("--smoke", action="store_true", help="pipeline check only (~1.5 min)")
     args = ap.parse_args(argv)
