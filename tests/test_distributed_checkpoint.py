@@ -3,7 +3,7 @@ save at 2 ranks after 2 steps, load at 1/2/4 ranks, the next 3 steps equal the u
 run; a checkpoint without MD state loads into an MD run with the model unchanged."""
 
 import pytest
-from _torchrun import torchrun
+from _torchrun import Batches, torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -29,41 +29,42 @@ TOL = {"fp32": 1e-6, "bf16": 2**-8}
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    dirs = {}
-
-    def get(name):
-        if name not in dirs:
-            d = tmp_path_factory.mktemp(name)
-            torchrun("md_ckpt.py", 2, "save", str(d), *CONFIGS[name])
-            dirs[name] = d
-        return dirs[name]
-
-    return get
+def ckpt(tmp_path_factory):
+    """md_ckpt.py jobs batched per world size (tests/_torchrun.py:Batches); the first request
+    saves every configuration's checkpoint (2 ranks, one launch)."""
+    root = tmp_path_factory.mktemp("md_ckpt")
+    d = {name: str(root / name) for name in CONFIGS}
+    jobs = [(2, "save", d[n], *c) for n, c in CONFIGS.items()]
+    jobs += [(w, "load", d[n], *CONFIGS[n]) for n, ws in LOADS.items() for w in ws]
+    jobs += [(4, "continue", d["zero1-fp32"], *CONFIGS["zero1-fp32"])]
+    run = Batches("md_ckpt.py", jobs)
+    for n, c in CONFIGS.items():
+        assert run(2, "save", d[n], *c)["world"] == 2
+    return run, d
 
 
 @pytest.mark.parametrize(
     "name,nproc", [(n, w) for n, ws in LOADS.items() for w in ws], ids=lambda v: str(v)
 )
-def test_resume_equals_uninterrupted_run(saved, name, nproc):
-    res = torchrun("md_ckpt.py", nproc, "load", str(saved(name)), *CONFIGS[name])
+def test_resume_equals_uninterrupted_run(ckpt, name, nproc):
+    run, d = ckpt
+    res = run(nproc, "load", d[name], *CONFIGS[name])
     assert res["world"] == nproc and res["has_md"]
     assert res["worst_rel"] <= TOL["bf16" if "bf16" in name else "fp32"]
     if nproc == 2:
         assert res["worst_rel"] == 0.0  # same sharding: exact
 
 
-@pytest.mark.parametrize("nproc", [4])
-def test_continual_training_from_checkpoint_without_md(saved, nproc):
-    res = torchrun("md_ckpt.py", nproc, "continue", str(saved("zero1-fp32")), "--dist", "zero1")
+def test_continual_training_from_checkpoint_without_md(ckpt):
+    run, d = ckpt
+    res = run(4, "continue", d["zero1-fp32"], *CONFIGS["zero1-fp32"])
     assert not res["has_md"]
     assert res["weights_changed"] == 0.0  # the model's function is unchanged
     assert res["gains_one"] and res["radius_err"] <= 1e-6  # radius = the loaded norm
     assert res["finite_after_step"]
 
 
-def test_other_md_settings_are_refused_before_loading(saved):
-    out = torchrun(
-        "md_ckpt.py", 2, "load", str(saved("zero1-fp32")), "--md-gains", "row", expect_fail=True
-    )
+def test_other_md_settings_are_refused_before_loading(ckpt):
+    _, d = ckpt
+    out = torchrun("md_ckpt.py", 2, "load", d["zero1-fp32"], "--md-gains", "row", expect_fail=True)
     assert "gains: checkpoint 'rowcol', this run 'row'" in out

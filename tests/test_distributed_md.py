@@ -2,7 +2,7 @@
 reference optimizer (tests/distributed/md_check.py; every rank feeds the same batch)."""
 
 import pytest
-from _torchrun import torchrun
+from _torchrun import Batches
 
 pytestmark = pytest.mark.distributed
 
@@ -24,13 +24,40 @@ def check(res: dict, nproc: int, dtype: str = "fp32") -> None:
         assert res["bf16_same_frac"] >= 0.999  # almost all weights are exactly bf16(reference)
 
 
-# (ranks, experts): dense at 1/2/4 ranks, MoE at 2/4 (CI time: each case is a torchrun)
+# (ranks, experts): dense at 1/2/4 ranks, MoE at 2/4
 RANKS_EXPERTS = [(1, 0), (2, 0), (4, 0), (2, 4), (4, 4)]
+MUON_LW = ("--optimizer", "muon", "--dist", "layerwise")
+MD_OFF = {
+    "zero1": ("--dist", "zero1"),
+    "zero1-bf16-moe": ("--dist", "zero1", "--dtype", "bf16", "--experts", "4"),
+    "layerwise-bf16": ("--optimizer", "muon", "--dist", "layerwise", "--dtype", "bf16"),
+    "replicated-muon": ("--optimizer", "muon", "--dist", "replicated"),
+}
+# Every check below, so that each world size runs as ONE torchrun (tests/_torchrun.py:Batches).
+md_check = Batches(
+    "md_check.py",
+    [
+        *[(n, "--dist", "zero1", "--experts", e) for n, e in RANKS_EXPERTS],
+        (4, "--dist", "zero1", "--dtype", "bf16"),
+        *[(4, "--dist", "zero1", "--sphere", s) for s in ("row", "col")],
+        *[(n, *MUON_LW, "--experts", e) for n, e in RANKS_EXPERTS],
+        (2, *MUON_LW, "--dtype", "bf16"),
+        *[
+            (2, "--optimizer", "adam", "--dist", "layerwise", "--dtype", d, "--experts", e)
+            for d, e in (("fp32", 0), ("bf16", 4))
+        ],
+        *[
+            (2, "--optimizer", o, "--dist", "replicated", "--dtype", d)
+            for o, d in (("adam", "fp32"), ("muon", "bf16"))
+        ],
+        *[(2, "--vs", "megatron", *args) for args in MD_OFF.values()],
+    ],
+)
 
 
 @pytest.mark.parametrize("nproc,experts", RANKS_EXPERTS)
 def test_adam_md_zero1_fp32(nproc, experts):
-    res = torchrun("md_check.py", nproc, "--dist", "zero1", "--experts", str(experts))
+    res = md_check(nproc, "--dist", "zero1", "--experts", str(experts))
     check(res, nproc)
     assert res["collectives_per_step"] == 1.0  # one all-reduce for all MD matrices
     assert res["payload"] == res["expected_payload"]  # Σ(d_out + d_in + 1) + one per row
@@ -40,30 +67,21 @@ def test_adam_md_zero1_fp32(nproc, experts):
 
 @pytest.mark.parametrize("nproc", [4])
 def test_adam_md_zero1_bf16(nproc):
-    res = torchrun("md_check.py", nproc, "--dist", "zero1", "--dtype", "bf16")
+    res = md_check(nproc, "--dist", "zero1", "--dtype", "bf16")
     check(res, nproc, "bf16")
     assert res["collectives_per_step"] == 1.0
 
 
 @pytest.mark.parametrize("sphere", ["row", "col"])
 def test_adam_md_zero1_row_col_spheres_cut_inside_rows(sphere):
-    res = torchrun("md_check.py", 4, "--dist", "zero1", "--sphere", sphere)
+    res = md_check(4, "--dist", "zero1", "--sphere", sphere)
     check(res, 4)
     assert res["cut_inside_row"]
 
 
 @pytest.mark.parametrize("nproc,experts", RANKS_EXPERTS)
 def test_muon_md_layerwise_fp32(nproc, experts):
-    res = torchrun(
-        "md_check.py",
-        nproc,
-        "--optimizer",
-        "muon",
-        "--dist",
-        "layerwise",
-        "--experts",
-        str(experts),
-    )
+    res = md_check(nproc, *MUON_LW, "--experts", str(experts))
     check(res, nproc)
     assert "MDFloat16OptimizerWithFloat16Params" in res["classes"]
     # only the Adam-managed embedding/LM-head rows go through the ZeRO-1 all-reduce
@@ -71,9 +89,7 @@ def test_muon_md_layerwise_fp32(nproc, experts):
 
 
 def test_muon_md_layerwise_bf16():
-    res = torchrun(
-        "md_check.py", 2, "--optimizer", "muon", "--dist", "layerwise", "--dtype", "bf16"
-    )
+    res = md_check(2, *MUON_LW, "--dtype", "bf16")
     check(res, 2, "bf16")
 
 
@@ -81,7 +97,7 @@ def test_muon_md_layerwise_bf16():
 def test_adam_md_layerwise(nproc, dtype, experts):
     """--md-adam-layer-wise: AdamMD on whole matrices owned layer-wise (megatron's layer-wise
     optimizer built as Muon, base step swapped for Adam) vs the Adam reference."""
-    res = torchrun("md_check.py", nproc, "--optimizer", "adam", "--dist", "layerwise",
+    res = md_check(nproc, "--optimizer", "adam", "--dist", "layerwise",
                    "--dtype", dtype, "--experts", str(experts))  # fmt: skip
     check(res, nproc, dtype)
     assert "MDFloat16OptimizerWithFloat16Params" in res["classes"]
@@ -90,24 +106,13 @@ def test_adam_md_layerwise(nproc, dtype, experts):
 
 @pytest.mark.parametrize("optimizer,dtype", [("adam", "fp32"), ("muon", "bf16")])
 def test_md_replicated_optimizers(optimizer, dtype):
-    res = torchrun(
-        "md_check.py", 2, "--optimizer", optimizer, "--dist", "replicated", "--dtype", dtype
-    )
+    res = md_check(2, "--optimizer", optimizer, "--dist", "replicated", "--dtype", dtype)
     check(res, 2, dtype)
     assert res["collectives_per_step"] == 0.0
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        ("--dist", "zero1"),
-        ("--dist", "zero1", "--dtype", "bf16", "--experts", "4"),
-        ("--optimizer", "muon", "--dist", "layerwise", "--dtype", "bf16"),
-        ("--optimizer", "muon", "--dist", "replicated"),
-    ],
-    ids=["zero1", "zero1-bf16-moe", "layerwise-bf16", "replicated-muon"],
-)
+@pytest.mark.parametrize("args", MD_OFF.values(), ids=MD_OFF.keys())
 def test_md_off_is_megatron_bit_for_bit(args):
-    res = torchrun("md_check.py", 2, "--vs", "megatron", *args)
+    res = md_check(2, "--vs", "megatron", *args)
     assert res["worst_rel"] == 0.0  # max |Δ| over all params vs megatron's own optimizer
     assert res["payload"] == 0  # nothing to reduce with MD off

@@ -10,9 +10,11 @@ with megatron-core's own optimizers and ``enable_md``:
 - AdamMD layer-wise (``--md-adam-layer-wise``) / AdamMD ZeRO-1: the two sharding strategies;
 - optimizer-state bytes with MD / without, bf16 params (fp32 main params held by megatron).
 
-Times are medians over ``--steps`` of the full ``optimizer.step()`` (clip, inner step, copy to
-the model, param all-gather) and of the inner torch step alone; random gradients are written
-into the grad buffers once (no forward/backward). Also per step under ZeRO-1: the bytes of
+The two optimizers of a ratio are built together and stepped in turn, ``--steps`` rounds; a
+ratio is the median over rounds of (MD time / base time) in the same round, for the full
+``optimizer.step()`` (clip, inner step, copy to the model, param all-gather; the slowest rank:
+ranks meet at a barrier) and for the inner torch step alone (rank 0); random gradients are
+written into the grad buffers once (no forward/backward). Also per step under ZeRO-1: the bytes of
 MD's one extra all-reduce against the bytes of megatron's param all-gather (the whole param
 buffer). Prints a table and one JSON line per world size; ``--world 1 2 4`` runs the ladder
 (one torchrun per size) and ``--json`` collects it.
@@ -179,14 +181,14 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def time_steps(opt, steps: int) -> tuple[float, float]:
+def timed_step(opt):
+    """A function running one full ``opt.step()``; returns (full, inner) seconds."""
     from megatron.md.checkpoint import leaf_optimizers
 
     inner_t = []
     for o in leaf_optimizers(opt):
-        step = o.optimizer.step
 
-        def timed(*a, _step=step, **k):
+        def timed(*a, _step=o.optimizer.step, **k):
             sync()
             t0 = time.perf_counter()
             out = _step(*a, **k)
@@ -195,8 +197,8 @@ def time_steps(opt, steps: int) -> tuple[float, float]:
             return out
 
         o.optimizer.step = timed
-    full, inners = [], []
-    for i in range(steps + 1):  # the first step allocates: not timed
+
+    def one() -> tuple[float, float]:
         inner_t.clear()
         torch.distributed.barrier()
         sync()
@@ -205,10 +207,36 @@ def time_steps(opt, steps: int) -> tuple[float, float]:
         sync()
         torch.distributed.barrier()
         assert ok
-        if i:
-            full.append(time.perf_counter() - t0)
-            inners.append(sum(inner_t))
-    return statistics.median(full), statistics.median(inners)
+        return time.perf_counter() - t0, sum(inner_t)
+
+    return one
+
+
+def time_interleaved(opts: dict, steps: int) -> dict:
+    """Per optimizer: median (full, inner) step seconds and the list of full-step times, stepping
+    them in turn (A, B, A, B, ...) so that a slow phase of a shared machine hits both alike; the
+    first round allocates and is not timed."""
+    steppers = {k: timed_step(o) for k, o in opts.items()}
+    times = {k: [] for k in opts}
+    for i in range(steps + 1):
+        for k, one in steppers.items():
+            t = one()
+            if i:
+                times[k].append(t)
+    return {
+        k: {
+            "step_s": statistics.median(t[0] for t in ts),
+            "inner_s": statistics.median(t[1] for t in ts),
+            "steps_s": [t[0] for t in ts],
+            "inners_s": [t[1] for t in ts],
+        }
+        for k, ts in times.items()
+    }
+
+
+def paired_ratio(num: list[float], den: list[float]) -> float:
+    """Median over rounds of (numerator / denominator) from the same round."""
+    return statistics.median(a / b for a, b in zip(num, den))
 
 
 def profile(name: str, vocab: int, dtype: str) -> None:
@@ -234,6 +262,10 @@ def free(gc) -> None:
     gc.collect()
     if DEV == "cuda":
         torch.cuda.empty_cache()
+    elif sys.platform == "linux":  # hand freed heap back to the OS before the next pair's builds
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def log(rank: int, msg: str) -> None:
@@ -268,10 +300,10 @@ def worker(args) -> None:
         for name, row in results.items():
             for key, val in row["ratios"].items():
                 which = key.split()[-1]
-                pair = PAIRS.get(key.rsplit(" ", 1)[0])
+                got = row["pairs"].get(key.rsplit(" ", 1)[0])
                 secs = ""
-                if pair and which in ("step", "inner"):
-                    b, m = (row[k][f"{which}_s"] for k in pair)
+                if got and which in ("step", "inner"):
+                    b, m = (t[f"{which}_s"] for t in got.values())
                     secs = f"   {b:.3f} -> {m:.3f}"
                 print(f"{name:<12} {key:<40} {val:>7.4g}{secs}")
         summary = {"world": world, "steps": args.steps, "device": where, "results": results}
@@ -286,28 +318,41 @@ PAIRS = {
     "muon_md/muon": ("muon", "muon_md"),
     "adam_md layer-wise/zero1": ("adam_md", "adam_lw_md"),
 }
-#: (optimizer, MD on): adam/muon as megatron builds them; adam_lw = AdamMD layer-wise
-RUNS = [("adam", False), ("adam", True), ("muon", False), ("muon", True), ("adam_lw", True)]
+#: adam/muon as megatron builds them, ``_md``: with MD; adam_lw_md = AdamMD layer-wise
+RUNS = ["adam", "adam_md", "muon", "muon_md", "adam_lw_md"]
 
 
 def measure(name: str, dtype: str, args, rank: int) -> dict:
+    """Each ratio's two optimizers are built together and stepped in turn."""
     import gc
 
-    row = {}
-    for opt_name, md_on in RUNS:
-        t0 = time.perf_counter()
-        dmodel, opt = build(name, opt_name, md_on, dtype, args.vocab)
-        log(
-            rank,
-            f"{name} {dtype} {opt_name} md={md_on}: built in {time.perf_counter() - t0:.1f} s",
-        )
-        full, inn = time_steps(opt, args.steps)
-        log(rank, f"  step {full:.3f} s, inner {inn:.3f} s")
-        row[f"{opt_name}{'_md' if md_on else ''}"] = {"step_s": full, "inner_s": inn}
-        if opt_name == "adam" and md_on:
-            row["bytes"] = collective_bytes(dmodel, opt)
-        del dmodel, opt
+    row, ratios = {"pairs": {}}, {}
+    for key, pair in PAIRS.items():
+        if not set(pair) <= set(args.runs):
+            continue
+        opts, models = {}, []
+        for run in pair:
+            opt_name, md_on = run.removesuffix("_md"), run.endswith("_md")
+            t0 = time.perf_counter()
+            dmodel, opts[run] = build(name, opt_name, md_on, dtype, args.vocab)
+            models.append(dmodel)
+            log(rank, f"{name} {dtype} {run}: built in {time.perf_counter() - t0:.1f} s")
+        got = time_interleaved(opts, args.steps)
+        if "adam_md" in pair and "bytes" not in row:  # the payload of its last step
+            row["bytes"] = collective_bytes(models[pair.index("adam_md")], opts["adam_md"])
+        for run, t in got.items():
+            log(rank, f"  {run}: step {t['step_s']:.3f} s, inner {t['inner_s']:.3f} s")
+        row["pairs"][key] = got
+        base, md = pair
+        for which in ("step", "inner")[: 1 if key.endswith("zero1") else 2]:
+            ratios[f"{key} {which}"] = paired_ratio(
+                got[md][f"{which}s_s"], got[base][f"{which}s_s"]
+            )
+        del models, opts
         free(gc)
+    row["ratios"] = ratios
+    if "bytes" not in row:  # the state and payload ratios come with the AdamMD run
+        return row
     sb = {}
     for md_on in (False, True):
         dmodel, opt = build(name, "adam", md_on, "bf16", args.vocab)
@@ -317,15 +362,8 @@ def measure(name: str, dtype: str, args, rank: int) -> dict:
         sb[md_on] = float(t)
         del dmodel, opt
         free(gc)
-    row["ratios"] = {
-        "adam_md/adam step": row["adam_md"]["step_s"] / row["adam"]["step_s"],
-        "adam_md/adam inner": row["adam_md"]["inner_s"] / row["adam"]["inner_s"],
-        "muon_md/muon step": row["muon_md"]["step_s"] / row["muon"]["step_s"],
-        "muon_md/muon inner": row["muon_md"]["inner_s"] / row["muon"]["inner_s"],
-        "adam_md layer-wise/zero1 step": row["adam_lw_md"]["step_s"] / row["adam_md"]["step_s"],
-        "state bytes md/base (bf16 params)": sb[True] / sb[False],
-        "md all-reduce / param all-gather bytes": row["bytes"]["ratio"],
-    }
+    row["ratios"]["state bytes md/base (bf16 params)"] = sb[True] / sb[False]
+    row["ratios"]["md all-reduce / param all-gather bytes"] = row["bytes"]["ratio"]
     return row
 
 
@@ -337,6 +375,8 @@ def main(argv=None) -> None:
     ap.add_argument("--vocab", type=int, default=VOCAB)
     ap.add_argument("--dtype", nargs="+", choices=("fp32", "bf16"),
                     default=["bf16" if DEV == "cuda" else "fp32"])  # fmt: skip
+    ap.add_argument("--runs", nargs="+", choices=RUNS, default=RUNS,
+                    help="which optimizer builds to time (ratios need both of a pair)")  # fmt: skip
     ap.add_argument("--world", type=int, nargs="+", help="world sizes to run in turn (ladder)")
     ap.add_argument("--json", type=Path, help="write every world size's results here")
     ap.add_argument("--profile", action="store_true", help="kernel table of one MD step instead")

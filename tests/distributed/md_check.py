@@ -14,10 +14,12 @@ gradient; the check isolates the optimizer.
 --vs megatron: MD switched off (no sphere, no gains, no row norms) must reproduce megatron's
     own optimizer run through the same wrapper bit for bit (a second model in this process).
 
-Prints one JSON line on rank 0 with the worst errors and the facts the pytest side asserts.
+Prints one JSON line on rank 0 with the worst errors and the facts the pytest side asserts;
+``A + B`` (option sets joined by ``+``) runs several checks in one launch, a line each.
 """
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
@@ -163,16 +165,44 @@ def _sphere_err(inner, main, d) -> float:
     return float((cur[md.spec.sphere]() / r - 1).abs().max())
 
 
-def main():
+def split_jobs(argv: list[str]) -> list[list[str]]:
+    """``A + B + C``: several checks in one torchrun, run one after the other in the same
+    process group (each process pays megatron's ~15 s import once)."""
+    jobs = [[]]
+    for a in argv:
+        if a == "+":
+            jobs.append([])
+        else:
+            jobs[-1].append(a)
+    return jobs
+
+
+def init_distributed(device: str) -> None:
     global DEV
-    args = parse()
-    DEV = args.device
+    DEV = device
     if DEV == "cuda":
         import os
 
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if DEV == "cuda" else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+
+
+def main():
+    jobs = [parse(a) for a in split_jobs(sys.argv[1:])]
+    init_distributed(jobs[0].device)
+    for args in jobs:
+        res = check(args)
+        if dist.get_rank() == 0:
+            print(json.dumps(res), flush=True)
+        gc.collect()
+    dist.destroy_process_group()
+
+
+def check(args) -> dict:
+    """One check (fresh model and optimizers, reseeded); the result rank 0 prints."""
+    if args.device != DEV:
+        raise ValueError("all jobs of one launch run on one device")
+    world = dist.get_world_size()
     from megatron.md.checkpoint import leaf_optimizers
     from megatron.md.enable import enable_md
 
@@ -273,26 +303,20 @@ def main():
         elif role != "vector":
             expected += p.shape[0]
     n_coll = sum(i.n_collectives for i in inners if i.layout is not None)
-    if rank == 0:
-        print(
-            json.dumps(
-                {
-                    "world": world,
-                    "worst_rel": worst,
-                    "bf16_excess": worst_ulp,
-                    "bf16_same_frac": n_same / max(n_bf16, 1),
-                    "worst_dir_rel": worst_dir,
-                    "sphere_err": sphere_err,
-                    "cut_inside_row": bool(cut),
-                    "collectives_per_step": n_coll / args.steps,
-                    "payload": sum(i.last_payload for i in inners if i.layout is not None),
-                    "expected_payload": expected,
-                    "md_params": sum(len(i.slots) for i in inners),
-                    "classes": sorted({type(o).__name__ for o in leaf_optimizers(opt)}),
-                }
-            )
-        )
-    dist.destroy_process_group()
+    return {
+        "world": world,
+        "worst_rel": worst,
+        "bf16_excess": worst_ulp,
+        "bf16_same_frac": n_same / max(n_bf16, 1),
+        "worst_dir_rel": worst_dir,
+        "sphere_err": sphere_err,
+        "cut_inside_row": bool(cut),
+        "collectives_per_step": n_coll / args.steps,
+        "payload": sum(i.last_payload for i in inners if i.layout is not None),
+        "expected_payload": expected,
+        "md_params": sum(len(i.slots) for i in inners),
+        "classes": sorted({type(o).__name__ for o in leaf_optimizers(opt)}),
+    }
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@
     continue: load a checkpoint saved WITHOUT MD (plain megatron optimizer) into an MD run:
               the weights must be unchanged and the MD state fresh (gains 1, radius = norm)
 
-    torchrun --nproc-per-node W md_ckpt.py MODE DIR [md_check options] [--md-gains G]
+    torchrun --nproc-per-node W md_ckpt.py MODE DIR [md_check options] [--md-gains G] [+ MODE ...]
 
-Prints one JSON line on rank 0.
+Prints one JSON line on rank 0 per job (jobs joined by ``+`` share one launch).
 """
 
 import argparse
@@ -54,14 +54,27 @@ def full_params(model) -> dict:
     return {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 
-def main():
+def parse(argv: list[str]):
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["save", "load", "continue"])
     ap.add_argument("dir", type=Path)
     ap.add_argument("--md-gains", default="rowcol")
-    ours, rest = ap.parse_known_args()
-    args = md_check.parse(rest)
-    dist.init_process_group("gloo")
+    ours, rest = ap.parse_known_args(argv)
+    return ours, md_check.parse(rest)
+
+
+def main():
+    jobs = [parse(a) for a in md_check.split_jobs(sys.argv[1:])]
+    md_check.init_distributed("cpu")
+    for ours, args in jobs:
+        out = run(ours, args)
+        if dist.get_rank() == 0:
+            print(json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+def run(ours, args) -> dict:
+    """One job (fresh model and optimizers); the result rank 0 prints."""
     rank, world = dist.get_rank(), dist.get_world_size()
     from megatron.md import maps
     from megatron.md.checkpoint import leaf_optimizers
@@ -127,9 +140,7 @@ def main():
         out["radius_err"] = radius_err
         md_check.step(dmodel, opt, *batches[2])
         out["finite_after_step"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
-    if rank == 0:
-        print(json.dumps(out))
-    dist.destroy_process_group()
+    return out
 
 
 if __name__ == "__main__":
