@@ -173,3 +173,23 @@ def test_throughput_cpu_smoke_run(tmp_path):
     table = out.stdout.splitlines()
     assert sum(line.split(" | ")[0] in res for line in table) == 4
     assert (tmp_path / "throughput.png").stat().st_size > 10_000
+
+
+@pytest.mark.distributed
+def test_bench_md_step_smoke(tmp_path):
+    """bench_md_step.py end to end on small shapes (2 ranks): every ratio, MD's all-reduce
+    payload by formula and the state ratio (numbers, not timings)."""
+    out = run_tool("bench_md_step.py", "--model", "smoke", "--vocab", "512", "--steps", "2",
+                   "--json", str(tmp_path / "b.json"), timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    (world,) = json.loads((tmp_path / "b.json").read_text())
+    row = world["results"]["smoke fp32"]
+    assert world["world"] == 2 and set(row["pairs"]) == {
+        "adam_md/adam", "muon_md/muon", "adam_md layer-wise/zero1"}  # fmt: skip
+    ratios = row["ratios"]
+    assert all(v > 0 for v in ratios.values()) and len(ratios) == 7
+    # 2 layers × (qkv 384×128, proj 128×128, fc1 512×128, fc2 128×256): d_out + d_in + 1 each,
+    # plus one norm per row of the 512-row embedding and LM head; fp32
+    matrices = 2 * ((384 + 128 + 1) + (128 + 128 + 1) + (512 + 128 + 1) + (128 + 256 + 1))
+    assert row["bytes"]["md_allreduce"] == 4 * (matrices + 2 * 512)
+    assert 1.0 < ratios["state bytes md/base (bf16 params)"] <= 1.02

@@ -12,11 +12,11 @@ with megatron-core's own optimizers and ``enable_md``:
 
 The two optimizers of a ratio are built together and stepped in turn, ``--steps`` rounds; a
 ratio is the median over rounds of (MD time / base time) in the same round, for the full
-``optimizer.step()`` (clip, inner step, copy to the model, param all-gather; the slowest rank:
-ranks meet at a barrier) and for the inner torch step alone (rank 0); random gradients are
-written into the grad buffers once (no forward/backward). Also per step under ZeRO-1: the bytes of
-MD's one extra all-reduce against the bytes of megatron's param all-gather (the whole param
-buffer). Prints a table and one JSON line per world size; ``--world 1 2 4`` runs the ladder
+``optimizer.step()`` (clip, inner step, copy to the model, param all-gather) and for the inner
+torch step alone, both of the slowest rank; random gradients are written into the grad buffers
+once (no forward/backward). Also per step under ZeRO-1: the bytes of MD's one extra all-reduce
+against the bytes of megatron's param all-gather (the whole param buffer). Prints a table and
+one JSON line per world size; ``--world 1 2 4`` runs the ladder
 (one torchrun per size) and ``--json`` collects it.
 
     python tools/bench_md_step.py [--model 181M 457M] [--steps 3] [--nproc 2] [--dtype bf16]
@@ -45,6 +45,7 @@ SHAPES = {  # d, layers, heads, kv groups, d_ff (recipe §3); head dim 128
     "457M": (1024, 12, 8, 4, 4096),
     "827M": (1536, 12, 12, 6, 6144),
     "1.29B": (2048, 12, 16, 8, 8192),
+    "smoke": (128, 2, 1, 1, 256),  # not the paper's: the test suite's quick check of this tool
 }
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB = 131072
@@ -205,9 +206,12 @@ def timed_step(opt):
         t0 = time.perf_counter()
         ok, _, _ = opt.step()
         sync()
-        torch.distributed.barrier()
+        torch.distributed.barrier()  # the slowest rank's full step
+        full = time.perf_counter() - t0
         assert ok
-        return time.perf_counter() - t0, sum(inner_t)
+        inner = torch.tensor(sum(inner_t), dtype=torch.float64)
+        torch.distributed.all_reduce(inner, op=torch.distributed.ReduceOp.MAX)
+        return full, float(inner)  # the slowest rank's inner step
 
     return one
 
