@@ -13,6 +13,13 @@ FP32_REL = 1e-6
 BF16_EXCESS = 1e-6
 
 
+def md_collectives(res: dict, nproc: int) -> list:
+    """What MD adds to megatron's own optimizer step, counted by wrapping torch.distributed:
+    one all-reduce of exactly the expected payload (none on one rank)."""
+    assert res["missing_collectives"] == []  # and nothing of megatron's is dropped
+    return [] if nproc == 1 else [["all_reduce", res["expected_payload"]]]
+
+
 def check(res: dict, nproc: int, dtype: str = "fp32") -> None:
     assert res["world"] == nproc
     assert res["worst_dir_rel"] <= FP32_REL  # the fp32 directions (main params / MD state)
@@ -61,6 +68,7 @@ def test_adam_md_zero1_fp32(nproc, experts):
     check(res, nproc)
     assert res["collectives_per_step"] == 1.0  # one all-reduce for all MD matrices
     assert res["payload"] == res["expected_payload"]  # Σ(d_out + d_in + 1) + one per row
+    assert res["extra_collectives"] == md_collectives(res, nproc)
     if nproc == 4 and not experts:
         assert res["cut_inside_row"]  # a rank's slice starts or ends inside a row
 
@@ -70,6 +78,7 @@ def test_adam_md_zero1_bf16(nproc):
     res = md_check(nproc, "--dist", "zero1", "--dtype", "bf16")
     check(res, nproc, "bf16")
     assert res["collectives_per_step"] == 1.0
+    assert res["extra_collectives"] == md_collectives(res, nproc)
 
 
 @pytest.mark.parametrize("sphere", ["row", "col"])
@@ -86,6 +95,7 @@ def test_muon_md_layerwise_fp32(nproc, experts):
     assert "MDFloat16OptimizerWithFloat16Params" in res["classes"]
     # only the Adam-managed embedding/LM-head rows go through the ZeRO-1 all-reduce
     assert res["payload"] == res["expected_payload"]
+    assert res["extra_collectives"] == md_collectives(res, nproc)
 
 
 def test_muon_md_layerwise_bf16():
@@ -102,6 +112,7 @@ def test_adam_md_layerwise(nproc, dtype, experts):
     check(res, nproc, dtype)
     assert "MDFloat16OptimizerWithFloat16Params" in res["classes"]
     assert res["payload"] == res["expected_payload"]  # only embedding/LM-head rows reduced
+    assert res["extra_collectives"] == md_collectives(res, nproc)
 
 
 @pytest.mark.parametrize("optimizer,dtype", [("adam", "fp32"), ("muon", "bf16")])
@@ -109,6 +120,7 @@ def test_md_replicated_optimizers(optimizer, dtype):
     res = md_check(2, "--optimizer", optimizer, "--dist", "replicated", "--dtype", dtype)
     check(res, 2, dtype)
     assert res["collectives_per_step"] == 0.0
+    assert res["extra_collectives"] == md_collectives(res, 1)  # none: whole replicas
 
 
 @pytest.mark.parametrize("args", MD_OFF.values(), ids=MD_OFF.keys())
@@ -116,3 +128,4 @@ def test_md_off_is_megatron_bit_for_bit(args):
     res = md_check(2, "--vs", "megatron", *args)
     assert res["worst_rel"] == 0.0  # max |Δ| over all params vs megatron's own optimizer
     assert res["payload"] == 0  # nothing to reduce with MD off
+    assert res["extra_collectives"] == md_collectives(res, 1)  # and no collective added

@@ -19,9 +19,11 @@ Prints one JSON line on rank 0 with the worst errors and the facts the pytest si
 """
 
 import argparse
+import contextlib
 import gc
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -131,14 +133,47 @@ def oracle_for(model, md, base):
     return named, copies, ref
 
 
-def step(dmodel, opt, x, y):
+#: torch.distributed's collectives, wrapped while an optimizer steps (``counted_collectives``)
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
+    "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "reduce",
+    "reduce_scatter", "reduce_scatter_tensor", "scatter", "_all_gather_base",
+    "_reduce_scatter_base",
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def counted_collectives():
+    """Every call of a ``torch.distributed`` collective made meanwhile, as (name, numel of its
+    first tensor argument). Callers that bound a collective at import time bypass the count."""
+    calls, saved = [], {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
+    for name, fn in saved.items():
+
+        def counted(*a, _fn=fn, _name=name, **k):
+            first = next((x for x in a if isinstance(x, torch.Tensor)), None)
+            calls.append((_name, 0 if first is None else first.numel()))
+            return _fn(*a, **k)
+
+        setattr(dist, name, counted)
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def step(dmodel, opt, x, y, calls: list | None = None):
+    """One training step; ``calls``: filled with the collectives of ``opt.step()``."""
     dmodel.zero_grad_buffer()
     opt.zero_grad()
     cpu_demo.lm_loss(dmodel, x, y).backward()
     local = [p.main_grad.detach().clone() for p in dmodel.module.parameters()]
     dmodel.finish_grad_sync()
-    ok, _, _ = opt.step()
+    with counted_collectives() as got:
+        ok, _, _ = opt.step()
     assert ok
+    if calls is not None:
+        calls[:] = got
     return local
 
 
@@ -221,9 +256,10 @@ def check(args) -> dict:
 
     data = torch.tensor(list(cpu_demo.TEXT.encode()), dtype=torch.long)
     sphere_err = 0.0
+    md_calls = []  # the collectives of the last MD step
     for x, y in cpu_demo.batches(data, args.steps, 4, 16, 0):
         x, y = x.to(DEV), y.to(DEV)
-        grads = step(dmodel, opt, x, y)
+        grads = step(dmodel, opt, x, y, md_calls)
         if args.vs == "megatron":
             step(dmodel2, opt2, x, y)
             continue
@@ -303,6 +339,14 @@ def check(args) -> dict:
         elif role != "vector":
             expected += p.shape[0]
     n_coll = sum(i.n_collectives for i in inners if i.layout is not None)
+    # the collectives MD adds: megatron's own optimizer (no enable_md), same steps, last step
+    base_calls = []
+    _, dmodel3, opt3 = build(args, world)
+    for x, y in cpu_demo.batches(data, args.steps, 4, 16, 0):
+        step(dmodel3, opt3, x.to(DEV), y.to(DEV), base_calls)
+    extra, missing = Counter(md_calls), Counter(base_calls)
+    extra.subtract(base_calls)
+    missing.subtract(md_calls)
     return {
         "world": world,
         "worst_rel": worst,
@@ -315,6 +359,8 @@ def check(args) -> dict:
         "payload": sum(i.last_payload for i in inners if i.layout is not None),
         "expected_payload": expected,
         "md_params": sum(len(i.slots) for i in inners),
+        "extra_collectives": sorted(k for k, n in extra.items() for _ in range(max(n, 0))),
+        "missing_collectives": sorted(k for k, n in missing.items() for _ in range(max(n, 0))),
         "classes": sorted({type(o).__name__ for o in leaf_optimizers(opt)}),
     }
 
