@@ -16,9 +16,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(script: str, nproc: int, *args: str, expect_fail: bool = False, timeout: int = 600):
+def torchrun(script: str, nproc: int, *args: str, expect_fail: bool = False):
     """The script's last JSON line; with ``expect_fail``, its combined output (it must fail)."""
-    return _launch(script, nproc, args, expect_fail, timeout, 1)[-1]
+    return _launch(script, nproc, args, expect_fail, 600, 1)[-1]
 
 
 def _launch(script, nproc, args, expect_fail, timeout, n_lines):

@@ -217,7 +217,7 @@ def timed_step(opt):
 
 
 def time_interleaved(opts: dict, steps: int) -> dict:
-    """Per optimizer: median (full, inner) step seconds and the list of full-step times, stepping
+    """Per optimizer: median (full, inner) step seconds and the per-round times, stepping
     them in turn (A, B, A, B, ...) so that a slow phase of a shared machine hits both alike; the
     first round allocates and is not timed."""
     steppers = {k: timed_step(o) for k, o in opts.items()}
