@@ -209,7 +209,7 @@ def timed_step(opt):
         torch.distributed.barrier()  # the slowest rank's full step
         full = time.perf_counter() - t0
         assert ok
-        inner = torch.tensor(sum(inner_t), dtype=torch.float64)
+        inner = torch.tensor(sum(inner_t), dtype=torch.float64, device=DEV)
         torch.distributed.all_reduce(inner, op=torch.distributed.ReduceOp.MAX)
         return full, float(inner)  # the slowest rank's inner step
 

@@ -72,8 +72,9 @@ def adam_multi_(
     torch._foreach_addcdiv_(params, exp_avgs, denom, value=-step_size)
 
 
-def muon_scale_factor(mode: str, d_out: int, d_in: int, radius: float | None = None) -> float:
-    """Muon update scale for a (d_out, d_in) matrix; ``sphere_rms`` needs the Frobenius radius."""
+def muon_scale_factor(mode: str, d_out: int, d_in: int, radius=None):
+    """Muon update scale for a (d_out, d_in) matrix; ``sphere_rms`` needs the Frobenius radius
+    (a float, or a 0-d tensor: the scale is then one too)."""
     if mode == "unit_rms_norm":
         return math.sqrt(d_out / d_in)
     if mode == "shape_scaling":

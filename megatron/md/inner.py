@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.md.base_steps import AdamHParams, MuonHParams, adam_step_
+from megatron.md.base_steps import AdamHParams, MuonHParams, adam_multi_
 from megatron.md.config import MDConfig
 from megatron.md.sliced import SliceItem, SliceMD, identity_reduce, md_init_batched, md_step_batched
 
@@ -143,6 +143,7 @@ class MDInner(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("closure is not supported")
         items, merged = [], []
+        vectors: dict[tuple, tuple] = {}  # (step, group) -> (hyper-params, Adam work of 1-D params)
         g1, g2 = self.md.gain_betas
         for group in self.param_groups:
             b1, b2 = group.get("betas", (0.9, 0.999))
@@ -160,7 +161,8 @@ class MDInner(torch.optim.Optimizer):
                 slot = self.slots.get(p)
                 if slot is None:  # 1-D params: torch AdamW arithmetic, megatron's wd schedule
                     st["step"] = st["step"] + 1
-                    adam_step_(p, p.grad, st["exp_avg"], st["exp_avg_sq"], int(st["step"]), adam_hp)
+                    work = vectors.setdefault((int(st["step"]), id(group)), (adam_hp, []))[1]
+                    work.append((p, p.grad, st["exp_avg"], st["exp_avg_sq"]))
                     continue
                 if wd:
                     raise ValueError(
@@ -182,6 +184,8 @@ class MDInner(torch.optim.Optimizer):
                         slot.index,
                     )
                 )
+        for (t, _), (hp, works) in vectors.items():  # multi-tensor, as torch's AdamW on GPU
+            adam_multi_(*map(list, zip(*works)), t, hp)
         with self._timer("md-step"):
             md_step_batched(items, self._counting_reduce, self.layout, self.pre_layout)
         for st, full in merged:

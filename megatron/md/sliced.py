@@ -97,6 +97,7 @@ class SliceMD:
         self.gain_names = GAIN_NAMES[spec.gains]
         self.n_gain = sum(self.gain_sizes[n] for n in self.gain_names)
         self.n_norm = {"frobenius": 1, "row": d_out, "col": d_in, "none": 0}[spec.sphere]
+        self._phi: dict[str, tuple] = {}  # gain name -> (ĝ, its version, φ(ĝ)); see _gains
 
     # ---- partial-buffer layout: [gain gradients | squared norms] ----
     def n_partials(self) -> int:
@@ -111,9 +112,9 @@ class SliceMD:
         if self.spec.sphere == "frobenius":
             out += x.sum()
         elif self.spec.sphere == "row":
-            out[blk.r0 : blk.r0 + blk.nr] += x.sum(1)
+            out[blk.r0 : blk.r0 + blk.nr].add_(x.sum(1))
         else:
-            out[blk.c0 : blk.c0 + blk.nc] += x.sum(0)
+            out[blk.c0 : blk.c0 + blk.nc].add_(x.sum(0))
 
     def _axis_bcast(self, blk: Block, v: torch.Tensor) -> torch.Tensor:
         if self.spec.sphere == "frobenius":
@@ -131,7 +132,7 @@ class SliceMD:
                 flat = w.reshape(-1)
                 out += flat @ flat
             elif self.spec.sphere == "row":  # one pass, no temporary of the block's size
-                out[blk.r0 : blk.r0 + blk.nr] += torch.linalg.vector_norm(w, dim=1).square_()
+                out[blk.r0 : blk.r0 + blk.nr].add_(torch.linalg.vector_norm(w, dim=1).square_())
             else:
                 self._axis_sum(blk, w * w, out)
 
@@ -172,14 +173,23 @@ class SliceMD:
 
     # ---- gains ----
     def _gains(self, st: dict) -> dict[str, torch.Tensor]:
-        """Materialized gains (φ(ĝ), or A/B as they are for lowrank)."""
+        """Materialized gains (φ(ĝ), or A/B as they are for lowrank), read-only. φ(ĝ) is kept
+        until ĝ changes (same tensor, same version counter): the fuse after a step and the
+        next step's phase 1 share it."""
         if self.spec.gains == "lowrank":
             return {"gain_a": st["gain_a"], "gain_b": st["gain_b"]}
-        return {n: maps.phi(st[n], self.spec.gain_map) for n in self.gain_names}
+        out = {}
+        for n in self.gain_names:
+            raw, hit = st[n], self._phi.get(n)
+            if hit is None or hit[0] is not raw or hit[1] != raw._version:
+                hit = self._phi[n] = (raw, raw._version, maps.phi(raw, self.spec.gain_map))
+            out[n] = hit[2]
+        return out
 
     def _apply_into(self, blk: Block, x: torch.Tensor, g: dict, out: torch.Tensor) -> None:
         """``out`` = Γ ⊙ x on one block, the same products as reference.apply_gains
-        (x·a == a·x exactly), with no temporaries for scalar/row/col gains."""
+        (x·a == a·x exactly), with no temporaries for scalar/row/col gains. ``out`` may have a
+        lower precision than ``x`` (bf16 model param): one rounding of the fp32 product."""
         gains = self.spec.gains
         if gains == "none":
             out.copy_(x)
@@ -190,9 +200,14 @@ class SliceMD:
         elif gains == "scalar":
             torch.mul(x, g["gain_scalar"], out=out)
         elif "gain_row" in g:
-            torch.mul(x, g["gain_row"][blk.r0 : blk.r0 + blk.nr, None], out=out)
-            if "gain_col" in g:
+            row = g["gain_row"][blk.r0 : blk.r0 + blk.nr, None]
+            if "gain_col" not in g:
+                torch.mul(x, row, out=out)
+            elif out.dtype == x.dtype:
+                torch.mul(x, row, out=out)
                 out.mul_(g["gain_col"][None, blk.c0 : blk.c0 + blk.nc])
+            else:  # round once, from the fp32 product, with no extra pass
+                torch.mul(x * row, g["gain_col"][None, blk.c0 : blk.c0 + blk.nc], out=out)
         else:
             torch.mul(x, g["gain_col"][None, blk.c0 : blk.c0 + blk.nc], out=out)
 
@@ -204,14 +219,15 @@ class SliceMD:
     def fuse(self, direction: torch.Tensor, st: dict, out: torch.Tensor) -> None:
         """Write W = Γ ⊙ Ŵ for this slice into ``out`` (any dtype; flat like ``direction``)."""
         g = self._gains(st)
-        same = out.dtype == direction.dtype
+        once = out.dtype == direction.dtype or self.spec.gains in ("scalar", "row", "col", "rowcol")
         for blk in self.blocks:
-            if same:
+            if once:  # one product written straight into ``out`` (rounded once)
                 self._apply_into(blk, blk.view(direction), g, blk.view(out))
             else:  # round once, from the fp32 product
                 blk.view(out).copy_(self._apply(blk, blk.view(direction), g))
 
     def _gain_partials(self, blk: Block, p: torch.Tensor, g: dict, out: torch.Tensor) -> None:
+        # ``view[r].add_(x)``, not ``view[r] += x``: the latter also copies the slice onto itself
         off = 0
         views = {}
         for name in self.gain_names:
@@ -221,15 +237,15 @@ class SliceMD:
         gains = self.spec.gains
         if gains == "lowrank":
             k = self.spec.gain_rank
-            views["gain_a"].view(-1, k)[r] += p @ g["gain_b"][c]
-            views["gain_b"].view(-1, k)[c] += p.T @ g["gain_a"][r]
+            views["gain_a"].view(-1, k)[r].add_(p @ g["gain_b"][c])
+            views["gain_b"].view(-1, k)[c].add_(p.T @ g["gain_a"][r])
         elif gains == "scalar":
             views["gain_scalar"] += p.sum()
         else:
             if "gain_row" in views:  # mat-vecs: no temporaries of the block's size
-                views["gain_row"][r] += p @ g["gain_col"][c] if "gain_col" in g else p.sum(1)
+                views["gain_row"][r].add_(p @ g["gain_col"][c] if "gain_col" in g else p.sum(1))
             if "gain_col" in views:
-                views["gain_col"][c] += g["gain_row"][r] @ p if "gain_row" in g else p.sum(0)
+                views["gain_col"][c].add_(g["gain_row"][r] @ p if "gain_row" in g else p.sum(0))
 
     # ---- the step, in phases around the caller's reductions ----
     def pre_partials(self, direction, grad, st, out: torch.Tensor) -> None:
@@ -244,8 +260,10 @@ class SliceMD:
             self._axis_sum(blk, gd * w, inner)
             self._axis_sum(blk, w * w, sq)
 
-    def phase1(self, direction, grad, st, base_hp, out: torch.Tensor, pre=None) -> None:
-        """Gain-gradient partials, base step on Ŵ, then squared-norm partials of the new Ŵ."""
+    def phase1(self, direction, grad, st, base_hp, out: torch.Tensor, pre=None, batch=None) -> None:
+        """Gain-gradient partials, base step on Ŵ, then squared-norm partials of the new Ŵ.
+        With ``batch`` (a ``DirAdamBatch``), Ŵ's Adam step and the norm partials after it are
+        queued there instead (one multi-tensor Adam for many matrices)."""
         st["step"] = st["step"] + 1  # rebind: megatron may alias one step tensor across params
         t = int(st["step"])
         g = self._gains(st)
@@ -270,12 +288,17 @@ class SliceMD:
             else:
                 blk.view(g_dir).copy_(gd)
         if isinstance(base_hp, AdamHParams):
-            adam_step_(direction, g_dir, st["exp_avg"], st["exp_avg_sq"], t, base_hp)
+            work = (direction, g_dir, st["exp_avg"], st["exp_avg_sq"])
+            if batch is not None:
+                batch.add(work, t, base_hp, lambda: self.norm_partials(direction, norm_out))
+                return
+            adam_step_(*work, t, base_hp)
         else:
             d_out, d_in = self.shape
-            scale = muon_scale_factor(
-                self.spec.muon_scale, d_out, d_in, self._frob_radius(st, direction)
+            radius = (
+                self._frob_radius(st, direction) if self.spec.muon_scale == "sphere_rms" else None
             )
+            scale = muon_scale_factor(self.spec.muon_scale, d_out, d_in, radius)
             w2 = direction.view(self.shape)
             upd = muon_update(
                 g_dir.view(self.shape), st["momentum_buffer"].view(self.shape), base_hp, scale
@@ -299,40 +322,80 @@ class SliceMD:
             raw = st[name]
             gg = gain_tot[off : off + self.gain_sizes[name]].view(raw.shape)
             off += self.gain_sizes[name]
-            if self.spec.gains != "lowrank":
-                gg = gg * maps.phi_prime(raw, self.spec.gain_map)
-            work = (raw, gg, st[name + "_exp_avg"], st[name + "_exp_avg_sq"])
-            if batch is None:
-                adam_step_(*work, t, gain_hp)
-                maps.after_step(raw, self.spec.gain_map)
-            else:
-                batch.add(work, t, gain_hp, self.spec.gain_map)
+            gain_map = self.spec.gain_map
+            chain = "direct" if self.spec.gains == "lowrank" else gain_map  # lowrank: Γ = 1 + ABᵀ
+            if batch is not None:  # φ′(ĝ) applied there, for all matrices at once
+                work = (raw, gg, st[name + "_exp_avg"], st[name + "_exp_avg_sq"])
+                batch.add(work, t, gain_hp, chain, gain_map)
+                continue
+            if chain in maps.CHAIN_MAPS:
+                gg = gg * maps.phi_prime(raw, chain)
+            adam_step_(raw, gg, st[name + "_exp_avg"], st[name + "_exp_avg_sq"], t, gain_hp)
+            maps.after_step(raw, gain_map)
 
-    def _frob_radius(self, st: dict, direction: torch.Tensor) -> float:
+    def _frob_radius(self, st: dict, direction: torch.Tensor) -> torch.Tensor:
+        """A 0-d float64 tensor, not a Python float: no host sync per matrix on a GPU, and
+        the same value (fp32 → fp64 is exact) as the reference's ``float(...)``."""
         r = st["radius"]
         if r is None:  # whole matrix (Muon): the current norm
-            return float((direction * direction).sum().sqrt())
-        return float(r) if r.ndim == 0 else float((r * r).sum().sqrt())
+            r = (direction * direction).sum().sqrt()
+        elif r.ndim:
+            r = (r * r).sum().sqrt()
+        return r.double()
 
 
 class GainBatch:
-    """Gain Adam steps of many matrices, run as one multi-tensor Adam per (step, hyper-params):
-    on a GPU that is a handful of kernel launches instead of ~8 per gain vector."""
+    """Gain Adam steps of many matrices, run as one multi-tensor Adam per (step, hyper-params),
+    with the chain rule's φ′(ĝ) multi-tensor too: on a GPU a handful of kernel launches instead
+    of ~10 per gain vector. ``work`` = (raw ĝ, ∂L/∂g partial sums, exp_avg, exp_avg_sq)."""
 
     def __init__(self):
         self.groups: dict[tuple, list[tuple]] = {}
-        self.maps: list[tuple[torch.Tensor, str]] = []
+        self.after: list[tuple[torch.Tensor, str]] = []
 
-    def add(self, work: tuple, step: int, hp: AdamHParams, gain_map: str) -> None:
+    def add(self, work: tuple, step: int, hp: AdamHParams, chain: str, after: str) -> None:
+        """``chain``: the map whose φ′ multiplies the sums; ``after``: ``maps.after_step``'s."""
+        key = (step, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay)
+        self.groups.setdefault(key, []).append((*work, chain))
+        self.after.append((work[0], after))
+
+    def run(self) -> None:
+        for (step, *hp), works in self.groups.items():
+            raws, sums, avgs, avg_sqs, chains = map(list, zip(*works))
+            grads = maps.chain_multi(raws, sums, chains)
+            adam_multi_(raws, grads, avgs, avg_sqs, step, AdamHParams(*hp))
+        for raw, gain_map in self.after:
+            maps.after_step(raw, gain_map)
+
+
+class DirAdamBatch:
+    """Adam steps of many directions Ŵ as one multi-tensor Adam per (step, hyper-params), in
+    chunks of about ``cap`` elements (each queued matrix keeps its G_Ŵ until its chunk runs);
+    after a chunk, each matrix's ``then`` (its norm partials) runs."""
+
+    def __init__(self, cap: int):
+        self.cap, self.size = cap, 0
+        self.groups: dict[tuple, list[tuple]] = {}
+        self.then: list[Callable[[], None]] = []
+
+    def add(self, work: tuple, step: int, hp: AdamHParams, then: Callable[[], None]) -> None:
         key = (step, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay)
         self.groups.setdefault(key, []).append(work)
-        self.maps.append((work[0], gain_map))
+        self.then.append(then)
+        self.size += work[0].numel()
+        if self.size >= self.cap:
+            self.run()
 
     def run(self) -> None:
         for (step, *hp), works in self.groups.items():
             adam_multi_(*map(list, zip(*works)), step, AdamHParams(*hp))
-        for raw, gain_map in self.maps:
-            maps.after_step(raw, gain_map)
+        for then in self.then:
+            then()
+        self.groups, self.then, self.size = {}, [], 0
+
+
+#: Elements of Ŵ per multi-tensor Adam chunk (bounds the G_Ŵ and Adam temporaries held at once).
+DIR_BATCH_CAP = 1 << 26
 
 
 @dataclass
@@ -387,12 +450,14 @@ def md_init_batched(items: list[SliceItem], reduce_fn: ReduceFn, layout=None) ->
 
 
 def md_step_batched(
-    items: list[SliceItem], reduce_fn: ReduceFn, layout=None, pre_layout=None
+    items: list[SliceItem], reduce_fn: ReduceFn, layout=None, pre_layout=None, cap=None
 ) -> None:
     """MD step for many matrices: ONE reduction of all partials (two with tangent projection).
 
     ``layout``/``pre_layout``: per-matrix partial sizes in a global order (see ``_layout``).
+    Ŵ's Adam runs multi-tensor in chunks of ``cap`` elements (default ``DIR_BATCH_CAP``).
     """
+    cap = DIR_BATCH_CAP if cap is None else cap
     pre_segs, pre_total = _layout(items, lambda it: it.md.n_pre_partials(), pre_layout)
     pre = None
     if pre_total:
@@ -402,10 +467,11 @@ def md_step_batched(
         reduce_fn(pre)
     segs, total = _layout(items, lambda it: it.md.n_partials(), layout)
     buf = _zeros(total, items)
+    dirs = DirAdamBatch(cap)
     for it, s, ps in zip(items, segs, pre_segs):
-        it.md.phase1(
-            it.direction, it.grad, it.state, it.base_hp, buf[s], None if pre is None else pre[ps]
-        )
+        pre_it = None if pre is None else pre[ps]
+        it.md.phase1(it.direction, it.grad, it.state, it.base_hp, buf[s], pre_it, dirs)
+    dirs.run()
     if total:
         reduce_fn(buf)
     gains = GainBatch()
