@@ -35,6 +35,7 @@ if [ ! -f "$stamp" ] || ! here_installed; then
 fi
 PY="$VENV/bin/python"
 export PATH="$VENV/bin:$PATH"  # torchrun, shellcheck and python of the venv for child processes
+export THP_MEM_ALLOC_ENABLE=${THP_MEM_ALLOC_ENABLE:-1}  # torch: huge pages for big CPU tensors
 
 case "${1:-demo}" in
   demo) shift || true; exec "$PY" examples/md_decoupling/pretrain_demo.py "$@" ;;
