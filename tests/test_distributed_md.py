@@ -37,7 +37,7 @@ MUON_LW = ("--optimizer", "muon", "--dist", "layerwise")
 MD_OFF = {
     "zero1": ("--dist", "zero1"),
     "zero1-bf16-moe": ("--dist", "zero1", "--dtype", "bf16", "--experts", "4"),
-    "layerwise-bf16": ("--optimizer", "muon", "--dist", "layerwise", "--dtype", "bf16"),
+    "layerwise-bf16-moe": (*MUON_LW, "--dtype", "bf16", "--experts", "4"),
     "replicated-muon": ("--optimizer", "muon", "--dist", "replicated"),
 }
 # Every check below, so that each world size runs as ONE torchrun (tests/_torchrun.py:Batches).

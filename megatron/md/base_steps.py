@@ -1,8 +1,10 @@
 """Base optimizer steps applied to the direction Ŵ (Algorithm 2, line 7) and to the gains.
 
-The Adam arithmetic is op-for-op that of ``torch.optim.AdamW``'s single-tensor path (what
-megatron-core runs without Apex/TE), so MD with gains and sphere switched off is bit-identical
-to it. The Muon arithmetic is that of emerging-optimizers' ``OrthogonalizedOptimizer.step``.
+The Adam arithmetic is op-for-op that of ``torch.optim.AdamW`` (what megatron-core runs
+without Apex/TE): its single-tensor path (CPU default) in ``adam_step_``, its multi-tensor path
+(CUDA default) in ``adam_multi_``, so MD with gains and sphere switched off is bit-identical to
+it on both devices. The Muon arithmetic is that of emerging-optimizers'
+``OrthogonalizedOptimizer.step``.
 """
 
 from __future__ import annotations
@@ -54,8 +56,10 @@ def adam_multi_(
     step: int,
     hp: AdamHParams,
 ) -> None:
-    """``adam_step_`` on many tensors with multi-tensor (``torch._foreach_*``) ops: the same
-    arithmetic op for op (bit-identical on CPU), a few kernel launches in all on GPU."""
+    """``adam_step_`` on many tensors with multi-tensor (``torch._foreach_*``) ops, called the
+    way torch's ``_multi_tensor_adam`` calls them (what ``torch.optim.AdamW`` runs on CUDA):
+    bit-identical to it on CUDA and, since CPU foreach ops decompose per tensor, to the
+    single-tensor path on CPU; a few kernel launches in all on GPU."""
     if not params:
         return
     if hp.weight_decay != 0:
@@ -67,18 +71,22 @@ def adam_multi_(
     bias_correction2 = 1 - hp.beta2**step
     step_size = hp.lr / bias_correction1
     denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, bias_correction2**0.5)
+    # scalar lists, as torch passes them: on CUDA ``_foreach_div_`` by a list rounds
+    # differently from by a scalar (up to 1 ulp, measured on an H100, torch 2.11)
+    n = len(params)
+    torch._foreach_div_(denom, [bias_correction2**0.5] * n)
     torch._foreach_add_(denom, hp.eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-step_size)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, [step_size * -1] * n)
 
 
 def muon_scale_factor(mode: str, d_out: int, d_in: int, radius=None):
     """Muon update scale for a (d_out, d_in) matrix; ``sphere_rms`` needs the Frobenius radius
     (a float, or a 0-d tensor: the scale is then one too)."""
+    # unit_rms_norm, shape_scaling: emerging-optimizers' formulas (muon.py), to the last bit
     if mode == "unit_rms_norm":
-        return math.sqrt(d_out / d_in)
+        return (d_out / d_in) ** 0.5
     if mode == "shape_scaling":
-        return max(1.0, math.sqrt(d_out / d_in))
+        return max(1, d_out / d_in) ** 0.5
     if mode == "rms_match":
         return 0.2 * math.sqrt(max(d_out, d_in))
     if mode == "shape_up":

@@ -48,6 +48,9 @@ def parse(argv=None):
     ap.add_argument("--vs", default="reference", choices=["reference", "megatron"])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument(
+        "--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)"
+    )
     args = ap.parse_args(argv)
     if args.vs == "megatron" and args.dist == "layerwise" and args.optimizer == "adam":
         ap.error("megatron-core has no layer-wise Adam to compare with")
@@ -64,7 +67,9 @@ def md_config(args):
             embedding_norm="none",
             output_norm="none",
             router_norm="none",
-            muon_scale="unit_rms_norm",
+            # MD gives the router Muon scale 1 (paper); shape_scaling gives routers (fewer rows
+            # than columns) 1 as well, so megatron's Muon (same mode, build()) is the same run
+            muon_scale="shape_scaling",
         )
     # --optimizer adam --dist layerwise: AdamMD on whole matrices (built as layer-wise Muon)
     lw_adam = args.dist == "layerwise" and args.optimizer == "adam"
@@ -113,7 +118,7 @@ def build(args, world):
         muon_momentum=0.95,
         muon_nesterov=True,
         muon_split_qkv=False,
-        muon_scale_mode="unit_rms_norm",
+        muon_scale_mode="shape_scaling",  # the MD-off config's (md_config)
         muon_fp32_matmul_prec="highest",
     )
     return model, dmodel, get_megatron_optimizer(cfg, [dmodel])
@@ -241,6 +246,7 @@ def check(args) -> dict:
     from megatron.md.checkpoint import leaf_optimizers
     from megatron.md.enable import enable_md
 
+    torch.use_deterministic_algorithms(args.deterministic)
     md = md_config(args)
     model, dmodel, opt = build(args, world)
     enable_md(opt, [dmodel], md)
@@ -256,12 +262,14 @@ def check(args) -> dict:
 
     data = torch.tensor(list(cpu_demo.TEXT.encode()), dtype=torch.long)
     sphere_err = 0.0
+    grad_diff = []  # --vs megatron: per step, max |local grad of model - of model2|
     md_calls = []  # the collectives of the last MD step
     for x, y in cpu_demo.batches(data, args.steps, 4, 16, 0):
         x, y = x.to(DEV), y.to(DEV)
         grads = step(dmodel, opt, x, y, md_calls)
         if args.vs == "megatron":
-            step(dmodel2, opt2, x, y)
+            grads2 = step(dmodel2, opt2, x, y)
+            grad_diff.append(max(float((a - b).abs().max()) for a, b in zip(grads, grads2)))
             continue
         for c, g in zip(copies, grads):
             c.grad = g.float().clone()
@@ -295,10 +303,13 @@ def check(args) -> dict:
                     sphere_err = max(sphere_err, abs(float(buf[i].sqrt() / r) - 1))
 
     worst, worst_ulp, worst_dir, n_same, n_bf16 = 0.0, 0.0, 0.0, 0, 0
+    worst_name = ""  # --vs megatron: the parameter that differs most
     if args.vs == "megatron":
         pairs = zip(model.named_parameters(), model2.parameters())
         for (name, p), q in pairs:
-            worst = max(worst, float((p.detach() - q.detach()).abs().max()))
+            d = float((p.detach() - q.detach()).abs().max())
+            if d > worst:
+                worst, worst_name = d, name
     else:
         for (name, p), c in zip(named, copies):
             q = c.detach()
@@ -350,6 +361,8 @@ def check(args) -> dict:
     return {
         "world": world,
         "worst_rel": worst,
+        "grad_diff": grad_diff,
+        "worst_param": worst_name,
         "bf16_excess": worst_ulp,
         "bf16_same_frac": n_same / max(n_bf16, 1),
         "worst_dir_rel": worst_dir,
