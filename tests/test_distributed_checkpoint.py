@@ -37,6 +37,7 @@ def ckpt(tmp_path_factory):
     jobs = [(2, "save", d[n], *c) for n, c in CONFIGS.items()]
     jobs += [(w, "load", d[n], *CONFIGS[n]) for n, ws in LOADS.items() for w in ws]
     jobs += [(4, "continue", d["zero1-fp32"], *CONFIGS["zero1-fp32"])]
+    jobs += [(2, "load", d["zero1-fp32"], *CONFIGS["zero1-fp32"], "--fused-step")]
     run = Batches("md_ckpt.py", jobs)
     for n, c in CONFIGS.items():
         assert run(2, "save", d[n], *c)["world"] == 2
@@ -53,6 +54,14 @@ def test_resume_equals_uninterrupted_run(ckpt, name, nproc):
     assert res["worst_rel"] <= TOL["bf16" if "bf16" in name else "fp32"]
     if nproc == 2:
         assert res["worst_rel"] == 0.0  # same sharding: exact
+
+
+def test_eager_checkpoint_resumes_with_fused_kernels(ckpt):
+    """--md-fused-step is execution only: a checkpoint saved by the eager step resumes with the
+    compiled kernels (and the uninterrupted run they are compared with uses them too)."""
+    run, d = ckpt
+    res = run(2, "load", d["zero1-fp32"], *CONFIGS["zero1-fp32"], "--fused-step")
+    assert res["has_md"] and res["worst_rel"] <= TOL["fp32"]
 
 
 def test_continual_training_from_checkpoint_without_md(ckpt):

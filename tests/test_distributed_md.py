@@ -40,6 +40,8 @@ MD_OFF = {
     "layerwise-bf16-moe": (*MUON_LW, "--dtype", "bf16", "--experts", "4"),
     "replicated-muon": ("--optimizer", "muon", "--dist", "replicated"),
 }
+# --md-fused-step (compiled kernels): fp32 with cuts inside rows (4 ranks), bf16 MoE (2)
+FUSED = {4: (), 2: ("--dtype", "bf16", "--experts", "4")}
 # Every check below, so that each world size runs as ONE torchrun (tests/_torchrun.py:Batches).
 md_check = Batches(
     "md_check.py",
@@ -58,6 +60,7 @@ md_check = Batches(
             for o, d in (("adam", "fp32"), ("muon", "bf16"))
         ],
         *[(2, "--vs", "megatron", *args) for args in MD_OFF.values()],
+        *[(n, "--dist", "zero1", "--fused-step", *a) for n, a in FUSED.items()],
     ],
 )
 
@@ -129,3 +132,15 @@ def test_md_off_is_megatron_bit_for_bit(args):
     assert res["worst_rel"] == 0.0  # max |Δ| over all params vs megatron's own optimizer
     assert res["payload"] == 0  # nothing to reduce with MD off
     assert res["extra_collectives"] == md_collectives(res, 1)  # and no collective added
+
+
+@pytest.mark.parametrize("nproc", FUSED)
+def test_adam_md_zero1_fused_kernels(nproc):
+    """AdamMD's compiled kernels (fused.py) inside ZeRO-1 against the eager reference: the
+    same tolerances as the eager path, one all-reduce of the same payload."""
+    args = FUSED[nproc]
+    res = md_check(nproc, "--dist", "zero1", "--fused-step", *args)
+    check(res, nproc, "bf16" if "bf16" in args else "fp32")
+    assert res["cut_inside_row"] or nproc == 2
+    assert res["collectives_per_step"] == (1.0 if nproc > 1 else 0.0)
+    assert res["payload"] == res["expected_payload"]

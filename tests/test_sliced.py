@@ -15,7 +15,7 @@ CUTS = {
 }
 
 
-def _run(spec, cuts, base="adam", steps=5, shape=(9, 11), dtype=torch.float64):
+def _run(spec, cuts, base="adam", steps=5, shape=(9, 11), dtype=torch.float64, fused=False):
     """Reference vs. slices whose partials are summed (the all-reduce of a real run)."""
     gen = torch.Generator().manual_seed(3)
     w0 = torch.randn(shape, generator=gen, dtype=dtype) / shape[1] ** 0.5
@@ -33,7 +33,8 @@ def _run(spec, cuts, base="adam", steps=5, shape=(9, 11), dtype=torch.float64):
     flat = w0.clone().view(-1)
     parts = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
-        md = sliced.SliceMD(shape, lo, hi, spec, base)
+        md = sliced.SliceMD(shape, lo, hi, spec, base, fused=fused)
+        assert md.fused == (fused and (spec.gains, spec.sphere) != ("none", "none"))
         d = flat[lo:hi].clone()
         parts.append((md, d, md.init_state(d)))
     tot = sum(
@@ -85,6 +86,25 @@ def test_slices_equal_whole_matrix(n_slices, sphere, gains):
     for name in reference.GAIN_NAMES[gains]:
         for _, _, st in parts:  # replicated gains identical to the reference's
             torch.testing.assert_close(st[name], st_ref[name], rtol=1e-12, atol=1e-13)
+
+
+# every sphere and every fused gains kind once (each case compiles kernels: ~10 s apiece here)
+FUSED_CASES = [("frobenius", "rowcol"), ("row", "none"), ("col", "row"), ("none", "col")]
+
+
+@pytest.mark.parametrize("sphere,gains", FUSED_CASES)
+def test_fused_kernels_equal_whole_matrix(sphere, gains):
+    """--md-fused-step (compiled kernels) on 4 slices with cuts inside rows: in fp64 the same
+    as the reference to 1e-12 (the formulas), in fp32 (the default matrices) to 1e-6."""
+    spec = MatrixSpec(sphere, "init", gains, "softplus")
+    w, w_ref, parts, st_ref = _run(spec, CUTS[4], fused=True)
+    torch.testing.assert_close(w, w_ref, rtol=1e-12, atol=1e-13)
+    for name in reference.GAIN_NAMES[gains]:
+        for _, _, st in parts:
+            torch.testing.assert_close(st[name], st_ref[name], rtol=1e-12, atol=1e-13)
+    if gains == "rowcol":
+        w, w_ref, *_ = _run(spec, CUTS[4], dtype=torch.float32, fused=True)
+        torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("n_slices", [2, 4])

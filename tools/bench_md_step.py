@@ -5,7 +5,9 @@ with fp32 main params (megatron's default ``muon_fp32_matmul_prec='medium'``).
 On the real matrix shapes of the paper's dense models (``SHAPES``: d, 12 layers, vocab 131072),
 with megatron-core's own optimizers and ``enable_md``:
 
-- AdamMD / Adam under ZeRO-1 (``DistributedOptimizer``);
+- AdamMD / Adam under ZeRO-1 (``DistributedOptimizer``), AdamMD with the eager step and with
+  its compiled kernels (``adam_md_fused``: ``--md-fused-step``; the first, untimed round
+  compiles);
 - MuonMD / Muon layer-wise (``LayerWiseDistributedOptimizer``, Adam for embeddings/LM head);
 - AdamMD layer-wise (``--md-adam-layer-wise``) / AdamMD ZeRO-1: the two sharding strategies;
 - optimizer-state bytes with MD / without, bf16 params (fp32 main params held by megatron).
@@ -81,7 +83,7 @@ def shape_model(name: str, vocab: int) -> torch.nn.Module:
     return root
 
 
-def build(name: str, optimizer: str, md_on: bool, dtype: str, vocab: int):
+def build(name: str, optimizer: str, md_on: bool, dtype: str, vocab: int, fused: bool = False):
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -129,7 +131,8 @@ def build(name: str, optimizer: str, md_on: bool, dtype: str, vocab: int):
     )
     opt = get_megatron_optimizer(ocfg, [dmodel])
     if md_on:
-        enable_md(opt, [dmodel], MDConfig(adam_layer_wise=optimizer == "adam_lw"))
+        md = MDConfig(adam_layer_wise=optimizer == "adam_lw", fused_step=fused)
+        enable_md(opt, [dmodel], md)
     gen = torch.Generator(DEV).manual_seed(1)
     for p in dmodel.module.parameters():
         p.main_grad.copy_(torch.randn(p.shape, generator=gen, device=DEV) * 1e-3)
@@ -320,10 +323,12 @@ JSON_TAG = "BENCH_JSON "
 PAIRS = {
     "adam_md/adam": ("adam", "adam_md"),
     "muon_md/muon": ("muon", "muon_md"),
+    "adam_md_fused/adam": ("adam", "adam_md_fused"),
     "adam_md layer-wise/zero1": ("adam_md", "adam_lw_md"),
 }
-#: adam/muon as megatron builds them, ``_md``: with MD; adam_lw_md = AdamMD layer-wise
-RUNS = ["adam", "adam_md", "muon", "muon_md", "adam_lw_md"]
+#: adam/muon as megatron builds them, ``_md``: with MD (eager step); adam_md_fused: AdamMD with
+#: its compiled kernels (--md-fused-step); adam_lw_md = AdamMD layer-wise
+RUNS = ["adam", "adam_md", "adam_md_fused", "muon", "muon_md", "adam_lw_md"]
 
 
 def measure(name: str, dtype: str, args, rank: int) -> dict:
@@ -336,9 +341,10 @@ def measure(name: str, dtype: str, args, rank: int) -> dict:
             continue
         opts, models = {}, []
         for run in pair:
-            opt_name, md_on = run.removesuffix("_md"), run.endswith("_md")
+            opt_name, md_on = run.split("_md")[0], "_md" in run
+            fused = run.endswith("_fused")
             t0 = time.perf_counter()
-            dmodel, opts[run] = build(name, opt_name, md_on, dtype, args.vocab)
+            dmodel, opts[run] = build(name, opt_name, md_on, dtype, args.vocab, fused)
             models.append(dmodel)
             log(rank, f"{name} {dtype} {run}: built in {time.perf_counter() - t0:.1f} s")
         got = time_interleaved(opts, args.steps)
@@ -400,6 +406,8 @@ def main(argv=None) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world))}
         if DEV == "cpu":  # huge pages for torch's large CPU buffers (README "Step cost": without
             env.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # them page faults dominate at 457M)
+            # inductor's compile workers fork from each rank: at 457M two ranks ran out of 24 GB
+            env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
         for line in out.stdout.splitlines():
             if line.startswith(JSON_TAG):

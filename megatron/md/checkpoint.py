@@ -20,6 +20,8 @@ import dataclasses
 
 import torch
 
+from megatron.md.config import EXECUTION_FIELDS
+
 MD_KEY_PREFIX = "optimizer.md."
 
 
@@ -103,7 +105,7 @@ def _check_same_config(saved: dict | None, md) -> None:
     diff = [
         f"{k}: checkpoint {saved[k]!r}, this run {now.get(k)!r}"
         for k in saved
-        if norm(saved[k]) != norm(now.get(k))
+        if k not in EXECUTION_FIELDS and norm(saved[k]) != norm(now.get(k))
     ]
     if diff:
         raise ValueError(

@@ -15,6 +15,8 @@ GAINS = ("none", "scalar", "row", "col", "rowcol", "lowrank")
 GAIN_MAPS = ("softplus", "exp", "direct", "direct-floor")
 ROW_NORMS = ("row", "none")
 MUON_SCALES = ("unit_rms_norm", "shape_scaling", "rms_match", "shape_up", "sphere_rms", "none")
+#: MDConfig fields that only choose how the step is executed (a checkpoint ignores them)
+EXECUTION_FIELDS = ("fused_step",)
 
 #: Floor applied to raw gains under ``gain_map='direct-floor'``.
 GAIN_FLOOR = 1e-5
@@ -87,6 +89,13 @@ class MDConfig:
     """AdamMD on whole matrices owned layer-wise (``--md-adam-layer-wise``) instead of ZeRO-1
     slices: the optimizer is built as megatron's layer-wise Muon (megatron-core shards
     layer-wise only for emerging optimizers) and the matrices' base step is Adam."""
+
+    fused_step: bool = False
+    """AdamMD's per-block work as compiled kernels (``torch.compile``, megatron/md/fused.py).
+    Execution only: the results agree with the eager step to fp32 rounding, it is never used
+    with MD off, and checkpoints are interchangeable. Off by default: it pays on CPU at scale
+    (457M: README "Step cost"), costs tens of seconds of compiling, and on an H100 it was
+    slower than the eager multi-tensor step (per-call overhead of ~100 small blocks)."""
 
     def __post_init__(self) -> None:
         self.validate()

@@ -74,9 +74,10 @@ class MDInner(torch.optim.Optimizer):
         self.slots[main] = slot
 
     def _flat_dir(self, p: torch.Tensor) -> torch.Tensor:
-        if self.slots[p].fp32_mode:
-            return self.md_state[p]["direction"]
-        return p.data.view(-1)
+        slot = self.slots[p]
+        d = self.md_state[p]["direction"] if slot.fp32_mode else p.data.view(-1)
+        slot.md.settle(d)  # a fused step's rescale not yet taken by a fuse
+        return d
 
     def init_state(self, keep_base: bool = False) -> None:
         """Create all state now (megatron's checkpoint code needs it before the first step):

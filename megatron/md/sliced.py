@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from megatron.md import fused as fused_k
 from megatron.md import maps
 from megatron.md.base_steps import (
     AdamHParams,
@@ -75,7 +76,9 @@ def slice_blocks(shape: tuple[int, int], start: int, end: int) -> list[Block]:
 class SliceMD:
     """MD bookkeeping for one matrix (or one rank's slice of it)."""
 
-    def __init__(self, shape, start: int, end: int, spec: MatrixSpec, base: str):
+    def __init__(
+        self, shape, start: int, end: int, spec: MatrixSpec, base: str, fused: bool = False
+    ):
         if len(shape) != 2:
             raise ValueError(f"MD needs a 2-D weight matrix; got shape {tuple(shape)}")
         self.shape = (int(shape[0]), int(shape[1]))
@@ -98,6 +101,16 @@ class SliceMD:
         self.n_gain = sum(self.gain_sizes[n] for n in self.gain_names)
         self.n_norm = {"frobenius": 1, "row": d_out, "col": d_in, "none": 0}[spec.sphere]
         self._phi: dict[str, tuple] = {}  # gain name -> (ĝ, its version, φ(ĝ)); see _gains
+        self._pending = None  # fused: sphere rescale left for the fuse's pass (see settle)
+        # compiled kernels (fused.py) where they apply; never with MD off (bit-identity)
+        self.fused = (
+            fused
+            and base == "adam"
+            and spec.gains in fused_k.FUSED_GAINS
+            and spec.sphere in fused_k.FUSED_SPHERES
+            and not spec.tangent_grad
+            and (spec.gains, spec.sphere) != ("none", "none")
+        )
 
     # ---- partial-buffer layout: [gain gradients | squared norms] ----
     def n_partials(self) -> int:
@@ -219,6 +232,13 @@ class SliceMD:
     def fuse(self, direction: torch.Tensor, st: dict, out: torch.Tensor) -> None:
         """Write W = Γ ⊙ Ŵ for this slice into ``out`` (any dtype; flat like ``direction``)."""
         g = self._gains(st)
+        if self.fused and (self.spec.gains != "none" or self._pending is not None):
+            for blk in self.blocks:  # rescale Ŵ (if pending) and write W in one pass
+                row, col = self._row_col(blk, g, direction)
+                s = None if self._pending is None else self._axis_bcast(blk, self._pending)
+                fused_k.fuse(blk.view(direction), s, row, col, blk.view(out))
+            self._pending = None
+            return
         once = out.dtype == direction.dtype or self.spec.gains in ("scalar", "row", "col", "rowcol")
         for blk in self.blocks:
             if once:  # one product written straight into ``out`` (rounded once)
@@ -226,13 +246,55 @@ class SliceMD:
             else:  # round once, from the fp32 product
                 blk.view(out).copy_(self._apply(blk, blk.view(direction), g))
 
-    def _gain_partials(self, blk: Block, p: torch.Tensor, g: dict, out: torch.Tensor) -> None:
-        # ``view[r].add_(x)``, not ``view[r] += x``: the latter also copies the slice onto itself
-        off = 0
-        views = {}
+    def settle(self, direction: torch.Tensor) -> None:
+        """Apply a sphere rescale left pending by ``phase2`` (fused path) if no fuse took it:
+        called before anything reads the direction."""
+        if self._pending is not None:
+            for blk in self.blocks:
+                blk.view(direction).mul_(self._axis_bcast(blk, self._pending))
+            self._pending = None
+
+    def _row_col(self, blk: Block, g: dict, like: torch.Tensor):
+        """This block's row gains (nr, 1) and column gains (1, nc); a 0-d one if absent."""
+        one = like.new_ones(())
+        row = g["gain_row"][blk.r0 : blk.r0 + blk.nr, None] if "gain_row" in g else one
+        col = g["gain_col"][None, blk.c0 : blk.c0 + blk.nc] if "gain_col" in g else one
+        return row, col
+
+    def _gain_views(self, out: torch.Tensor) -> dict[str, torch.Tensor]:
+        views, off = {}, 0
         for name in self.gain_names:
             views[name] = out[off : off + self.gain_sizes[name]]
             off += self.gain_sizes[name]
+        return views
+
+    def _phase1_fused(self, direction, grad, st, base_hp, t, g, gain_out, norm_out) -> None:
+        """``phase1`` with compiled kernels (fused.py): one fused pass per block."""
+        hp = fused_k.adam_hparams(base_hp, t, direction)
+        views = self._gain_views(gain_out)
+        m, v = st["exp_avg"], st["exp_avg_sq"]
+        sphere = self.spec.sphere
+        for blk in self.blocks:
+            row, col = self._row_col(blk, g, direction)
+            gr, gc, sq = fused_k.phase1(
+                blk.view(direction), blk.view(grad), blk.view(m), blk.view(v),
+                row, col, hp, self.n_gain > 0, sphere,
+            )  # fmt: skip
+            r, c = slice(blk.r0, blk.r0 + blk.nr), slice(blk.c0, blk.c0 + blk.nc)
+            if "gain_row" in views:
+                views["gain_row"][r].add_(gr)
+            if "gain_col" in views:
+                views["gain_col"][c].add_(gc)
+            if sphere == "frobenius":
+                norm_out += sq
+            elif sphere == "row":
+                norm_out[r].add_(sq)
+            elif sphere == "col":
+                norm_out[c].add_(sq)
+
+    def _gain_partials(self, blk: Block, p: torch.Tensor, g: dict, out: torch.Tensor) -> None:
+        # ``view[r].add_(x)``, not ``view[r] += x``: the latter also copies the slice onto itself
+        views = self._gain_views(out)
         r, c = slice(blk.r0, blk.r0 + blk.nr), slice(blk.c0, blk.c0 + blk.nc)
         gains = self.spec.gains
         if gains == "lowrank":
@@ -264,10 +326,14 @@ class SliceMD:
         """Gain-gradient partials, base step on Ŵ, then squared-norm partials of the new Ŵ.
         With ``batch`` (a ``DirAdamBatch``), Ŵ's Adam step and the norm partials after it are
         queued there instead (one multi-tensor Adam for many matrices)."""
+        self.settle(direction)
         st["step"] = st["step"] + 1  # rebind: megatron may alias one step tensor across params
         t = int(st["step"])
         g = self._gains(st)
         gain_out, norm_out = out[: self.n_gain], out[self.n_gain :]
+        if self.fused:
+            self._phase1_fused(direction, grad, st, base_hp, t, g, gain_out, norm_out)
+            return
         single = len(self.blocks) == 1  # the usual case: G_Ŵ is the block itself, no copy
         g_dir = None if single else torch.empty_like(direction)
         for blk in self.blocks:
@@ -315,8 +381,11 @@ class SliceMD:
         gain_tot, norm_tot = out[: self.n_gain], out[self.n_gain :]
         if self.n_norm:
             scale = st["radius"] / norm_tot.sqrt().view(st["radius"].shape)
-            for blk in self.blocks:
-                blk.view(direction).mul_(self._axis_bcast(blk, scale))
+            if self.fused:  # done by the fuse, in the same pass that writes W
+                self._pending = scale
+            else:
+                for blk in self.blocks:
+                    blk.view(direction).mul_(self._axis_bcast(blk, scale))
         off, t = 0, int(st["step"])
         for name in self.gain_names:
             raw = st[name]

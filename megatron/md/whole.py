@@ -96,7 +96,8 @@ def setup_whole(opt, roles: dict, names: dict, md: MDConfig, layer_wise: bool) -
             continue
         shape = tuple(model.shape)
         # Embeddings and LM head always use Adam (paper); matrices and router the chosen base.
-        sm = SliceMD(shape, 0, shape[0] * shape[1], spec_for(role, md), base)
+        n = shape[0] * shape[1]
+        sm = SliceMD(shape, 0, n, spec_for(role, md), base, fused=md.fused_step)
         slot = MDSlot(sm, fp32_mode, None, names[model], model)
         # LayerWise: one owner per matrix; replicated: every DP rank holds a copy.
         slot.replica = slot.dir_replica = 0 if layer_wise else _dp_rank(model)

@@ -97,9 +97,8 @@ def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
                 if role == "vector":
                     continue
                 rng = opt._get_model_param_range_map(model_param)["param"]
-                sm = SliceMD(
-                    tuple(model_param.shape), rng.start, rng.end, spec_for(role, md), "adam"
-                )
+                shape, spec = tuple(model_param.shape), spec_for(role, md)
+                sm = SliceMD(shape, rng.start, rng.end, spec, "adam", fused=md.fused_step)
                 slot = MDSlot(sm, fp32_mode, index[model_param], names[model_param], model_param)
                 # gains/radius are replicated over the ranks owning a slice of this matrix;
                 # the first of them writes them to checkpoints (replica 0)

@@ -3,6 +3,7 @@
     torchrun --nproc-per-node W md_check.py --optimizer adam|muon --dist zero1|layerwise|replicated
         [--dtype fp32|bf16] [--experts 4] [--sphere frobenius] [--vs reference|megatron]
         [--device cuda]   (NCCL, one rank per GPU; the oracle then runs on the GPU too)
+        [--fused-step]    (AdamMD's compiled kernels, megatron/md/fused.py)
 
 Every rank feeds the same batch, so the data-parallel mean gradient equals each rank's local
 gradient; the check isolates the optimizer.
@@ -48,6 +49,7 @@ def parse(argv=None):
     ap.add_argument("--vs", default="reference", choices=["reference", "megatron"])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--fused-step", action="store_true", help="MDConfig.fused_step")
     ap.add_argument(
         "--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)"
     )
@@ -73,7 +75,7 @@ def md_config(args):
         )
     # --optimizer adam --dist layerwise: AdamMD on whole matrices (built as layer-wise Muon)
     lw_adam = args.dist == "layerwise" and args.optimizer == "adam"
-    return MDConfig(sphere=args.sphere, adam_layer_wise=lw_adam)
+    return MDConfig(sphere=args.sphere, adam_layer_wise=lw_adam, fused_step=args.fused_step)
 
 
 def build(args, world):

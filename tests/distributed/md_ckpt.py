@@ -80,7 +80,7 @@ def run(ours, args) -> dict:
     from megatron.md.checkpoint import leaf_optimizers
     from megatron.md.enable import enable_md
 
-    md = MDConfig(sphere=args.sphere, gains=ours.md_gains)
+    md = MDConfig(sphere=args.sphere, gains=ours.md_gains, fused_step=args.fused_step)
     data = torch.tensor(list(md_check.cpu_demo.TEXT.encode()), dtype=torch.long)
     batches = list(md_check.cpu_demo.batches(data, 5, 4, 16, 0))
     out = {"world": world}

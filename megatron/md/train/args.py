@@ -7,7 +7,15 @@ import argparse
 import math
 import os
 
-from megatron.md.config import GAIN_MAPS, GAINS, MUON_SCALES, RADII, ROW_NORMS, SPHERES, MDConfig
+from megatron.md.config import (
+    GAIN_MAPS,
+    GAINS,
+    MUON_SCALES,
+    RADII,
+    ROW_NORMS,
+    SPHERES,
+    MDConfig,
+)
 from megatron.md.train import datacheck
 
 #: --muon-scale-mode values megatron-core's Muon knows; the rest are ours (see patches.py).
@@ -78,6 +86,12 @@ def add_md_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="with --optimizer adam --md-decoupling --use-distributed-optimizer: each rank owns "
         "whole matrices (megatron's layer-wise optimizer) instead of ZeRO-1 slices",
+    )
+    g.add_argument(
+        "--md-fused-step",
+        action="store_true",
+        help="AdamMD's per-block work as compiled (torch.compile) kernels; results agree with "
+        "the eager step to fp32 rounding (faster on CPU at scale; see README 'Step cost')",
     )
     g.add_argument(
         "--md-from-plain-checkpoint",
@@ -164,6 +178,7 @@ def md_config_from_args(args) -> MDConfig:
         router_norm=args.md_router_norm,
         muon_scale=scale,
         adam_layer_wise=args.md_adam_layer_wise,
+        fused_step=args.md_fused_step,
     )
 
 
