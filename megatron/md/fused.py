@@ -19,9 +19,8 @@ import torch
 
 from megatron.md.base_steps import AdamHParams
 
-#: gains and spheres this path covers (scalar/lowrank gains, tangent projection: eager)
+#: gains this path covers, with every sphere (scalar/lowrank gains, tangent projection: eager)
 FUSED_GAINS = ("none", "row", "col", "rowcol")
-FUSED_SPHERES = ("frobenius", "row", "col", "none")
 
 
 def _adam(w, g, m, v, hp):

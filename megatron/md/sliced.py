@@ -107,7 +107,6 @@ class SliceMD:
             fused
             and base == "adam"
             and spec.gains in fused_k.FUSED_GAINS
-            and spec.sphere in fused_k.FUSED_SPHERES
             and not spec.tangent_grad
             and (spec.gains, spec.sphere) != ("none", "none")
         )
@@ -122,12 +121,17 @@ class SliceMD:
 
     def _axis_sum(self, blk: Block, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add block ``x``'s sum along the sphere axis into ``out``."""
+        dim = {"frobenius": None, "row": 1, "col": 0}[self.spec.sphere]
+        self._axis_add(blk, x.sum() if dim is None else x.sum(dim), out)
+
+    def _axis_add(self, blk: Block, summed: torch.Tensor, out: torch.Tensor) -> None:
+        """Add a block's sums along the sphere axis (a scalar, per row or per column)."""
         if self.spec.sphere == "frobenius":
-            out += x.sum()
+            out += summed
         elif self.spec.sphere == "row":
-            out[blk.r0 : blk.r0 + blk.nr].add_(x.sum(1))
+            out[blk.r0 : blk.r0 + blk.nr].add_(summed)
         else:
-            out[blk.c0 : blk.c0 + blk.nc].add_(x.sum(0))
+            out[blk.c0 : blk.c0 + blk.nc].add_(summed)
 
     def _axis_bcast(self, blk: Block, v: torch.Tensor) -> torch.Tensor:
         if self.spec.sphere == "frobenius":
@@ -285,12 +289,8 @@ class SliceMD:
                 views["gain_row"][r].add_(gr)
             if "gain_col" in views:
                 views["gain_col"][c].add_(gc)
-            if sphere == "frobenius":
-                norm_out += sq
-            elif sphere == "row":
-                norm_out[r].add_(sq)
-            elif sphere == "col":
-                norm_out[c].add_(sq)
+            if self.n_norm:
+                self._axis_add(blk, sq, norm_out)
 
     def _gain_partials(self, blk: Block, p: torch.Tensor, g: dict, out: torch.Tensor) -> None:
         # ``view[r].add_(x)``, not ``view[r] += x``: the latter also copies the slice onto itself
