@@ -88,8 +88,11 @@ def test_slices_equal_whole_matrix(n_slices, sphere, gains):
             torch.testing.assert_close(st[name], st_ref[name], rtol=1e-12, atol=1e-13)
 
 
-# every sphere and every fused gains kind once (each case compiles kernels: ~10 s apiece here)
-FUSED_CASES = [("frobenius", "rowcol"), ("row", "none"), ("col", "row"), ("none", "col")]
+# every sphere and every fused gains kind once (each case compiles kernels: ~10 s apiece here);
+# row sphere + row/col gains: the kernel leaves its norms to the caller (fused.kernel_sphere)
+FUSED_CASES = [
+    ("frobenius", "rowcol"), ("row", "none"), ("col", "row"), ("none", "col"), ("row", "rowcol"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("sphere,gains", FUSED_CASES)
@@ -105,6 +108,29 @@ def test_fused_kernels_equal_whole_matrix(sphere, gains):
     if gains == "rowcol":
         w, w_ref, *_ = _run(spec, CUTS[4], dtype=torch.float32, fused=True)
         torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-7)
+
+
+def test_fused_kernel_serves_every_cut():
+    """One compiled phase-1 kernel for every row count and one for every one-row block
+    (a cut's column count): the long dimension is symbolic, the row length static."""
+    from torch._dynamo.utils import counters
+
+    from megatron.md import fused
+
+    hp = fused.adam_hparams(AdamHParams(1e-2), 1, torch.empty(0))
+    shapes = [(3, 13), (1, 4), (5, 13), (8, 13), (1, 7), (1, 9)]  # the first two compile
+    for i, (nr, nc) in enumerate(shapes):
+        if i == 2:
+            compiled = counters["stats"]["unique_graphs"]
+        w, g = torch.randn(nr, nc), torch.randn(nr, nc)
+        m, v = torch.zeros(nr, nc), torch.zeros(nr, nc)
+        row, col = torch.rand(nr, 1) + 0.5, torch.rand(1, nc) + 0.5
+        p = w * g
+        gr, gc, sq = fused.phase1(w, g, m, v, row, col, hp, True, True, "frobenius")
+        torch.testing.assert_close(gr, (p * col).sum(1))
+        torch.testing.assert_close(gc, (p * row).sum(0))
+        torch.testing.assert_close(sq, (w * w).sum())  # of the updated Ŵ
+    assert counters["stats"]["unique_graphs"] == compiled
 
 
 @pytest.mark.parametrize("n_slices", [2, 4])

@@ -14,8 +14,10 @@ with megatron-core's own optimizers and ``enable_md``:
 
 The two optimizers of a ratio are built together and stepped in turn, ``--steps`` rounds; a
 ratio is the median over rounds of (MD time / base time) in the same round, for the full
-``optimizer.step()`` (clip, inner step, copy to the model, param all-gather) and for the inner
-torch step alone, both of the slowest rank; random gradients are written into the grad buffers
+``optimizer.step()`` (clip, inner step, copy to the model, param all-gather), for the step less
+the param all-gather ("compute": the same bytes on both sides, and gloo's all-gather is the
+noisiest part on a CPU) and for the inner torch step alone, all of the slowest rank, with each
+of megatron's phases timed too (``PHASES``); random gradients are written into the grad buffers
 once (no forward/backward). Also per step under ZeRO-1: the bytes of MD's one extra all-reduce
 against the bytes of megatron's param all-gather (the whole param buffer). Prints a table and
 one JSON line per world size; ``--world 1 2 4`` runs the ladder
@@ -185,25 +187,44 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+#: megatron's DistributedOptimizer phases timed on their own (method -> name); the rest of
+#: ``step()`` is the inner torch step and small bookkeeping
+PHASES = {
+    "prepare_grads": "grads",
+    "get_grad_norm": "norm",
+    "clip_grad_norm": "clip",
+    "_copy_main_params_to_model_params": "copy",
+    "start_param_sync_for_bucket_group_subset": "all_gather",
+}
+
+
+def _timed(fn, sink: list):
+    def timed(*a, **k):
+        sync()
+        t0 = time.perf_counter()
+        out = fn(*a, **k)
+        sync()
+        sink.append(time.perf_counter() - t0)
+        return out
+
+    return timed
+
+
 def timed_step(opt):
-    """A function running one full ``opt.step()``; returns (full, inner) seconds."""
+    """A function running one full ``opt.step()``; returns (full, inner, {phase: s}) seconds,
+    each the slowest rank's."""
     from megatron.md.checkpoint import leaf_optimizers
 
-    inner_t = []
+    sinks = {name: [] for name in ("inner", *PHASES.values())}
     for o in leaf_optimizers(opt):
+        o.optimizer.step = _timed(o.optimizer.step, sinks["inner"])
+        for method, name in PHASES.items():
+            if hasattr(o, method):  # instance attributes: the class's stay untouched
+                setattr(o, method, _timed(getattr(o, method), sinks[name]))
 
-        def timed(*a, _step=o.optimizer.step, **k):
-            sync()
-            t0 = time.perf_counter()
-            out = _step(*a, **k)
-            sync()
-            inner_t.append(time.perf_counter() - t0)
-            return out
-
-        o.optimizer.step = timed
-
-    def one() -> tuple[float, float]:
-        inner_t.clear()
+    def one() -> tuple[float, float, dict]:
+        for sink in sinks.values():
+            sink.clear()
         torch.distributed.barrier()
         sync()
         t0 = time.perf_counter()
@@ -212,9 +233,10 @@ def timed_step(opt):
         torch.distributed.barrier()  # the slowest rank's full step
         full = time.perf_counter() - t0
         assert ok
-        inner = torch.tensor(sum(inner_t), dtype=torch.float64, device=DEV)
-        torch.distributed.all_reduce(inner, op=torch.distributed.ReduceOp.MAX)
-        return full, float(inner)  # the slowest rank's inner step
+        per = torch.tensor([sum(v) for v in sinks.values()], dtype=torch.float64, device=DEV)
+        torch.distributed.all_reduce(per, op=torch.distributed.ReduceOp.MAX)
+        phases = dict(zip(sinks, per.tolist()))
+        return full, phases.pop("inner"), phases
 
     return one
 
@@ -236,6 +258,10 @@ def time_interleaved(opts: dict, steps: int) -> dict:
             "inner_s": statistics.median(t[1] for t in ts),
             "steps_s": [t[0] for t in ts],
             "inners_s": [t[1] for t in ts],
+            "phases_s": {p: statistics.median(t[2][p] for t in ts) for p in ts[0][2]},
+            # the step less megatron's param all-gather (same bytes for both; gloo's is noisy)
+            "compute_s": statistics.median(t[0] - t[2]["all_gather"] for t in ts),
+            "computes_s": [t[0] - t[2]["all_gather"] for t in ts],
         }
         for k, ts in times.items()
     }
@@ -309,7 +335,7 @@ def worker(args) -> None:
                 which = key.split()[-1]
                 got = row["pairs"].get(key.rsplit(" ", 1)[0])
                 secs = ""
-                if got and which in ("step", "inner"):
+                if got and which in ("step", "compute", "inner"):
                     b, m = (t[f"{which}_s"] for t in got.values())
                     secs = f"   {b:.3f} -> {m:.3f}"
                 print(f"{name:<12} {key:<40} {val:>7.4g}{secs}")
@@ -351,10 +377,11 @@ def measure(name: str, dtype: str, args, rank: int) -> dict:
         if "adam_md" in pair and "bytes" not in row:  # the payload of its last step
             row["bytes"] = collective_bytes(models[pair.index("adam_md")], opts["adam_md"])
         for run, t in got.items():
-            log(rank, f"  {run}: step {t['step_s']:.3f} s, inner {t['inner_s']:.3f} s")
+            phases = ", ".join(f"{p} {v:.3f}" for p, v in t["phases_s"].items())
+            log(rank, f"  {run}: step {t['step_s']:.3f} s, inner {t['inner_s']:.3f} s ({phases})")
         row["pairs"][key] = got
         base, md = pair
-        for which in ("step", "inner")[: 1 if key.endswith("zero1") else 2]:
+        for which in ("step", "compute", "inner")[: 1 if key.endswith("zero1") else 3]:
             ratios[f"{key} {which}"] = paired_ratio(
                 got[md][f"{which}s_s"], got[base][f"{which}s_s"]
             )

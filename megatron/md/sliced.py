@@ -243,12 +243,8 @@ class SliceMD:
                 fused_k.fuse(blk.view(direction), s, row, col, blk.view(out))
             self._pending = None
             return
-        once = out.dtype == direction.dtype or self.spec.gains in ("scalar", "row", "col", "rowcol")
-        for blk in self.blocks:
-            if once:  # one product written straight into ``out`` (rounded once)
-                self._apply_into(blk, blk.view(direction), g, blk.view(out))
-            else:  # round once, from the fp32 product
-                blk.view(out).copy_(self._apply(blk, blk.view(direction), g))
+        for blk in self.blocks:  # written straight into ``out``, rounded once (_apply_into)
+            self._apply_into(blk, blk.view(direction), g, blk.view(out))
 
     def settle(self, direction: torch.Tensor) -> None:
         """Apply a sphere rescale left pending by ``phase2`` (fused path) if no fuse took it:
@@ -277,20 +273,22 @@ class SliceMD:
         hp = fused_k.adam_hparams(base_hp, t, direction)
         views = self._gain_views(gain_out)
         m, v = st["exp_avg"], st["exp_avg_sq"]
-        sphere = self.spec.sphere
+        need_row, need_col = "gain_row" in views, "gain_col" in views
+        sphere = fused_k.kernel_sphere(self.spec.sphere, need_row, need_col)
         for blk in self.blocks:
             row, col = self._row_col(blk, g, direction)
             gr, gc, sq = fused_k.phase1(
                 blk.view(direction), blk.view(grad), blk.view(m), blk.view(v),
-                row, col, hp, self.n_gain > 0, sphere,
+                row, col, hp, need_row, need_col, sphere,
             )  # fmt: skip
-            r, c = slice(blk.r0, blk.r0 + blk.nr), slice(blk.c0, blk.c0 + blk.nc)
-            if "gain_row" in views:
-                views["gain_row"][r].add_(gr)
-            if "gain_col" in views:
-                views["gain_col"][c].add_(gc)
-            if self.n_norm:
+            if need_row:
+                views["gain_row"][blk.r0 : blk.r0 + blk.nr].add_(gr)
+            if need_col:
+                views["gain_col"][blk.c0 : blk.c0 + blk.nc].add_(gc)
+            if sphere != "none":
                 self._axis_add(blk, sq, norm_out)
+        if sphere != self.spec.sphere:  # norm partials the kernel leaves to us
+            self.norm_partials(direction, norm_out)
 
     def _gain_partials(self, blk: Block, p: torch.Tensor, g: dict, out: torch.Tensor) -> None:
         # ``view[r].add_(x)``, not ``view[r] += x``: the latter also copies the slice onto itself
