@@ -68,6 +68,10 @@ def finalize(args, argv: list[str]) -> None:
     """Defaults that depend on other flags."""
     if not _given(argv, "--init-method-std"):
         args.init_method_std = 1 / math.sqrt(args.hidden_size)  # the paper: 1/sqrt(d)
+    if args.eval_interval is None:
+        # megatron-core 0.19.2 has no default here and divides by it before training starts
+        # (training/training.py:4481: TypeError); 1000 is Megatron-LM's long-standing default
+        args.eval_interval = 1000
     if args.wsd_cooldown_fraction is not None:
         args.lr_wsd_decay_iters = max(1, round(args.wsd_cooldown_fraction * args.train_iters))
     if args.wandb_project and not args.tensorboard_dir:

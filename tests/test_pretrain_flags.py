@@ -150,6 +150,14 @@ def test_missing_data_and_tokenizer_are_named(capsys, tmp_path):
     assert "tokenizer.json" in msg
 
 
+def test_eval_interval_defaults_to_1000():
+    """megatron-core 0.19.2 leaves it None and then divides by it (a TypeError mid-start-up)."""
+    args, _ = parse()
+    assert args.eval_interval == 1000
+    args, _ = parse("--eval-interval=7")
+    assert args.eval_interval == 7
+
+
 def test_md_adam_layer_wise_selects_megatron_layer_wise_sharding():
     args, md = parse(
         "--md-decoupling", "--md-adam-layer-wise", "--optimizer=adam", "--use-distributed-optimizer"

@@ -16,11 +16,12 @@ The two optimizers of a ratio are built together and stepped in turn, ``--steps`
 ratio is the median over rounds of (MD time / base time) in the same round, for the full
 ``optimizer.step()`` (clip, inner step, copy to the model, param all-gather), for the step less
 the param all-gather ("compute": the same bytes on both sides, and gloo's all-gather is the
-noisiest part on a CPU) and for the inner torch step alone, all of the slowest rank, with each
-of megatron's phases timed too (``PHASES``); random gradients are written into the grad buffers
-once (no forward/backward). Also per step under ZeRO-1: the bytes of MD's one extra all-reduce
-against the bytes of megatron's param all-gather (the whole param buffer). Prints a table and
-one JSON line per world size; ``--world 1 2 4`` runs the ladder
+noisiest part on a CPU; subtracted is the all-gather of the rank that waited least there) and
+for the inner torch step alone, each the slowest rank's, with megatron's phases timed too
+(``PHASES``); random gradients are written into the grad buffers once (no forward/backward).
+Also per step under ZeRO-1: the bytes of MD's one extra all-reduce against the bytes of
+megatron's param all-gather (the whole param buffer). Prints a table and one JSON line per
+world size; ``--world 1 2 4`` runs the ladder
 (one torchrun per size) and ``--json`` collects it.
 
     python tools/bench_md_step.py [--model 181M 457M] [--steps 3] [--nproc 2] [--dtype bf16]
@@ -233,9 +234,12 @@ def timed_step(opt):
         torch.distributed.barrier()  # the slowest rank's full step
         full = time.perf_counter() - t0
         assert ok
-        per = torch.tensor([sum(v) for v in sinks.values()], dtype=torch.float64, device=DEV)
+        # max over ranks, but the all-gather's min: a rank done early waits there for the others
+        per = [sum(v) for v in sinks.values()]
+        per = torch.tensor([*per, -sum(sinks["all_gather"])], dtype=torch.float64, device=DEV)
         torch.distributed.all_reduce(per, op=torch.distributed.ReduceOp.MAX)
-        phases = dict(zip(sinks, per.tolist()))
+        *vals, neg_gather = per.tolist()
+        phases = dict(zip(sinks, vals)) | {"all_gather": -neg_gather}
         return full, phases.pop("inner"), phases
 
     return one
