@@ -196,7 +196,9 @@ PHASES = {
     "clip_grad_norm": "clip",
     "_copy_main_params_to_model_params": "copy",
     "start_param_sync_for_bucket_group_subset": "all_gather",
+    "allgather_params": "all_gather",  # LayerWise without a param buffer
 }
+GATHERS = ("start_param_sync_for_bucket_group_subset", "allgather_params")
 
 
 def _timed(fn, sink: list):
@@ -214,14 +216,28 @@ def _timed(fn, sink: list):
 def timed_step(opt):
     """A function running one full ``opt.step()``; returns (full, inner, {phase: s}) seconds,
     each the slowest rank's."""
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
     from megatron.md.checkpoint import leaf_optimizers
 
     sinks = {name: [] for name in ("inner", *PHASES.values())}
+
+    def wrap(o, methods):
+        for method in methods:
+            if hasattr(o, method):  # instance attributes: the class's stay untouched
+                setattr(o, method, _timed(getattr(o, method), sinks[PHASES[method]]))
+
+    def containers(o):  # LayerWiseDistributedOptimizer is a chain that all-gathers itself
+        if isinstance(o, ChainedOptimizer):
+            yield o
+            for c in o.chained_optimizers:
+                yield from containers(c)
+
+    for o in containers(opt):
+        wrap(o, GATHERS)  # only these: a chain's other phases call its children's
     for o in leaf_optimizers(opt):
         o.optimizer.step = _timed(o.optimizer.step, sinks["inner"])
-        for method, name in PHASES.items():
-            if hasattr(o, method):  # instance attributes: the class's stay untouched
-                setattr(o, method, _timed(getattr(o, method), sinks[name]))
+        wrap(o, PHASES)
 
     def one() -> tuple[float, float, dict]:
         for sink in sinks.values():
