@@ -8,8 +8,8 @@
 Every megatron flag works as upstream; ours are in ``megatron/md/train/args.py`` (``--md-*``,
 ``--preset``, per-group LRs, architecture extras). Put in front of the user's flags (which win):
 the ``--preset`` expansion, the CPU settings on a machine without CUDA, and with
-``--md-decoupling`` the paper's MD recipe (weight decay 0, Muon momentum 0.95 Nesterov on the
-fused QKV, Adam beta2 0.99).
+``--md-decoupling`` the paper's MD recipe (weight decay 0, Muon momentum 0.95 Nesterov, Q/K/V
+split as upstream, Adam beta2 0.99).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ MD_RECIPE = [
     "--weight-decay=0",
     "--muon-momentum=0.95",
     "--muon-nesterov",
-    "--muon-no-split-qkv",
     "--adam-beta2=0.99",
 ]
 

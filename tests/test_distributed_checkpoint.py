@@ -37,6 +37,7 @@ def ckpt(tmp_path_factory):
     jobs = [(2, "save", d[n], *c) for n, c in CONFIGS.items()]
     jobs += [(w, "load", d[n], *CONFIGS[n]) for n, ws in LOADS.items() for w in ws]
     jobs += [(4, "continue", d["zero1-fp32"], *CONFIGS["zero1-fp32"])]
+    jobs += [(4, "continue", d["zero1-fp32"], *CONFIGS["zero1-fp32"], "--md-row-norms", "none")]
     jobs += [(2, "load", d["zero1-fp32"], *CONFIGS["zero1-fp32"], "--fused-step")]
     run = Batches("md_ckpt.py", jobs)
     for n, c in CONFIGS.items():
@@ -65,12 +66,22 @@ def test_eager_checkpoint_resumes_with_fused_kernels(ckpt):
 
 
 def test_continual_training_from_checkpoint_without_md(ckpt):
+    """Loading a plain (AdamW) checkpoint into an MD run keeps every hidden matrix's function
+    (radius = its loaded norm, gains 1) and changes exactly one thing: the recipe's unit-norm
+    embedding and LM-head rows (recipe "Special parameters": no gain absorbs their norms).
+    Measured on the loss of a fixed batch after a step at LR 0 (only the constraints act)."""
     run, d = ckpt
     res = run(4, "continue", d["zero1-fp32"], *CONFIGS["zero1-fp32"])
     assert not res["has_md"]
-    assert res["weights_changed"] == 0.0  # the model's function is unchanged
+    assert res["weights_changed"] == 0.0  # loading itself writes the loaded weights as they are
     assert res["gains_one"] and res["radius_err"] <= 1e-6  # radius = the loaded norm
     assert res["finite_after_step"]
+    # the converted model is the loaded one with unit embedding / LM-head rows, nothing else
+    assert res["loss_converted"] == pytest.approx(res["loss_unit_rows"], rel=1e-6)
+    assert abs(res["loss_converted"] - res["loss_loaded"]) > 1e-4  # and that is a change
+    # without the row constraints the conversion keeps the function (fp32 rounding of Γ = 1)
+    res = run(4, "continue", d["zero1-fp32"], *CONFIGS["zero1-fp32"], "--md-row-norms", "none")
+    assert res["loss_converted"] == pytest.approx(res["loss_loaded"], rel=1e-6)
 
 
 def test_other_md_settings_are_refused_before_loading(ckpt):

@@ -51,6 +51,7 @@ md_check = Batches(
         *[(4, "--dist", "zero1", "--sphere", s) for s in ("row", "col")],
         *[(n, *MUON_LW, "--experts", e) for n, e in RANKS_EXPERTS],
         (2, *MUON_LW, "--dtype", "bf16"),
+        (2, *MUON_LW, "--no-split-qkv"),
         *[
             (2, "--optimizer", "adam", "--dist", "layerwise", "--dtype", d, "--experts", e)
             for d, e in (("fp32", 0), ("bf16", 4))
@@ -95,10 +96,18 @@ def test_adam_md_zero1_row_col_spheres_cut_inside_rows(sphere):
 def test_muon_md_layerwise_fp32(nproc, experts):
     res = md_check(nproc, *MUON_LW, "--experts", str(experts))
     check(res, nproc)
+    assert res["split_qkv_matrices"] == 2  # each layer's QKV: Q, K, V spheres and NS calls
     assert "MDFloat16OptimizerWithFloat16Params" in res["classes"]
     # only the Adam-managed embedding/LM-head rows go through the ZeRO-1 all-reduce
     assert res["payload"] == res["expected_payload"]
     assert res["extra_collectives"] == md_collectives(res, nproc)
+
+
+def test_muon_md_layerwise_fused_qkv():
+    """--muon-no-split-qkv: the fused QKV matrix as one Muon call and one sphere."""
+    res = md_check(2, *MUON_LW, "--no-split-qkv")
+    check(res, 2)
+    assert res["split_qkv_matrices"] == 0
 
 
 def test_muon_md_layerwise_bf16():

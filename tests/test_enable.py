@@ -29,8 +29,11 @@ def _build(**overrides):
     "overrides,message",
     [
         (dict(weight_decay=0.1), "--weight-decay 0"),
-        (dict(optimizer="muon", muon_split_qkv=True), "--muon-no-split-qkv"),
-        (dict(optimizer="muon", muon_extra_scale_factor=2.0), "--muon-extra-scale-factor"),
+        (dict(optimizer="muon", muon_split_qkv=False), "follows --muon-split-qkv"),
+        (
+            dict(optimizer="muon", muon_split_qkv=True, muon_extra_scale_factor=2.0),
+            "--muon-extra-scale-factor",
+        ),
     ],
 )
 def test_bad_settings_are_refused_before_any_step(overrides, message):

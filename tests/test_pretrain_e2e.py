@@ -91,10 +91,13 @@ def phi(raw: torch.Tensor, gain_map: str) -> torch.Tensor:
     return {"softplus": F.softplus, "exp": torch.exp}.get(gain_map, lambda x: x)(raw)
 
 
-def sphere_errors(sd: dict, gain_map: str) -> dict[str, float]:
+def sphere_errors(sd: dict, gain_map: str, qkv=(128, 64, 64)) -> dict[str, float]:
     """|‖Ŵ‖ − c| / c per MD matrix, with Ŵ = W / (g_row g_colᵀ) rebuilt from the saved model
-    weight and the saved raw gains (row spheres of embeddings / LM head: per row, no gains).
+    weight and the saved raw gains (row spheres of embeddings / LM head: per row, no gains;
+    a QKV matrix Muon split has one sphere per block: ``qkv`` rows per query group, tiny).
     MD keys: ``[chained_i.]optimizer.md.<param key>[@layer].<field>``."""
+    from megatron.md.reference import norms, row_block_ids
+
     errs = {}
     for k, radius in sd.items():
         if "optimizer.md." not in k or not k.endswith(".radius"):
@@ -111,7 +114,12 @@ def sphere_errors(sd: dict, gain_map: str) -> dict[str, float]:
             w = w / phi(g_row.double(), gain_map)[:, None]
         if g_col is not None:
             w = w / phi(g_col.double(), gain_map)[None, :]
-        norm = w.norm() if radius.numel() == 1 else w.norm(dim=1)
+        if radius.numel() == 1:
+            norm = w.norm()
+        elif "linear_qkv" in key and radius.numel() == len(qkv):  # Q/K/V split (Muon)
+            norm = norms(w, "frobenius", row_block_ids(w.shape[0], qkv))
+        else:
+            norm = w.norm(dim=1)
         errs[key] = float(((norm - radius.double().view(norm.shape)).abs() / radius.double()).max())
     return errs
 
@@ -414,3 +422,52 @@ def test_no_credential_in_logs_metrics_or_checkpoints(runs):
     assert any(p.suffix == ".distcp" for p in files) and any(p.suffix == ".log" for p in files)
     leaked = [str(p) for p in files if SECRET.encode() in p.read_bytes()]
     assert not leaked, leaked
+
+
+def test_relative_update_is_measured_on_fp32_weights(tmp_path):
+    """bf16 params: the relative update ‖ΔW‖/‖W‖ is read from the fp32 weights the optimizer
+    holds. MuonMD with its gains held still (gain LR 1e-6) turns every hidden matrix by exactly
+    the LR per step (sphere_rms scale); measured on bf16 model weights it read 0.8–1.9× the LR
+    at LR 1e-3 (their rounding: before this fix, same command)."""
+    rows, _ = pretrain(tmp_path, "rel", "--train-iters=4", "--md-log-interval=1", "--preset=tiny",
+                       "--optimizer=muon", "--md-decoupling", "--bf16", "--lr=1e-3",
+                       "--md-gain-lr=1e-6", "--lr-decay-style=constant")  # fmt: skip
+    diag = [r["md"]["rel_update"] for r in train_rows(rows).values()]
+    assert len(diag) == 4
+    for rel in diag:
+        for cls in ("qkv", "proj", "fc1", "fc2"):
+            assert rel[cls] / 1e-3 == pytest.approx(1.0, abs=0.03), (cls, rel[cls])
+
+
+def _lr_free(flags: list[str]) -> list[str]:
+    return [f for f in flags if "lr=" not in f]
+
+
+@pytest.mark.parametrize(
+    "name,mode,iters",
+    [("adam_md", "--finetune", 2), ("muon_md", "--no-load-optim", 22)],
+    ids=["fp32-finetune", "bf16-no-load-optim"],
+)
+def test_weights_only_load_keeps_the_loaded_weights(runs, tmp_path, name, mode, iters):
+    """--finetune / --no-load-optim under MD: no optimizer state is loaded, so the MD state is
+    made from the LOADED weights (fp32 params included: megatron reloads main params only for
+    bf16/fp16, training/checkpointing.py:2611). At LR 1e-9 the model stays the loaded one: the
+    losses equal those of a run without MD from the same checkpoint (fp32 MD used to train on
+    from its init: 5.7 vs 4.3), and the saved weights equal the loaded ones."""
+    _, save = runs[name]
+    flags = ["--train-iters=%d" % iters, f"--load={save}", mode, "--lr=1e-9", "--save-interval=2"]
+    md, md_save = pretrain(tmp_path, f"{name}-md", *flags, *_lr_free(RUNS[name]), nproc=1)
+    plain_flags = [f for f in _lr_free(RUNS[name]) if not f.startswith("--md-")]
+    plain, _ = pretrain(tmp_path, f"{name}-plain", *flags, *plain_flags, nproc=1)
+    md, plain = train_rows(md), train_rows(plain)
+    assert sorted(md) == sorted(plain) and len(md) == 2
+    for i in md:
+        assert md[i]["lm loss"] == pytest.approx(plain[i]["lm loss"], rel=1e-4), i
+    loaded = read_checkpoint(save / "iter_0000020")
+    after = read_checkpoint(md_save / f"iter_{iters:07d}")
+    for k in (
+        "embedding.word_embeddings.weight",
+        "decoder.layers.self_attention.linear_qkv.weight",
+    ):
+        a, b = loaded[k].double(), after[k].double()
+        assert float((a - b).norm() / a.norm()) < 1e-3, k  # bf16: a rounding; fp32: ~1e-9

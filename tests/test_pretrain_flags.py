@@ -85,7 +85,8 @@ def test_md_defaults_are_the_paper_recipe():
     assert md.muon_scale == "sphere_rms" and md.gain_lr is None and not md.tangent_grad
     assert (md.embedding_norm, md.output_norm, md.router_norm) == ("row", "row", "row")
     assert args.weight_decay == 0 and args.muon_momentum == 0.95 and args.muon_nesterov
-    assert not args.muon_split_qkv and args.adam_beta2 == 0.99
+    assert args.muon_split_qkv and md.split_qkv and args.adam_beta2 == 0.99  # upstream split
+    assert md.residual_init_scale == 1.0
     assert args.init_method_std == pytest.approx(1 / math.sqrt(128))
     _, md = parse("--md-decoupling", "--md-tangent-grad")
     assert md.tangent_grad
@@ -257,3 +258,14 @@ def test_bad_datasets_are_named(capsys, tmp_path):
     assert "bad.idx is corrupt or truncated" in msg(bad)
     big = build_dataset(tmp_path / "big", [[1, 2, 5000, 3]])  # --vocab-size=1024 in BASE
     assert "holds token id 5000 but the tokenizer has 1025 tokens" in msg(big)
+
+
+def test_scaled_output_init_lowers_shape_up_and_qkv_split_follows_megatron():
+    """MoE appendix: --scaled-output-init (σ/sqrt(2L) output projections) reaches the MD config
+    as their init scale; MuonMD splits Q/K/V unless --muon-no-split-qkv (upstream's default)."""
+    _, md = parse("--md-decoupling", "--optimizer=muon", "--scaled-output-init")
+    assert md.residual_init_scale == pytest.approx(1 / math.sqrt(2 * 4)) and md.split_qkv
+    _, md = parse("--md-decoupling", "--optimizer=muon", "--muon-no-split-qkv")
+    assert not md.split_qkv and md.residual_init_scale == 1.0
+    _, md = parse("--md-decoupling", "--optimizer=adam")
+    assert not md.split_qkv  # Adam has no Q/K/V split

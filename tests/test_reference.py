@@ -164,3 +164,97 @@ def test_md_on_1d_tensor_and_zero_radius_raise():
         reference.init_state(torch.ones(5), spec, "adam")
     with pytest.raises(ValueError, match="radius"):
         reference.init_state(torch.zeros(4, 3), spec, "adam")
+
+
+# ---- Muon's Q/K/V split (megatron's default --muon-split-qkv): a fused QKV matrix of 2 query
+# groups, each 4 query rows, 2 key rows, 2 value rows (the interleaved layout of linear_qkv)
+QKV = (4, 2, 2)
+
+
+def _qkv_blocks(x: torch.Tensor) -> list[torch.Tensor]:
+    """The Q, K and V rows of every query group, as megatron's Muon cuts them."""
+    return [b.reshape(-1, x.shape[1]) for b in torch.split(x.view(2, 8, -1), list(QKV), dim=1)]
+
+
+def test_md_off_with_qkv_split_is_bit_identical_to_megatron_muon():
+    """MD off on a split QKV matrix: megatron's TensorParallelMuon(split_qkv=True) to the bit
+    (each block its own Newton–Schulz call and unit_rms_norm scale)."""
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+
+    spec = MatrixSpec("none", "init", "none", "softplus", muon_scale="unit_rms_norm")
+    spec_split = MatrixSpec(**{**spec.__dict__, "row_blocks": QKV})
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(16, 20, generator=gen)
+    p = torch.nn.Parameter(w.clone())
+    opt = TensorParallelMuon(
+        [p], lr=2e-2, momentum=0.95, nesterov=True, weight_decay=0.0, split_qkv=True,
+        is_qkv_fn=lambda _: True, qkv_split_shapes=list(QKV), scale_mode="unit_rms_norm",
+        fp32_matmul_prec="highest",
+    )  # fmt: skip
+    st = reference.init_state(w, spec_split, "muon")
+    w_fused, st_fused = w.clone(), reference.init_state(w, spec, "muon")
+    for _ in range(4):
+        g = torch.randn(16, 20, generator=gen)
+        p.grad = g.clone()
+        opt.step()
+        reference.md_step(w, g, st, spec_split, MuonHParams(lr=2e-2), AdamHParams(1e-2))
+        reference.md_step(w_fused, g, st_fused, spec, MuonHParams(lr=2e-2), AdamHParams(1e-2))
+    assert torch.equal(w, p.detach())
+    assert not torch.allclose(w, w_fused)  # the split is not the fused Newton–Schulz
+
+
+@pytest.mark.parametrize("sphere", ["frobenius", "row", "col"])
+@pytest.mark.parametrize("radius", ["init", "shape"])
+def test_qkv_split_gives_each_block_its_own_sphere(sphere, radius):
+    """Q, K and V each stay on their own sphere: radius = the block's norm at creation (or the
+    shape formula of the block's own shape), whatever the gains and the other blocks do."""
+    spec = MatrixSpec(sphere, radius, "rowcol", "softplus", tangent_grad=True, row_blocks=QKV)
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(16, 20, generator=gen) / 20**0.5
+    w[8:12] *= 3  # the second group's Q rows: blocks start at different norms
+    st = reference.init_state(w, spec, "muon")
+    before = [reference.norms(b, sphere) for b in _qkv_blocks(st["direction"])]
+    for _ in range(4):
+        reference.md_step(w, torch.randn(16, 20, generator=gen), st, spec, MuonHParams(3e-2),
+                          AdamHParams(1e-2))  # fmt: skip
+    for b, (blk, r0) in enumerate(zip(_qkv_blocks(st["direction"]), before)):
+        now = reference.norms(blk, sphere)
+        if radius == "shape":
+            rows = blk.shape[0]
+            n = {"frobenius": 1, "row": rows, "col": 20}[sphere]
+            r0 = torch.full_like(now, max(rows, 20) ** 0.5 / n**0.5)
+        torch.testing.assert_close(now, r0, rtol=1e-5, atol=0)
+    torch.testing.assert_close(w, reference.fused_weight(st, spec), rtol=0, atol=0)
+
+
+def test_qkv_split_muon_scale_and_relative_update_per_block():
+    """sphere_rms scales each block by its own radius / sqrt(min(rows, d_in)), so every block
+    turns by the LR: ‖ΔŴ_b‖/‖Ŵ_b‖ ≈ lr for Q, K and V alike (first step, small LR)."""
+    spec = MatrixSpec("frobenius", "init", "none", "softplus", muon_scale="sphere_rms",
+                      row_blocks=QKV)  # fmt: skip
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(16, 20, generator=gen) / 20**0.5
+    st = reference.init_state(w, spec, "muon")
+    scales = reference.muon_scales(st, spec)
+    for s, blk in zip(scales, _qkv_blocks(st["direction"])):
+        assert float(s) == pytest.approx(float(blk.norm()) / min(blk.shape) ** 0.5, rel=1e-6)
+    before = [b.clone() for b in _qkv_blocks(st["direction"])]
+    lr = 1e-4
+    reference.md_step(w, torch.randn(16, 20, generator=gen), st, spec, MuonHParams(lr),
+                      AdamHParams(1e-2))  # fmt: skip
+    for a, b in zip(before, _qkv_blocks(st["direction"])):
+        assert float((b - a).norm() / a.norm()) / lr == pytest.approx(1.0, rel=0.05)
+
+
+def test_shape_up_follows_a_scaled_init():
+    """MoE appendix: a residual-write projection initialized at σ/sqrt(2L) has a sphere that
+    much smaller, and its shape_up factor is lowered with it (init_scale), only while the
+    radius is the init norm."""
+    from megatron.md.base_steps import muon_scale_factor
+
+    st = {"direction": torch.ones(8, 32), "radius": torch.tensor(2.0)}
+    for radius, expect in (("init", 0.25), ("shape", 1.0)):
+        spec = MatrixSpec("frobenius", radius, "rowcol", "softplus", muon_scale="shape_up",
+                          init_scale=0.25)  # fmt: skip
+        got = reference.muon_scales(st, spec)
+        assert got == [muon_scale_factor("shape_up", 8, 32) * expect]

@@ -264,3 +264,24 @@ def test_fuse_into_bf16_rounds_once(gains):
     else:  # (Ŵ·g_row)·g_col, as the reference's apply_gains multiplies, rounded once
         fp32 = d.view(6, 7) * g["gain_row"][:, None] * g["gain_col"]
         assert torch.equal(out, fp32.view(-1)[3:38].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("sphere", ["frobenius", "row", "col", "none"])
+@pytest.mark.parametrize("radius,tangent", [("init", False), ("shape", True)])
+def test_muon_qkv_split_matches_reference(sphere, radius, tangent):
+    """A split fused QKV matrix (2 query groups of 4 q, 2 k, 2 v rows) stepped whole, as the
+    layer-wise optimizer does: per-block spheres, tangent projection and Muon calls equal the
+    reference's (fp32, Newton–Schulz's dtype: 1e-6 as for unsplit Muon)."""
+    tangent = tangent and sphere != "none"
+    spec = MatrixSpec(sphere, radius, "rowcol", "softplus", tangent_grad=tangent,
+                      muon_scale="sphere_rms", row_blocks=(4, 2, 2))  # fmt: skip
+    w, w_ref, parts, st_ref = _run(spec, [], base="muon", shape=(16, 11), dtype=torch.float32)
+    torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-7)
+    if sphere != "none":
+        torch.testing.assert_close(parts[0][2]["radius"], st_ref["radius"], rtol=1e-6, atol=0)
+
+
+def test_qkv_split_refuses_a_slice():
+    spec = MatrixSpec("frobenius", "init", "rowcol", "softplus", row_blocks=(4, 2, 2))
+    with pytest.raises(ValueError, match="whole matrix"):
+        sliced.SliceMD((16, 11), 0, 100, spec, "adam")

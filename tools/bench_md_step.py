@@ -126,7 +126,7 @@ def build(name: str, optimizer: str, md_on: bool, dtype: str, vocab: int, fused:
         bf16=dtype == "bf16" or layer_wise,  # LayerWise needs bf16=True
         use_distributed_optimizer=True,
         use_layer_wise_distributed_optimizer=layer_wise,
-        muon_split_qkv=False,
+        muon_split_qkv=True,  # megatron's default, and MuonMD's (MDConfig.split_qkv)
         muon_nesterov=True,
         muon_scale_mode="unit_rms_norm",
         # 'medium' (megatron's default) runs bf16 matmuls: fast on GPU, very slow on CPU

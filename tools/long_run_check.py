@@ -22,8 +22,7 @@ from runlog import LogError, read_log, run_pretrain  # noqa: E402
 
 FLAGS = {
     "adammd": ["--optimizer=adam", "--md-decoupling", "--lr=1e-2"],
-    "muonmd": ["--optimizer=muon", "--md-decoupling", "--lr=3e-3", "--matrix-lr=2e-2",
-               "--muon-no-split-qkv"],
+    "muonmd": ["--optimizer=muon", "--md-decoupling", "--lr=3e-3", "--matrix-lr=2e-2"],
 }  # fmt: skip
 DRIFT_TOL = 1e-5
 

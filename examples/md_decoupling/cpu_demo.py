@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import megatron.md  # noqa: F401  (CPU mode when there is no GPU)
 from megatron.md.config import MDConfig
-from megatron.md.optimizer import MDOptimizer, model_param_groups
+from megatron.md.optimizer import MDOptimizer, model_param_groups, tag_qkv
 
 # The Declaration of Independence (1776), public domain.
 TEXT = (
@@ -145,6 +145,7 @@ def lm_loss(model, tokens, labels) -> torch.Tensor:
 
 def train_one(name, base, md_on, lr, wd, warmup, args, train, val):
     model = build_model(args.seed, args.hidden, args.layers, args.seq)
+    tag_qkv(model)  # Muon splits Q/K/V as megatron's does by default
     groups = model_param_groups(model, lr, embedding_lr=3e-3, output_lr=1e-3)
     opt = MDOptimizer(groups, md=MDConfig() if md_on else None, base=base, weight_decay=wd)
     base_lrs = [g["lr"] for g in opt.param_groups]

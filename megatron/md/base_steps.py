@@ -122,10 +122,25 @@ def orthogonalize(x: torch.Tensor, hp: MuonHParams) -> torch.Tensor:
 
 
 def muon_update(
-    grad: torch.Tensor, momentum_buffer: torch.Tensor, hp: MuonHParams, scale: float
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor,
+    hp: MuonHParams,
+    scale,
+    row_blocks: tuple[int, ...] = (),
 ) -> torch.Tensor:
     """Momentum (optionally Nesterov) then scaled orthogonalization; the caller applies
-    ``param -= lr * update``."""
+    ``param -= lr * update``. ``row_blocks``: a fused QKV matrix split as megatron's Muon does
+    (emerging_optimizers.py:294-323: per query group, Q/K/V rows; each block orthogonalized on
+    its own and scaled by its entry of ``scale``, a list); empty: ``scale`` is one number."""
     momentum_buffer.lerp_(grad, 1 - hp.momentum)
     g = grad.lerp(momentum_buffer, hp.momentum) if hp.nesterov else momentum_buffer
-    return orthogonalize(g, hp) * scale
+    if not row_blocks:
+        return orthogonalize(g, hp) * (scale[0] if isinstance(scale, list) else scale)
+    d_out, d_in = g.shape
+    groups = d_out // sum(row_blocks)
+    parts = torch.split(g.view(groups, sum(row_blocks), d_in), list(row_blocks), dim=1)
+    outs = [
+        (orthogonalize(x.reshape(-1, d_in), hp) * s).view(groups, -1, d_in)
+        for x, s in zip(parts, scale)
+    ]
+    return torch.cat(outs, dim=1).view(d_out, d_in)

@@ -180,6 +180,28 @@ def is_md_wrapper(opt) -> bool:
     return getattr(opt, "_md_wrapper", False)
 
 
+def begin_model_load(optimizer) -> None:
+    """Before megatron loads a checkpoint: no MD wrapper has received state yet."""
+    for opt in leaf_optimizers(optimizer):
+        if is_md_wrapper(opt):
+            opt.md_state_loaded = False
+
+
+def finish_model_load(optimizer) -> int:
+    """After megatron loaded a checkpoint: an MD wrapper that received neither optimizer state
+    nor ``reload_model_params`` (``--finetune`` / ``--no-load-optim`` with fp32 params:
+    megatron reloads main params only for fp16/bf16, training/checkpointing.py:2611) still holds
+    MD state made from the weights *before* the load, and its first step would write them back
+    over the loaded ones. Recreate it from the loaded weights; returns how many were."""
+    n = 0
+    for opt in leaf_optimizers(optimizer):
+        if is_md_wrapper(opt) and not opt.md_state_loaded:
+            opt.optimizer.reinit_from_weights()
+            opt.md_state_loaded = True
+            n += 1
+    return n
+
+
 def _load_fixed(base_cls, self, state_dict, fix_step: bool) -> None:
     """megatron's load under no_grad, then one step tensor per param (see ``wrapper_class``)."""
     step = state_dict["optimizer"]["param_groups"][0].get("step") if fix_step else None
@@ -245,14 +267,17 @@ def wrapper_class(base_cls, extra: dict, fix_step: bool):
         md = state_dict.pop("md", None)
         _load_fixed(base_cls, self, state_dict, fix_step)
         _load_md(self, md)
+        self.md_state_loaded = True
 
     def reload_model_params(self, state_dict=None):
         base_cls.reload_model_params(self, state_dict)
         self.optimizer.reinit_from_weights()
+        self.md_state_loaded = True
 
     methods = dict(
         _md_wrapper=True,
         md_expect_state=True,
+        md_state_loaded=True,
         sharded_state_dict=sharded_state_dict,
         load_state_dict=load_state_dict,
         reload_model_params=reload_model_params,

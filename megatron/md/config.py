@@ -56,7 +56,8 @@ class MDConfig:
 
     gain_lr: float | None = None
     """Peak gain LR (``--md-gain-lr``; the paper's MoE runs fix it at 1e-3), following the shape
-    of the group's schedule: lr_t · gain_lr / max_lr. None: follow the matrix LR."""
+    of the group's schedule between the group's own floor and this peak (MoE appendix: "linear
+    decay to min-LR 1e-5, absolute floor per group"). None: follow the matrix LR."""
 
     gain_betas: tuple[float, float] = (0.9, 0.99)
     """Adam (beta1, beta2) of the gains."""
@@ -84,6 +85,19 @@ class MDConfig:
 
     lowrank_init_std: float = 1.0
     """Std of the random init of the lowrank factor A (B starts at 0, so Γ = 1)."""
+
+    residual_init_scale: float = 1.0
+    """Init std of the residual-write projections (attention ``linear_proj``, every MLP's
+    ``linear_fc2``) relative to the other matrices: 1/sqrt(2L) under ``--scaled-output-init``
+    (the paper's MoE MuonMD runs). With ``radius=init`` their sphere is that much smaller, and
+    the ``shape_up`` Muon scale is lowered with it (MoE appendix: "lowers the sphere-norm target
+    of those projections (by 1/sqrt(2L)) and adjusts their shape-up factor accordingly")."""
+
+    split_qkv: bool = True
+    """MuonMD on the fused QKV matrix as megatron's Muon does it (``--muon-split-qkv``, on by
+    default upstream): Q, K and V (interleaved per query group) each get their own
+    Newton–Schulz call, Muon scale and sphere (per-block radius; tangent projection per block).
+    Gains stay those of the whole matrix. Muon only; ``--muon-no-split-qkv`` keeps one block."""
 
     adam_layer_wise: bool = False
     """AdamMD on whole matrices owned layer-wise (``--md-adam-layer-wise``) instead of ZeRO-1
@@ -113,6 +127,12 @@ class MDConfig:
         if self.gains == "lowrank":
             if not isinstance(self.gain_rank, int) or self.gain_rank < 1:
                 raise ValueError(f"--md-gain-rank={self.gain_rank!r} must be an integer >= 1")
+            if self.gain_map == "direct-floor":  # the floor would clamp the factors A and B
+                raise ValueError(
+                    "--md-gain-map direct-floor floors gains at 1e-5; --md-gains lowrank has no "
+                    'gains to floor (Γ = 1 + ABᵀ, paper appendix "Higher-Rank Gains"): use '
+                    "the default gain map with lowrank"
+                )
         if not (math.isfinite(self.gain_lr_mult) and self.gain_lr_mult >= 0):
             raise ValueError(f"gain LR multiplier {self.gain_lr_mult!r} must be >= 0")
         if self.gain_lr is not None and not (math.isfinite(self.gain_lr) and self.gain_lr >= 0):
@@ -120,6 +140,8 @@ class MDConfig:
         b1, b2 = self.gain_betas
         if not (0 <= b1 < 1 and 0 <= b2 < 1):
             raise ValueError(f"gain betas {self.gain_betas!r} must lie in [0, 1)")
+        if not (math.isfinite(self.residual_init_scale) and self.residual_init_scale > 0):
+            raise ValueError(f"residual init scale {self.residual_init_scale!r} must be > 0")
         if self.sphere == "none" and self.tangent_grad:
             raise ValueError("--md-tangent-grad needs a sphere (--md-sphere frobenius|row|col)")
 
@@ -128,11 +150,21 @@ class MDConfig:
         return [f.name for f in fields(cls)]
 
     def gain_lr_for(self, group: dict) -> float:
-        """The gain LR of a parameter group at its current LR."""
+        """The gain LR of a parameter group at its current LR.
+
+        With a fixed ``gain_lr``: the group's schedule mapped affinely from [floor, peak] onto
+        [floor, gain_lr] (floor = the group's ``min_lr``, an absolute floor as in the paper's
+        MoE runs), so the gains decay to the same floor as every group. Exact for megatron's
+        decay shapes (min + (max − min)·f(t)); during a warmup from 0 it is off by at most the
+        floor, and never below 0."""
+        lr = group["lr"]
         if self.gain_lr is None:
-            return group["lr"] * self.gain_lr_mult
-        peak = group.get("max_lr") or group.get("initial_lr") or group["lr"]
-        return self.gain_lr * (group["lr"] / peak if peak else 1.0)
+            return lr * self.gain_lr_mult
+        peak = group.get("max_lr") or group.get("initial_lr") or lr
+        floor = min(group.get("min_lr") or 0.0, self.gain_lr)
+        if peak <= floor:
+            return self.gain_lr
+        return max(0.0, floor + (self.gain_lr - floor) * (lr - floor) / (peak - floor))
 
 
 def check_radius(radius: float, name: str = "matrix") -> float:
@@ -165,10 +197,21 @@ class MatrixSpec:
     """Muon update scale mode (used only when the base step is Muon)."""
     lowrank_init_std: float = 1.0
     """Std of the random init of lowrank factor A."""
+    init_scale: float = 1.0
+    """Init std relative to the other matrices (``MDConfig.residual_init_scale`` for
+    residual-write projections): the ``shape_up`` Muon scale is multiplied by it when the
+    sphere radius is the init norm."""
+    row_blocks: tuple[int, ...] = ()
+    """Rows of one query group of a fused QKV matrix, per block (q, k, v), when Muon splits it
+    (``MDConfig.split_qkv``): each block has its own sphere and Muon call. Empty: one block."""
 
 
-def spec_for(role: str, cfg: MDConfig) -> MatrixSpec:
-    """Resolve the per-role treatment of the paper (recipe table "Special parameters")."""
+def spec_for(
+    role: str, cfg: MDConfig, residual: bool = False, row_blocks: tuple[int, ...] = ()
+) -> MatrixSpec:
+    """Resolve the per-role treatment of the paper (recipe table "Special parameters").
+    ``residual``: a residual-write projection (``residual_write``); ``row_blocks``: the QKV
+    split of a Muon-stepped fused QKV matrix (``qkv_blocks``)."""
     if role == "matrix":
         return MatrixSpec(
             cfg.sphere,
@@ -179,6 +222,8 @@ def spec_for(role: str, cfg: MDConfig) -> MatrixSpec:
             cfg.tangent_grad,
             cfg.muon_scale,
             cfg.lowrank_init_std,
+            init_scale=cfg.residual_init_scale if residual else 1.0,
+            row_blocks=tuple(row_blocks) if cfg.split_qkv else (),
         )
     if role in ("embedding", "output"):
         norm = cfg.embedding_norm if role == "embedding" else cfg.output_norm

@@ -39,21 +39,56 @@ def param_role(name: str, param: torch.Tensor) -> str:
     return "matrix"
 
 
+def residual_write(name: str) -> bool:
+    """Attention and MLP output projections (dense, shared and routed experts): the matrices
+    megatron-core initializes with ``output_layer_init_method`` (σ/sqrt(2L) when scaled)."""
+    return ".linear_proj." in name or ".linear_fc2." in name or name.endswith("experts.weight2")
+
+
+def qkv_split_shapes(config) -> tuple[int, int, int]:
+    """Rows of one query group of megatron's fused QKV weight: (q, k, v), as megatron-core's
+    Muon splits it (core/optimizer/emerging_optimizers.py:133)."""
+    q = config.num_attention_heads // config.num_query_groups * config.kv_channels
+    return (q, config.kv_channels, config.kv_channels)
+
+
+def qkv_blocks(param: torch.Tensor) -> tuple[int, ...]:
+    """The Q/K/V split of a fused QKV weight, from megatron's own tags (``is_qkv``,
+    ``qkv_split_shapes``: set on the model by ``get_megatron_optimizer`` for Muon,
+    core/optimizer/__init__.py:777-791, or by ``tag_qkv``); () for any other parameter."""
+    if not getattr(param, "is_qkv", False):
+        return ()
+    return tuple(param.qkv_split_shapes)
+
+
+def tag_qkv(model: torch.nn.Module) -> None:
+    """Tag the fused QKV weights of a model megatron's optimizer factory did not build for."""
+    for name, p in model.named_parameters():
+        if "linear_qkv.weight" in name and p.ndim == 2:
+            shapes = qkv_split_shapes(model.config)
+            if p.shape[0] % sum(shapes) == 0:
+                p.is_qkv, p.qkv_split_shapes = True, list(shapes)
+
+
 def model_param_groups(
     model: torch.nn.Module,
     lr: float,
     embedding_lr: float | None = None,
     output_lr: float | None = None,
 ) -> list[dict]:
-    """One param group per role, with the paper's per-group LRs (others follow ``lr``)."""
+    """One param group per role, with the paper's per-group LRs (others follow ``lr``); each
+    group lists its parameters' names (``names``) for the per-matrix MD choices."""
     lrs = {"embedding": embedding_lr or lr, "output": output_lr or lr}
     groups: dict[str, dict] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         role = param_role(name, p)
-        g = groups.setdefault(role, {"params": [], "role": role, "lr": lrs.get(role, lr)})
+        g = groups.setdefault(
+            role, {"params": [], "names": [], "role": role, "lr": lrs.get(role, lr)}
+        )
         g["params"].append(p)
+        g["names"].append(name)
     return list(groups.values())
 
 
@@ -102,7 +137,8 @@ class MDOptimizer(torch.optim.Optimizer):
             raise ValueError("closure is not supported")
         for group in self.param_groups:
             role = group["role"]
-            for p in group["params"]:
+            names = group.get("names") or [""] * len(group["params"])
+            for p, name in zip(group["params"], names):
                 if p.grad is None:
                     continue
                 st = self.state[p]
@@ -111,7 +147,7 @@ class MDOptimizer(torch.optim.Optimizer):
                 elif self.md is None:
                     self._plain_matrix(p, st, group)
                 else:
-                    self._md(p, st, group, role)
+                    self._md(p, st, group, role, name)
         return None
 
     def _plain_adam(self, p, st, group) -> None:
@@ -129,16 +165,19 @@ class MDOptimizer(torch.optim.Optimizer):
         if not st:
             st["momentum_buffer"] = torch.zeros_like(p)
         hp = MuonHParams(lr=group["lr"], **self.muon)
-        scale = muon_scale_factor(self.muon_scale, *p.shape)
-        upd = muon_update(p.grad, st["momentum_buffer"], hp, scale)
+        blocks = qkv_blocks(p)  # megatron's default Q/K/V split, where tagged
+        rows = [p.shape[0] * n // sum(blocks) for n in blocks] or [p.shape[0]]
+        scale = [muon_scale_factor(self.muon_scale, r, p.shape[1]) for r in rows]
+        upd = muon_update(p.grad, st["momentum_buffer"], hp, scale, blocks)
         if group["weight_decay"]:
             p.mul_(1 - group["lr"] * group["weight_decay"])
         p.add_(upd, alpha=-group["lr"])
 
-    def _md(self, p, st, group, role) -> None:
-        spec = spec_for(role, self.md)
+    def _md(self, p, st, group, role, name: str = "") -> None:
         # Embeddings and LM head always use Adam (paper); matrices and router the chosen base.
         base = self.base if role in ("matrix", "router") else "adam"
+        blocks = qkv_blocks(p) if base == "muon" else ()
+        spec = spec_for(role, self.md, residual_write(name), blocks)
         if not st:
             st.update(reference.init_state(p, spec, base))
         if base == "adam":

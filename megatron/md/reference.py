@@ -31,37 +31,93 @@ GAIN_NAMES = {
 }
 
 
-def sq_norms(x: torch.Tensor, sphere: str) -> torch.Tensor:
-    """‖x‖² along the sphere axis: scalar (frobenius), per row (d_out,), or per column (d_in,)."""
-    if sphere == "frobenius":
+def row_block_ids(d_out: int, row_blocks: tuple[int, ...]) -> torch.Tensor | None:
+    """Block id of every row of a fused QKV matrix split as megatron's Muon splits it: rows
+    come in query groups of ``sum(row_blocks)`` rows, ``row_blocks[b]`` of each belong to
+    block b (emerging_optimizers.py:312-314). None: one block (no split)."""
+    if not row_blocks:
+        return None
+    period = sum(row_blocks)
+    if d_out % period:
+        raise ValueError(f"{d_out} rows are not whole query groups of {row_blocks} rows")
+    pattern = torch.repeat_interleave(torch.arange(len(row_blocks)), torch.tensor(row_blocks))
+    return pattern.repeat(d_out // period)
+
+
+def axis_sum(x: torch.Tensor, sphere: str, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum of ``x`` along the sphere axis: a scalar (frobenius), per row (d_out,), or per
+    column (d_in,); with row blocks (``ids``) each block sums on its own: (blocks,) for
+    frobenius, (blocks, d_in) for col."""
+    if sphere == "row":
+        return x.sum(1)
+    if ids is None:
+        return x.sum() if sphere == "frobenius" else x.sum(0)
+    n = int(ids.max()) + 1
+    rows = x.sum(1) if sphere == "frobenius" else x
+    return rows.new_zeros((n, *rows.shape[1:])).index_add_(0, ids.to(x.device), rows)
+
+
+def sq_norms(x: torch.Tensor, sphere: str, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """‖x‖² along the sphere axis (see ``axis_sum``)."""
+    if sphere == "frobenius" and ids is None:
         flat = x.reshape(-1)
         return flat @ flat
-    return (x * x).sum(1 if sphere == "row" else 0)
+    return axis_sum(x * x, sphere, ids)
 
 
-def norms(x: torch.Tensor, sphere: str) -> torch.Tensor:
-    return sq_norms(x, sphere).sqrt()
+def norms(x: torch.Tensor, sphere: str, ids: torch.Tensor | None = None) -> torch.Tensor:
+    return sq_norms(x, sphere, ids).sqrt()
 
 
-def _bcast(v: torch.Tensor, sphere: str) -> torch.Tensor:
-    return v[:, None] if sphere == "row" else v  # col vectors broadcast over rows as they are
+def _bcast(v: torch.Tensor, sphere: str, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """A per-axis quantity broadcast against the (d_out, d_in) matrix."""
+    if sphere == "row":
+        return v[:, None]
+    if ids is None:
+        return v  # a scalar, or col vectors broadcast over rows as they are
+    return v[ids][:, None] if sphere == "frobenius" else v[ids]
+
+
+def block_shapes(shape: tuple[int, int], spec: MatrixSpec) -> list[tuple[int, int]]:
+    """(rows, d_in) of each block the matrix is stepped as (one, unless QKV is split)."""
+    d_out, d_in = shape
+    if not spec.row_blocks:
+        return [(d_out, d_in)]
+    groups = d_out // sum(spec.row_blocks)
+    return [(groups * n, d_in) for n in spec.row_blocks]
+
+
+def shape_radius(shape: tuple[int, int], spec: MatrixSpec, dtype, device) -> torch.Tensor:
+    """The ``radius=shape`` sphere: sqrt(max(rows, d_in)) in Frobenius norm per block, split
+    evenly over the rows (row sphere) or columns (col sphere); shaped like ``init_radius``."""
+    d_out, d_in = shape
+    ids = row_block_ids(d_out, spec.row_blocks)
+    blocks = block_shapes(shape, spec)
+    full = torch.tensor([math.sqrt(max(n, m)) for n, m in blocks], dtype=torch.float64)
+    if spec.sphere == "frobenius":
+        r = full if ids is not None else full[0]
+    elif spec.sphere == "row":
+        rows = torch.tensor([n for n, _ in blocks], dtype=torch.float64)
+        b = ids if ids is not None else torch.zeros(d_out, dtype=torch.long)
+        r = full[b] / rows[b].sqrt()
+    else:
+        r = (full / math.sqrt(d_in))[:, None].expand(-1, d_in)
+        r = r if ids is not None else r[0]
+    return r.contiguous().to(dtype).to(device)
 
 
 def init_radius(w: torch.Tensor, spec: MatrixSpec) -> torch.Tensor | None:
-    """The sphere radius: current norm (init), shape formula, or 1 per row (unit)."""
+    """The sphere radius: current norm (init), shape formula, or 1 per row (unit). With a QKV
+    split every block (q, k, v) has its own."""
     d_out, d_in = w.shape
     if spec.sphere == "none":
         return None
-    shape = {"frobenius": (), "row": (d_out,), "col": (d_in,)}[spec.sphere]
     if spec.radius == "init":
-        r = norms(w, spec.sphere)
+        r = norms(w, spec.sphere, row_block_ids(d_out, spec.row_blocks))
     elif spec.radius == "unit":
-        r = torch.ones(shape, dtype=w.dtype, device=w.device)
-    else:  # shape: sqrt(max(d_out, d_in)) in Frobenius, split evenly over rows/columns
-        n = max(1, math.prod(shape))
-        r = torch.full(
-            shape, math.sqrt(max(d_out, d_in)) / math.sqrt(n), dtype=w.dtype, device=w.device
-        )
+        r = torch.ones(d_out, dtype=w.dtype, device=w.device)
+    else:
+        r = shape_radius((d_out, d_in), spec, w.dtype, w.device)
     check_radius(float(r.min()), "matrix")
     return r.to(w.dtype)
 
@@ -100,8 +156,9 @@ def init_state(w: torch.Tensor, spec: MatrixSpec, base: str, seed: int = 0) -> d
     if direction.dtype in (torch.bfloat16, torch.float16):
         direction = direction.float()  # the fp32 master direction
     radius = init_radius(direction, spec)
+    ids = row_block_ids(d_out, spec.row_blocks)
     if radius is not None and spec.radius != "init":
-        direction.mul_(_bcast(radius / norms(direction, spec.sphere), spec.sphere))
+        direction.mul_(_bcast(radius / norms(direction, spec.sphere, ids), spec.sphere, ids))
     st: dict = {"step": 0, "direction": direction, "radius": radius}
     st.update(init_gain_state(spec, (d_out, d_in), seed, like=direction))
     if base == "adam":
@@ -132,12 +189,31 @@ def fused_weight(st: dict, spec: MatrixSpec) -> torch.Tensor:
     return apply_gains(st["direction"], st, spec)
 
 
-def frobenius_radius(st: dict, spec: MatrixSpec) -> float:
-    """Frobenius norm of the sphere (for the sphere_rms Muon scale)."""
-    r = st["radius"]
+def frobenius_radius(st: dict, spec: MatrixSpec) -> torch.Tensor:
+    """Frobenius norm of each block's sphere (for the sphere_rms Muon scale): float64 of shape
+    (blocks,); the current norm where there is no sphere."""
+    r, wh = st["radius"], st["direction"]
+    ids = row_block_ids(wh.shape[0], spec.row_blocks)
     if r is None:
-        return float(norms(st["direction"], "frobenius"))
-    return float(r) if spec.sphere == "frobenius" else float((r * r).sum().sqrt())
+        r = norms(wh, "frobenius", ids)
+    elif spec.sphere == "row":
+        r = axis_sum((r * r)[:, None], "frobenius", ids).sqrt()
+    elif spec.sphere == "col":
+        r = (r * r).reshape(-1, wh.shape[1]).sum(1).sqrt()
+    return r.reshape(-1).double()
+
+
+def muon_scales(st: dict, spec: MatrixSpec) -> list:
+    """Muon update scale of each block: the spec's mode; ``shape_up`` follows a scaled init
+    when the radius is the init norm (``MatrixSpec.init_scale``, MoE appendix)."""
+    radii = frobenius_radius(st, spec) if spec.muon_scale == "sphere_rms" else None
+    out = []
+    for b, (rows, d_in) in enumerate(block_shapes(tuple(st["direction"].shape), spec)):
+        s = muon_scale_factor(spec.muon_scale, rows, d_in, None if radii is None else radii[b])
+        if spec.muon_scale == "shape_up" and spec.radius == "init":
+            s = s * spec.init_scale
+        out.append(s)
+    return out
 
 
 def split_gradient(g: torch.Tensor, st: dict, spec: MatrixSpec) -> tuple[dict, torch.Tensor]:
@@ -165,13 +241,10 @@ def split_gradient(g: torch.Tensor, st: dict, spec: MatrixSpec) -> tuple[dict, t
     # 6. direction gradient G_Ŵ = Γ ⊙ G, optionally without its radial component
     g_dir = apply_gains(g, st, spec)
     if spec.tangent_grad and spec.sphere != "none":
-        r2 = sq_norms(wh, spec.sphere)
-        inner = (
-            (g_dir * wh).sum()
-            if spec.sphere == "frobenius"
-            else (g_dir * wh).sum(1 if spec.sphere == "row" else 0)
-        )
-        g_dir -= _bcast(inner / r2, spec.sphere) * wh
+        ids = row_block_ids(wh.shape[0], spec.row_blocks)
+        r2 = sq_norms(wh, spec.sphere, ids)
+        inner = axis_sum(g_dir * wh, spec.sphere, ids)
+        g_dir -= _bcast(inner / r2, spec.sphere, ids) * wh
 
     return gain_grads, g_dir
 
@@ -196,14 +269,16 @@ def md_step(
     # 7. base step on the direction (no weight decay under MD)
     if isinstance(base_hp, AdamHParams):
         adam_step_(wh, g_dir, st["exp_avg"], st["exp_avg_sq"], t, base_hp)
-    else:
-        d_out, d_in = wh.shape
-        scale = muon_scale_factor(spec.muon_scale, d_out, d_in, frobenius_radius(st, spec))
-        wh.add_(muon_update(g_dir, st["momentum_buffer"], base_hp, scale), alpha=-base_hp.lr)
+    else:  # Muon: one Newton–Schulz call per block (Q, K, V when split)
+        upd = muon_update(
+            g_dir, st["momentum_buffer"], base_hp, muon_scales(st, spec), spec.row_blocks
+        )
+        wh.add_(upd, alpha=-base_hp.lr)
 
-    # 8. back onto the sphere of radius c
+    # 8. back onto the sphere of radius c (each block's own)
     if spec.sphere != "none":
-        wh.mul_(_bcast(st["radius"] / norms(wh, spec.sphere), spec.sphere))
+        ids = row_block_ids(wh.shape[0], spec.row_blocks)
+        wh.mul_(_bcast(st["radius"] / norms(wh, spec.sphere, ids), spec.sphere, ids))
 
     # 9. step the raw gains with their own Adam and LR
     for name, gg in gain_grads.items():

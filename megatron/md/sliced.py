@@ -13,22 +13,14 @@ Same arithmetic as ``reference.md_step`` (tested against it); gains and radius a
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from megatron.md import fused as fused_k
-from megatron.md import maps
-from megatron.md.base_steps import (
-    AdamHParams,
-    MuonHParams,
-    adam_multi_,
-    adam_step_,
-    muon_scale_factor,
-    muon_update,
-)
+from megatron.md import maps, reference
+from megatron.md.base_steps import AdamHParams, MuonHParams, adam_multi_, adam_step_, muon_update
 from megatron.md.config import MatrixSpec, check_radius
 from megatron.md.reference import GAIN_NAMES, init_gain_state
 
@@ -88,7 +80,12 @@ class SliceMD:
         self.whole = start == 0 and end == self.shape[0] * self.shape[1]
         if base == "muon" and not self.whole:
             raise ValueError("Muon needs whole matrices; use the layer-wise distributed optimizer")
+        if spec.row_blocks and not self.whole:
+            raise ValueError("a QKV split (Muon) needs the whole matrix")
         d_out, d_in = self.shape
+        # QKV split: block id per row; sphere quantities are then per block (whole matrix only)
+        self.ids = reference.row_block_ids(d_out, spec.row_blocks)
+        n_blocks = len(spec.row_blocks) or 1
         k = spec.gain_rank
         self.gain_sizes = {
             "gain_scalar": 1,
@@ -99,7 +96,9 @@ class SliceMD:
         }
         self.gain_names = GAIN_NAMES[spec.gains]
         self.n_gain = sum(self.gain_sizes[n] for n in self.gain_names)
-        self.n_norm = {"frobenius": 1, "row": d_out, "col": d_in, "none": 0}[spec.sphere]
+        self.n_norm = {"frobenius": n_blocks, "row": d_out, "col": n_blocks * d_in, "none": 0}[
+            spec.sphere
+        ]
         self._phi: dict[str, tuple] = {}  # gain name -> (ĝ, its version, φ(ĝ)); see _gains
         self._pending = None  # fused: sphere rescale left for the fuse's pass (see settle)
         # compiled kernels (fused.py) where they apply; never with MD off (bit-identity)
@@ -119,8 +118,16 @@ class SliceMD:
         """Partials needed before the base step (tangent projection): ⟨G_Ŵ, Ŵ⟩ and ‖Ŵ‖²."""
         return 2 * self.n_norm if self.spec.tangent_grad and self.n_norm else 0
 
+    def _ids(self, like: torch.Tensor) -> torch.Tensor:
+        if self.ids.device != like.device:
+            self.ids = self.ids.to(like.device)
+        return self.ids
+
     def _axis_sum(self, blk: Block, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add block ``x``'s sum along the sphere axis into ``out``."""
+        if self.ids is not None and self.spec.sphere != "row":  # QKV split: sums per block
+            out.add_(reference.axis_sum(x, self.spec.sphere, self._ids(x)).reshape(-1))
+            return
         dim = {"frobenius": None, "row": 1, "col": 0}[self.spec.sphere]
         self._axis_add(blk, x.sum() if dim is None else x.sum(dim), out)
 
@@ -134,6 +141,9 @@ class SliceMD:
             out[blk.c0 : blk.c0 + blk.nc].add_(summed)
 
     def _axis_bcast(self, blk: Block, v: torch.Tensor) -> torch.Tensor:
+        if self.ids is not None and self.spec.sphere != "row":  # QKV split: per block
+            shape = (-1,) if self.spec.sphere == "frobenius" else (len(self.spec.row_blocks), -1)
+            return reference._bcast(v.view(shape), self.spec.sphere, self._ids(v))
         if self.spec.sphere == "frobenius":
             return v.view(())
         if self.spec.sphere == "row":
@@ -145,7 +155,9 @@ class SliceMD:
             return
         for blk in self.blocks:
             w = blk.view(direction)
-            if self.spec.sphere == "frobenius":  # a dot product: no temporary
+            if self.ids is not None and self.spec.sphere != "row":  # QKV split: per block
+                self._axis_sum(blk, w * w, out)
+            elif self.spec.sphere == "frobenius":  # a dot product: no temporary
                 flat = w.reshape(-1)
                 out += flat @ flat
             elif self.spec.sphere == "row":  # one pass, no temporary of the block's size
@@ -179,10 +191,13 @@ class SliceMD:
         elif spec.radius == "unit":
             r = torch.ones_like(cur)
         else:
-            n = {"frobenius": 1, "row": d_out, "col": d_in}[spec.sphere]
-            r = torch.full_like(cur, math.sqrt(max(d_out, d_in)) / math.sqrt(n))
+            r = reference.shape_radius((d_out, d_in), spec, cur.dtype, cur.device).reshape(-1)
         check_radius(float(r.min()), "matrix")
-        st["radius"] = r if spec.sphere != "frobenius" else r.view(())
+        if spec.sphere == "frobenius" and self.ids is None:
+            r = r.view(())
+        elif spec.sphere == "col" and self.ids is not None:
+            r = r.view(len(spec.row_blocks), d_in)  # as reference.init_radius shapes it
+        st["radius"] = r
         if spec.radius != "init":
             scale = st["radius"] / cur.view(st["radius"].shape)
             for blk in self.blocks:
@@ -357,16 +372,12 @@ class SliceMD:
                 batch.add(work, t, base_hp, lambda: self.norm_partials(direction, norm_out))
                 return
             adam_step_(*work, t, base_hp)
-        else:
-            d_out, d_in = self.shape
-            radius = (
-                self._frob_radius(st, direction) if self.spec.muon_scale == "sphere_rms" else None
-            )
-            scale = muon_scale_factor(self.spec.muon_scale, d_out, d_in, radius)
+        else:  # Muon: one Newton–Schulz call per block (Q, K, V when split)
             w2 = direction.view(self.shape)
-            upd = muon_update(
-                g_dir.view(self.shape), st["momentum_buffer"].view(self.shape), base_hp, scale
-            )
+            whole = {"direction": w2, "radius": st["radius"]}
+            scales = reference.muon_scales(whole, self.spec)  # no host sync (0-d tensors)
+            mom = st["momentum_buffer"].view(self.shape)
+            upd = muon_update(g_dir.view(self.shape), mom, base_hp, scales, self.spec.row_blocks)
             w2.add_(upd, alpha=-base_hp.lr)
         if self.n_norm:
             self.norm_partials(direction, norm_out)
@@ -399,16 +410,6 @@ class SliceMD:
                 gg = gg * maps.phi_prime(raw, chain)
             adam_step_(raw, gg, st[name + "_exp_avg"], st[name + "_exp_avg_sq"], t, gain_hp)
             maps.after_step(raw, gain_map)
-
-    def _frob_radius(self, st: dict, direction: torch.Tensor) -> torch.Tensor:
-        """A 0-d float64 tensor, not a Python float: no host sync per matrix on a GPU, and
-        the same value (fp32 → fp64 is exact) as the reference's ``float(...)``."""
-        r = st["radius"]
-        if r is None:  # whole matrix (Muon): the current norm
-            r = (direction * direction).sum().sqrt()
-        elif r.ndim:
-            r = (r * r).sum().sqrt()
-        return r.double()
 
 
 class GainBatch:

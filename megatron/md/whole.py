@@ -16,6 +16,8 @@ from megatron.md.base_steps import MuonHParams
 from megatron.md.checkpoint import wrapper_class
 from megatron.md.config import MDConfig, spec_for
 from megatron.md.inner import MDInner, MDSlot
+from megatron.md.mains import main_params
+from megatron.md.optimizer import qkv_blocks, residual_write
 from megatron.md.sliced import SliceMD
 
 
@@ -36,10 +38,13 @@ def md_class(base_cls):
     return wrapper_class(base_cls, extra, fix_step=False)
 
 
-def muon_hparams(config) -> MuonHParams:
+def muon_hparams(config, md: MDConfig) -> MuonHParams:
     """Muon hyper-parameters from megatron's OptimizerConfig (MD's step uses its own Muon)."""
-    if config.muon_split_qkv:
-        raise ValueError("MuonMD orthogonalizes each weight matrix whole: add --muon-no-split-qkv")
+    if config.muon_split_qkv != md.split_qkv:
+        raise ValueError(
+            f"megatron's Muon splits QKV ({config.muon_split_qkv}) but the MD config says "
+            f"split_qkv={md.split_qkv}: MuonMD follows --muon-split-qkv / --muon-no-split-qkv"
+        )
     if config.muon_extra_scale_factor != 1.0:
         raise ValueError(
             "MuonMD sets the update scale with --muon-scale-mode; "
@@ -66,7 +71,6 @@ def _dp_rank(param) -> int:
 def setup_whole(opt, roles: dict, names: dict, md: MDConfig, layer_wise: bool) -> None:
     """Swap the inner torch optimizer of one Float16/FP32 optimizer for ``MDInner``."""
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
-    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
     if opt.is_stub_optimizer:
         return
@@ -76,32 +80,27 @@ def setup_whole(opt, roles: dict, names: dict, md: MDConfig, layer_wise: bool) -
             group.update(betas=(opt.config.adam_beta1, opt.config.adam_beta2))
             group.update(eps=opt.config.adam_eps)
     elif isinstance(opt.optimizer, TensorParallelMuon):
-        base, muon = "muon", muon_hparams(opt.config)
+        base, muon = "muon", muon_hparams(opt.config, md)
     elif isinstance(opt.optimizer, torch.optim.Adam | torch.optim.AdamW):
         base, muon = "adam", None
     else:
         raise ValueError(f"MD supports --optimizer adam or muon, got {type(opt.optimizer)}")
-    pairs = []  # (main param, model param, fp32_mode)
-    if isinstance(opt, Float16OptimizerWithFloat16Params):
-        for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
-            pairs += [(main, model, False) for model, main in zip(model_group, main_group)]
-        pairs += [(p, p, True) for g in opt.fp32_from_fp32_groups for p in g]
-    else:
-        pairs += [(p, p, True) for g in opt.optimizer.param_groups for p in g["params"]]
     inner = MDInner(opt.optimizer.param_groups, md, muon)
     inner.timers = getattr(opt.config, "timers", None)
-    for main, model, fp32_mode in pairs:
-        role = roles[model]
+    for mp in main_params(opt):
+        role = roles[mp.model]
         if role == "vector":
             continue
-        shape = tuple(model.shape)
-        # Embeddings and LM head always use Adam (paper); matrices and router the chosen base.
-        n = shape[0] * shape[1]
-        sm = SliceMD(shape, 0, n, spec_for(role, md), base, fused=md.fused_step)
-        slot = MDSlot(sm, fp32_mode, None, names[model], model)
+        shape = tuple(mp.model.shape)
+        # Embeddings and LM head always use Adam (paper); matrices and router the chosen base;
+        # a fused QKV matrix under Muon is split as megatron's Muon splits it (its tags)
+        blocks = qkv_blocks(mp.model) if base == "muon" else ()
+        spec = spec_for(role, md, residual_write(names[mp.model]), blocks)
+        sm = SliceMD(shape, 0, shape[0] * shape[1], spec, base, fused=md.fused_step)
+        slot = MDSlot(sm, mp.is_model_weight, None, names[mp.model], mp.model)
         # LayerWise: one owner per matrix; replicated: every DP rank holds a copy.
-        slot.replica = slot.dir_replica = 0 if layer_wise else _dp_rank(model)
-        inner.bind(main, slot)
+        slot.replica = slot.dir_replica = 0 if layer_wise else _dp_rank(mp.model)
+        inner.bind(mp.main, slot)
     opt.optimizer = inner
     opt.init_state_fn = lambda *a, **k: None  # MDInner creates all its state up front
     opt.__class__ = md_class(type(opt))

@@ -21,6 +21,8 @@ import torch.distributed as dist
 from megatron.md.checkpoint import wrapper_class
 from megatron.md.config import MDConfig, spec_for
 from megatron.md.inner import MDInner, MDSlot
+from megatron.md.mains import main_params
+from megatron.md.optimizer import residual_write
 from megatron.md.sliced import SliceMD
 
 
@@ -87,23 +89,19 @@ def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
                 inner.layout.append(empty.n_partials())
                 inner.norm_layout.append(empty.n_norm)
                 inner.pre_layout.append(empty.n_pre_partials())
-    for shard_groups, model_groups, fp32_mode in (
-        (opt.shard_fp32_from_float16_groups, opt.model_float16_groups, False),
-        (opt.shard_fp32_groups, opt.model_fp32_groups, True),
-    ):
-        for shard_group, model_group in zip(shard_groups, model_groups):
-            for shard, model_param in zip(shard_group, model_group):
-                role = roles[model_param]
-                if role == "vector":
-                    continue
-                rng = opt._get_model_param_range_map(model_param)["param"]
-                shape, spec = tuple(model_param.shape), spec_for(role, md)
-                sm = SliceMD(shape, rng.start, rng.end, spec, "adam", fused=md.fused_step)
-                slot = MDSlot(sm, fp32_mode, index[model_param], names[model_param], model_param)
-                # gains/radius are replicated over the ranks owning a slice of this matrix;
-                # the first of them writes them to checkpoints (replica 0)
-                slot.replica, slot.dir_replica = dp_rank - _first_owner(opt, model_param), 0
-                inner.bind(shard, slot)
+    for mp in main_params(opt):
+        role = roles[mp.model]
+        if role == "vector":
+            continue
+        shape = tuple(mp.model.shape)
+        spec = spec_for(role, md, residual_write(names[mp.model]))
+        end = mp.start + mp.main.numel()
+        sm = SliceMD(shape, mp.start, end, spec, "adam", fused=md.fused_step)
+        slot = MDSlot(sm, mp.is_model_weight, index[mp.model], names[mp.model], mp.model)
+        # gains/radius are replicated over the ranks owning a slice of this matrix;
+        # the first of them writes them to checkpoints (replica 0)
+        slot.replica, slot.dir_replica = dp_rank - _first_owner(opt, mp.model), 0
+        inner.bind(mp.main, slot)
     opt.optimizer = inner
     opt.__class__ = md_class(DistributedOptimizer)
     inner.init_state()

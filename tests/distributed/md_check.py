@@ -51,6 +51,9 @@ def parse(argv=None):
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--fused-step", action="store_true", help="MDConfig.fused_step")
     ap.add_argument(
+        "--no-split-qkv", dest="split_qkv", action="store_false", help="--muon-no-split-qkv"
+    )
+    ap.add_argument(
         "--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)"
     )
     args = ap.parse_args(argv)
@@ -72,10 +75,21 @@ def md_config(args):
             # MD gives the router Muon scale 1 (paper); shape_scaling gives routers (fewer rows
             # than columns) 1 as well, so megatron's Muon (same mode, build()) is the same run
             muon_scale="shape_scaling",
+            split_qkv=split_qkv(args),
         )
     # --optimizer adam --dist layerwise: AdamMD on whole matrices (built as layer-wise Muon)
     lw_adam = args.dist == "layerwise" and args.optimizer == "adam"
-    return MDConfig(sphere=args.sphere, adam_layer_wise=lw_adam, fused_step=args.fused_step)
+    return MDConfig(
+        sphere=args.sphere,
+        adam_layer_wise=lw_adam,
+        fused_step=args.fused_step,
+        split_qkv=split_qkv(args),
+    )
+
+
+def split_qkv(args) -> bool:
+    """megatron's --muon-split-qkv for this check (layer-wise AdamMD is built without it)."""
+    return args.split_qkv and args.optimizer == "muon"
 
 
 def build(args, world):
@@ -119,7 +133,7 @@ def build(args, world):
         use_layer_wise_distributed_optimizer=args.dist == "layerwise",
         muon_momentum=0.95,
         muon_nesterov=True,
-        muon_split_qkv=False,
+        muon_split_qkv=split_qkv(args),
         muon_scale_mode="shape_scaling",  # the MD-off config's (md_config)
         muon_fp32_matmul_prec="highest",
     )
@@ -135,7 +149,11 @@ def oracle_for(model, md, base):
     groups = {}
     for (n, p), c in zip(named, copies):
         role = param_role(n, p)
-        groups.setdefault(role, {"params": [], "role": role, "lr": LR})["params"].append(c)
+        g = groups.setdefault(role, {"params": [], "names": [], "role": role, "lr": LR})
+        g["params"].append(c)
+        g["names"].append(n)
+        if getattr(p, "is_qkv", False):  # megatron's QKV tags (Muon's split)
+            c.is_qkv, c.qkv_split_shapes = True, p.qkv_split_shapes
     ref = MDOptimizer(list(groups.values()), md=md, base=base, betas=(0.9, 0.99), eps=1e-8)
     return named, copies, ref
 
@@ -198,13 +216,11 @@ def _sphere_err(inner, main, d) -> float:
     r = inner.md_state[main]["radius"]
     if r is None:
         return 0.0
-    w = d.view(md.shape)
-    cur = {
-        "frobenius": lambda: w.norm(),
-        "row": lambda: w.norm(dim=1),
-        "col": lambda: w.norm(dim=0),
-    }
-    return float((cur[md.spec.sphere]() / r - 1).abs().max())
+    from megatron.md.reference import norms, row_block_ids
+
+    ids = row_block_ids(md.shape[0], md.spec.row_blocks)  # Q/K/V blocks: a sphere each
+    cur = norms(d.view(md.shape).float(), md.spec.sphere, ids)
+    return float((cur / r.view(cur.shape) - 1).abs().max())
 
 
 def split_jobs(argv: list[str]) -> list[list[str]]:
@@ -352,6 +368,11 @@ def check(args) -> dict:
         elif role != "vector":
             expected += p.shape[0]
     n_coll = sum(i.n_collectives for i in inners if i.layout is not None)
+    # matrices stepped with a Q/K/V split (each owned by one rank under layer-wise sharding)
+    n_split = sum(1 for i in inners for sl in i.slots.values() if sl.md.spec.row_blocks)
+    n_split = torch.tensor(float(n_split), device=DEV)
+    dist.all_reduce(n_split)
+    n_split = int(n_split) // (world if args.dist == "replicated" else 1)
     # the collectives MD adds: megatron's own optimizer (no enable_md), same steps, last step
     base_calls = []
     _, dmodel3, opt3 = build(args, world)
@@ -374,6 +395,7 @@ def check(args) -> dict:
         "payload": sum(i.last_payload for i in inners if i.layout is not None),
         "expected_payload": expected,
         "md_params": sum(len(i.slots) for i in inners),
+        "split_qkv_matrices": n_split,
         "extra_collectives": sorted(k for k, n in extra.items() for _ in range(max(n, 0))),
         "missing_collectives": sorted(k for k, n in missing.items() for _ in range(max(n, 0))),
         "classes": sorted({type(o).__name__ for o in leaf_optimizers(opt)}),

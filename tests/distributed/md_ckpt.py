@@ -50,6 +50,23 @@ def load(dmodel, opt, path: Path) -> bool:
     return has_md
 
 
+@torch.no_grad()
+def eval_loss(model, x, y, replace: dict | None = None) -> float:
+    """LM loss of one batch, optionally with some parameters replaced (restored after)."""
+    saved = {}
+    for n, p in model.named_parameters():
+        if replace and n in replace:
+            saved[n] = p.detach().clone()
+            p.copy_(replace[n])
+    model.eval()
+    loss = float(md_check.cpu_demo.lm_loss(model, x, y))
+    model.train()
+    for n, p in model.named_parameters():
+        if n in saved:
+            p.copy_(saved[n])
+    return loss
+
+
 def full_params(model) -> dict:
     return {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
@@ -59,6 +76,7 @@ def parse(argv: list[str]):
     ap.add_argument("mode", choices=["save", "load", "continue"])
     ap.add_argument("dir", type=Path)
     ap.add_argument("--md-gains", default="rowcol")
+    ap.add_argument("--md-row-norms", default="row", help="embedding and LM-head rows")
     ours, rest = ap.parse_known_args(argv)
     return ours, md_check.parse(rest)
 
@@ -80,7 +98,14 @@ def run(ours, args) -> dict:
     from megatron.md.checkpoint import leaf_optimizers
     from megatron.md.enable import enable_md
 
-    md = MDConfig(sphere=args.sphere, gains=ours.md_gains, fused_step=args.fused_step)
+    md = MDConfig(
+        sphere=args.sphere,
+        gains=ours.md_gains,
+        fused_step=args.fused_step,
+        embedding_norm=ours.md_row_norms,
+        output_norm=ours.md_row_norms,
+        split_qkv=md_check.split_qkv(args),
+    )
     data = torch.tensor(list(md_check.cpu_demo.TEXT.encode()), dtype=torch.long)
     batches = list(md_check.cpu_demo.batches(data, 5, 4, 16, 0))
     out = {"world": world}
@@ -138,6 +163,22 @@ def run(ours, args) -> dict:
                     radius_err = max(radius_err, abs(float(st["radius"] / w.norm()) - 1))
         out["gains_one"] = gains_one
         out["radius_err"] = radius_err
+        # what the conversion changes, on the loss of a fixed batch: one step at LR 0 applies
+        # only the constraints (sphere projections, gains at 1)
+        x, y = batches[3]
+        out["loss_loaded"] = eval_loss(model, x, y)
+        rows = {}  # the loaded model with embedding and LM-head rows put at unit norm
+        for n, p in model.named_parameters():
+            if n.endswith(("word_embeddings.weight", "output_layer.weight")):
+                rows[n] = p.detach().float() / p.detach().float().norm(dim=1, keepdim=True)
+        out["loss_unit_rows"] = eval_loss(model, x, y, rows)
+        lrs = [(g, g["lr"]) for o in leaf_optimizers(opt) for g in o.optimizer.param_groups]
+        for g, _ in lrs:
+            g["lr"] = 0.0
+        md_check.step(dmodel, opt, *batches[2])
+        out["loss_converted"] = eval_loss(model, x, y)
+        for g, lr in lrs:
+            g["lr"] = lr
         md_check.step(dmodel, opt, *batches[2])
         out["finite_after_step"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     return out

@@ -177,6 +177,9 @@ def md_config_from_args(args) -> MDConfig:
         output_norm=args.md_output_norm,
         router_norm=args.md_router_norm,
         muon_scale=scale,
+        # the paper's MoE MuonMD: output projections at σ/sqrt(2L), shape_up follows (MoE app.)
+        residual_init_scale=1 / math.sqrt(2 * args.num_layers) if args.scaled_output_init else 1.0,
+        split_qkv=args.optimizer == "muon" and args.muon_split_qkv and not args.md_adam_layer_wise,
         adam_layer_wise=args.md_adam_layer_wise,
         fused_step=args.md_fused_step,
     )
@@ -219,8 +222,6 @@ def validate(args) -> MDConfig | None:
             # muon (training/arguments.py:1680); patches build the optimizer as layer-wise Muon
             args.use_layer_wise_distributed_optimizer = True
             args.use_distributed_optimizer = False
-        if args.optimizer == "muon" and args.muon_split_qkv:
-            _fail("MuonMD orthogonalizes the fused QKV matrix: add --muon-no-split-qkv")
     elif args.md_adam_layer_wise:
         _fail("--md-adam-layer-wise needs --md-decoupling")
     elif args.muon_scale_mode == "sphere_rms":

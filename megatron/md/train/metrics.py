@@ -11,7 +11,8 @@ Rows, one JSON object per line, written by global rank 0:
 - ``{"type": "valid" | "test", "iteration", "lm loss"}`` after each evaluation.
 
 MD diagnostics (every ``--md-log-interval`` iterations, on every run, MD or not, so baselines
-compare): relative update ‖ΔW‖/‖W‖ per matrix class (mean over its matrices), per-layer
+compare): relative update ‖ΔW‖/‖W‖ per matrix class (mean over its matrices, from the fp32
+weights the optimizer holds, never bf16 model weights), per-layer
 activation RMS (block outputs, first micro-batch), and for MD runs the sphere drift
 max |‖Ŵ‖−c|/c and the gain spread (raw-gain norm, min and max φ(ĝ)) per class.
 """
@@ -167,35 +168,67 @@ def _act_hook(i, module, inputs, output):
         acts[i] = float(h.detach().float().pow(2).mean().sqrt())
 
 
-def _named_matrices():
+def _names() -> dict:
+    """Model parameter -> (name, diagnostic class) for the reported matrices."""
+    out = {}
     for chunk in _S["chunks"] or []:
         for name, p in _unwrap(chunk).named_parameters():
             cls = matrix_class(name) if p.ndim == 2 else None
             if cls is not None:
-                yield name, cls, p
+                out[p] = (name, cls)
+    return out
+
+
+def _owned_weights():
+    """(leaf optimizer, main param, name, class) of every reported matrix this rank steps."""
+    from megatron.md.checkpoint import leaf_optimizers
+    from megatron.md.mains import main_params
+
+    names = _names()
+    for opt in leaf_optimizers(_S["opt"]):
+        for mp in main_params(opt):
+            if mp.model in names:
+                yield opt, mp, *names[mp.model]
 
 
 @torch.no_grad()
 def _snapshot() -> dict:
-    return {name: p.detach().clone() for name, _, p in _named_matrices()}  # model dtype
+    """The fp32 weights W this rank steps (its ZeRO-1 slices / whole matrices), before a step:
+    the relative update is measured on them, not on bf16 model weights, whose rounding would
+    bias it upward at small LRs."""
+    from megatron.md.mains import fp32_weight
+
+    return {(name, mp.start): fp32_weight(opt, mp).clone() for opt, mp, name, _ in _owned_weights()}
 
 
 @torch.no_grad()
 def _diagnostics(before: dict) -> dict:
+    """Relative update ‖ΔW‖/‖W‖ per class (mean over its matrices) from the fp32 weights of
+    every rank, and the MD statistics: one ``all_gather_object`` in all."""
+    from megatron.md.mains import fp32_weight
+
+    parts = []
+    for opt, mp, name, cls in _owned_weights():
+        w = fp32_weight(opt, mp)
+        dw2 = float((w - before[(name, mp.start)]).double().square().sum())
+        parts.append((name, cls, mp.start, dw2, float(w.double().square().sum())))
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, (parts, _md_local()))
+    slices: dict[str, dict] = {}
+    for rank_parts, _ in gathered:
+        for name, cls, start, dw2, w2 in rank_parts:  # replicas of one slice counted once
+            slices.setdefault((name, cls), {})[start] = (dw2, w2)
     rel: dict[str, list[float]] = {}
-    for name, cls, p in _named_matrices():
-        w = p.detach().float()
-        dw = (w - before[name].float()).norm()
-        rel.setdefault(cls, []).append(float(dw / w.norm().clamp_min(1e-30)))
+    for (_, cls), by_start in slices.items():
+        dw2, w2 = (sum(v) for v in zip(*by_start.values()))
+        rel.setdefault(cls, []).append(math.sqrt(dw2 / max(w2, 1e-60)))
     out = {"rel_update": {c: sum(v) / len(v) for c, v in rel.items()}}
-    md = _md_stats()
-    if md:
-        out.update(md)
+    out.update(_md_merge([items for _, items in gathered]))
     return out
 
 
-def _md_stats() -> dict:
-    """Sphere drift and gain spread from every rank's MD state (one all_gather_object)."""
+def _md_local() -> list[dict]:
+    """This rank's sphere-norm partials and gain statistics of every MD matrix it steps."""
     from megatron.md import maps
     from megatron.md.checkpoint import leaf_optimizers
 
@@ -225,8 +258,11 @@ def _md_stats() -> dict:
                     "gmax": max((float(x.max()) for x in phi), default=None),
                 }
             )
-    gathered = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, local)  # every rank merges: wandb is on the last
+    return local
+
+
+def _md_merge(gathered: list[list[dict]]) -> dict:
+    """Sphere drift and gain spread per class from every rank's ``_md_local``."""
     by_name: dict[str, dict] = {}
     for rank_items in gathered:
         for it in rank_items:
@@ -237,7 +273,8 @@ def _md_stats() -> dict:
         cls = matrix_class(name) or "other"
         if e["radius"] is not None and e["slices"]:
             norm = sum(e["slices"].values()).sqrt()
-            d = float(((norm - e["radius"]).abs() / e["radius"]).max())
+            r = e["radius"].reshape(-1)
+            d = float(((norm - r).abs() / r).max())
             drift[cls] = max(drift.get(cls, 0.0), d)
         if e["gmin"] is not None:
             raw.setdefault(cls, []).append(math.sqrt(e["raw_sq"]))

@@ -178,21 +178,32 @@ def _wrap_load(orig):
     def load(model, optimizer, *a, **kw):
         from megatron.training import get_args
 
-        from megatron.md.checkpoint import prepare_md_load
+        from megatron.md.checkpoint import begin_model_load, finish_model_load, prepare_md_load
         from megatron.md.train import ckpt_checks
 
         args = get_args()
         path = checkpoint_dir(args.load, args.ckpt_step) if args.load else None
         if path is not None:
             ckpt_checks.check_all(path, args)
-        if path is not None and optimizer is not None and _STATE["md"] is not None:
+        loads_optim = not (args.no_load_optim or args.finetune)  # else MD state is rebuilt
+        if path is not None and optimizer is not None and _STATE["md"] is not None and loads_optim:
             try:
                 prepare_md_load(optimizer, path)
             except ValueError:
                 raise
             except Exception as e:  # unreadable metadata: say which checkpoint
                 raise RuntimeError(f"--load: cannot read checkpoint {path}: {e}") from e
-        return orig(model, optimizer, *a, **kw)
+        if optimizer is None or _STATE["md"] is None:
+            return orig(model, optimizer, *a, **kw)
+        begin_model_load(optimizer)
+        out = orig(model, optimizer, *a, **kw)
+        if path is not None and finish_model_load(optimizer):
+            from megatron.training.utils import print_rank_0
+
+            print_rank_0(
+                "[megatron-md] no optimizer state loaded: MD state from the loaded weights"
+            )
+        return out
 
     return load
 

@@ -80,7 +80,6 @@ def _method_flags(method: str, moe: bool, wd: float = 0.1) -> list[str]:
             f"--weight-decay={fmt(wd)}",
             "--muon-momentum=0.95",
             "--muon-nesterov",
-            "--muon-no-split-qkv",
             f"--muon-scale-mode={scale}",
             *warm,
         ]
