@@ -132,18 +132,13 @@ def main() -> None:
     metrics.start_run(args, md)
     cfg = pretrain_cfg_container_from_args(args)
 
-    def provider(*a, **k):
-        m = model.model_provider(*a, **k)
-        metrics.attach_model([m])
-        return m
-
     try:
         pretrain(
             cfg,
             data.datasets_provider,
             ModelType.encoder_or_decoder,
             data.forward_step,
-            model_provider=provider,
+            model_provider=model.model_provider,
         )
     except SystemExit:  # megatron's early exits (signal, duration) end with sys.exit
         mark_signal_exit(args)

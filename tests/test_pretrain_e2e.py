@@ -471,3 +471,33 @@ def test_weights_only_load_keeps_the_loaded_weights(runs, tmp_path, name, mode, 
     ):
         a, b = loaded[k].double(), after[k].double()
         assert float((a - b).norm() / a.norm()) < 1e-3, k  # bf16: a rounding; fp32: ~1e-9
+
+
+def test_init_from_starts_a_new_run_and_a_requeue_resumes_its_own(runs, tmp_path):
+    """--init-from (the re-warming experiment): a new run from another run's checkpoint at
+    iteration 0 with its own LR schedule, taking the weights and AdamW's moments into AdamMD
+    (--md-from-plain-checkpoint); launched again (a requeue) with the same command it resumes
+    its own checkpoint, never the source's."""
+    _, src = runs["adamw"]
+    d = tmp_path / "rewarm"
+    flags = ["--train-iters=6", f"--init-from={src}", f"--load={d}", "--lr-warmup-iters=0",
+             "--md-from-plain-checkpoint", *RUNS["adam_md"]]  # fmt: skip
+    first, _ = pretrain(tmp_path, "rewarm-a", *flags, "--exit-interval=3", save=d)
+    first = train_rows(first)
+    assert sorted(first) == [1, 2, 3]
+    lr = [r["lr"] for r in first.values()]
+    assert lr[0]["default"] == pytest.approx(1e-2 * 5 / 6)  # this run's linear decay, step 1 of 6
+    src_rows = train_rows(runs["adamw"][0])
+    assert first[1]["lm loss"] < 0.9 * src_rows[1]["lm loss"]  # the trained weights, not init
+    assert any(".radius" in k for k in read_checkpoint(d / "iter_0000003"))  # MD state too
+    # the same start with a fresh optimizer: the same first loss (the same weights), another
+    # second one (AdamW's moments made the first step above)
+    f = tmp_path / "fresh"
+    fresh = [x for x in flags if x != "--md-from-plain-checkpoint" and not x.startswith("--load")]
+    fresh, _ = pretrain(tmp_path, "rewarm-fresh", *fresh, f"--load={f}", "--init-weights-only",
+                        "--exit-interval=2", save=f)  # fmt: skip
+    fresh = train_rows(fresh)
+    assert fresh[1]["lm loss"] == pytest.approx(first[1]["lm loss"], rel=1e-6)
+    assert abs(fresh[2]["lm loss"] - first[2]["lm loss"]) > 1e-3
+    again, _ = pretrain(tmp_path, "rewarm-b", *flags, save=d)
+    assert sorted(train_rows(again)) == [4, 5, 6]  # its own checkpoint at 3

@@ -29,6 +29,7 @@ def _load(name, path):
 
 pg = _load("pretrain_gpt", ROOT / "pretrain_gpt.py")
 sweep = _load("sweep", EX / "sweep.py")
+experiments = sweep.experiments
 # what the launcher adds on a cluster (data/tokenizer come from the site's DATA_ARGS)
 SITE = [
     "--mock-data",
@@ -37,6 +38,7 @@ SITE = [
     "--bf16",
     "--use-distributed-optimizer",
     "--save=/tmp/x",
+    "--load=/tmp/x",
     "--save-interval=1000",
 ]
 
@@ -45,7 +47,7 @@ def _unique_shapes():
     """One command per distinct flag set, numeric values aside (LRs, iterations, weight decay
     parse alike; choices, presets and switches do not)."""
     seen = {}
-    for exp in recipes.EXPERIMENTS:
+    for exp in experiments.EXPERIMENTS:
         for run in sweep.plan(exp, None, "/runs", 1, None):
             key = tuple(re.sub(r"=[0-9.e+-]+$", "=N", f) for f in run.flags)
             seen.setdefault(key, (exp, run))
@@ -56,11 +58,43 @@ SHAPES = _unique_shapes()
 
 
 def test_experiment_sizes():
-    counts = {e: len(recipes.experiment(e)) for e in recipes.EXPERIMENTS}
+    counts = {e: len(experiments.experiment(e)) for e in experiments.EXPERIMENTS}
     assert counts["dense-grid"] == 12 * 4 * 9 and counts["moe-ladder"] == 4 * 3 * 4
     assert counts["throughput"] == 24 and all(n > 0 for n in counts.values())
-    names = [r.name for e in recipes.EXPERIMENTS for r in recipes.experiment(e)]
+    names = [r.name for e in experiments.EXPERIMENTS for r in experiments.experiment(e)]
     assert len(names) == len(set(names))  # run names are unique: they are directories
+
+
+def test_experiments_run_what_the_paper_ran():
+    """Sphere axes without gains (fig. norm-axis); plain Muon's scale modes with and without
+    warmup (fig. muon-scale-modes); the MoE base sweep's WSD arm with a 20 % linear cooldown
+    (fig. moe-wsd); the batch sweep at k× the batch with every LR × sqrt(k), same tokens."""
+    sphere = experiments.experiment("ablation-sphere")
+    assert all("--md-gains=none" in r.flags for r in sphere)
+    scale = experiments.experiment("ablation-muon-scale")
+    assert {r.meta["variant"].rsplit("-", 1)[1] for r in scale} == {"w0", "w1000"}
+    wsd = [r for r in experiments.experiment("moe-base-sweep") if r.meta["variant"] == "wsd"]
+    assert wsd and all("--lr-wsd-decay-style=linear" in r.flags for r in wsd)
+    batch = {
+        (r.meta["method"], r.meta["gbs"]): r for r in experiments.experiment("moe-batch-sweep")
+    }
+    for m in ("adamw", "muon", "muonmd"):
+        one, four = batch[(m, 128)], batch[(m, 512)]
+        assert four.meta["matrix_lr"] == pytest.approx(2 * one.meta["matrix_lr"])
+        iters = [int(f.split("=")[1]) for r in (one, four) for f in r.flags if "train-iters" in f]
+        assert iters[0] == pytest.approx(4 * iters[1], abs=4)  # the same tokens, rounded
+        assert "--global-batch-size=512" in four.flags
+
+
+def test_docs_experiment_table_is_generated():
+    """docs/experiments.md holds the table of experiments.PAPER (figure → experiment →
+    analysis), regenerated with ``python examples/md_decoupling/experiments.py --markdown``,
+    and every experiment it names exists."""
+    doc = (ROOT / "docs" / "experiments.md").read_text()
+    assert experiments.markdown() in doc
+    for _, _, exp, _ in experiments.PAPER:
+        for e in exp.split(","):
+            assert e.strip() in (*experiments.EXPERIMENTS, "—"), e
 
 
 @pytest.fixture
@@ -74,12 +108,17 @@ def parse_env(monkeypatch):
     gv.unset_global_variables()
 
 
-def test_every_command_parses_and_builds(parse_env):
+def test_every_command_parses_and_builds(parse_env, tmp_path):
     """Each distinct command parses with megatron's parser plus ours and validates; its preset
-    counts to the paper's size (dense ±1 %, MoE ±2 %)."""
+    counts to the paper's size (dense ±1 %, MoE ±2 %). A re-warming run's --init-from names
+    its source run's checkpoint, which the job's start checks: here a stand-in."""
+    (tmp_path / "iter_0000001").mkdir()
+    (tmp_path / "iter_0000001" / ".metadata").write_bytes(b"")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
     for exp, run in SHAPES:
         parse_env.unset_global_variables()
-        args, md = pg.parse(run.flags + SITE, on_cpu=True)
+        flags = [re.sub(r"^--init-from=.*", f"--init-from={tmp_path}", f) for f in run.flags]
+        args, md = pg.parse(flags + SITE, on_cpu=True)
         assert (md is not None) == ("md" in run.meta["method"]), run.name
         preset = presets.PRESETS[run.meta["size"]]
         assert args.hidden_size == preset.hidden and args.num_layers == preset.layers
@@ -103,11 +142,12 @@ def test_dry_run_prints_every_command_and_writes_a_manifest(tmp_path, capsys):
         for ln in out
         if ln.startswith("sbatch --job-name=dense-150M-adamw-lr0.003-rewarm-source ")
     ]
-    assert len(src) == 1 and all(f"--load={tmp_path}/" in ln for ln in out if ln not in src)
+    assert len(src) == 1 and all(f"--init-from={tmp_path}/" in ln for ln in out if ln not in src)
+    assert sum("--init-weights-only" in ln for ln in out) == 4 * 2 * 9  # fresh: every method
 
 
 def test_names_encode_the_knobs():
-    run = next(r for r in recipes.experiment("ablation-sphere") if "muonmd" in r.name)
+    run = next(r for r in experiments.experiment("ablation-sphere") if "muonmd" in r.name)
     assert re.fullmatch(r"dense-181M-muonmd-lr[0-9.e-]+-sphere-(frobenius|row|col)", run.name)
     assert f"--matrix-lr={recipes.fmt(run.meta['matrix_lr'])}" in run.flags
 
@@ -132,9 +172,9 @@ def test_lr_transfer_rules(method, width, tokens, batch, lr, wd):
 
 
 def test_moe_ladder_applies_transfer():
-    run = next(r for r in recipes.moe_ladder() if r.name == "moe-0.81B-6.7B-muonmd-44B")
+    run = next(r for r in experiments.moe_ladder() if r.name == "moe-0.81B-6.7B-muonmd-44B")
     assert run.meta["matrix_lr"] == pytest.approx(1e-2 * (44 / 15) ** -0.25)
-    run = next(r for r in recipes.moe_ladder() if r.name == "moe-0.27B-1.2B-adamw-15B")
+    run = next(r for r in experiments.moe_ladder() if r.name == "moe-0.27B-1.2B-adamw-15B")
     assert "--matrix-lr=0.0024" in run.flags and "--weight-decay=0.1" in run.flags
 
 

@@ -45,7 +45,7 @@ def size_counts(size: str, flags: list[str]) -> tuple[int | None, int | None]:
     return n_act, tokens
 
 
-def score_run(entry: dict, tail: int) -> dict:
+def score_run(entry: dict, tail: int, x: str = "matrix_lr") -> dict:
     meta, flags = entry["meta"], entry.get("flags", [])
     size = str(meta.get("size", "?"))
     n_act, tokens = size_counts(size, flags)
@@ -55,6 +55,7 @@ def score_run(entry: dict, tail: int) -> dict:
         "method": meta.get("method", "?"),
         "variant": meta.get("variant", ""),
         "matrix_lr": float(meta.get("matrix_lr") or flag(flags, "matrix-lr") or "nan"),
+        "x": float(meta.get(x) or "nan"),
         "n_active_non_embedding": n_act,
         "tokens": tokens,
         "tail_loss": None,
@@ -105,7 +106,9 @@ def label(method: str, variant: str) -> str:
     return f"{method} [{variant}]" if variant else method
 
 
-def plot(rows: list[dict], out: Path) -> None:
+def plot(rows: list[dict], out: Path, x: str = "matrix_lr") -> None:
+    """``x``: the meta key on the horizontal axis; other than the matrix LR (e.g. ``gbs``, the
+    MoE batch sweep), one curve per method across variants."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -120,15 +123,16 @@ def plot(rows: list[dict], out: Path) -> None:
             series: dict[tuple, list] = {}
             for r in rows:
                 if r[outer] == k and r["status"] == "ok":
-                    series.setdefault((r[inner], r["variant"]), []).append(r)
+                    variant = r["variant"] if x == "matrix_lr" else ""
+                    series.setdefault((r[inner], variant), []).append(r)
             for (name, variant), pts in sorted(series.items()):
-                pts.sort(key=lambda r: r["matrix_lr"])
-                line = ax.plot([r["matrix_lr"] for r in pts], [r["tail_loss"] for r in pts],
+                pts.sort(key=lambda r: r["x"])
+                line = ax.plot([r["x"] for r in pts], [r["tail_loss"] for r in pts],
                                "o-", ms=3, label=label(name, variant))[0]  # fmt: skip
                 b = min(pts, key=lambda r: r["tail_loss"])
-                ax.plot(b["matrix_lr"], b["tail_loss"], "*", ms=12, color=line.get_color())
+                ax.plot(b["x"], b["tail_loss"], "*", ms=12, color=line.get_color())
             ax.set_xscale("log", base=2)
-            ax.set_xlabel("matrix LR")
+            ax.set_xlabel("matrix LR" if x == "matrix_lr" else x)
             ax.set_title(f"{title} {k}")
             ax.grid(alpha=0.3)
             if series:
@@ -152,6 +156,9 @@ def main(argv=None) -> dict:
     ap.add_argument("manifest", type=Path, help="sweep manifest (JSON)")
     ap.add_argument("--tail", type=int, default=TAIL, help="iterations in the tail loss")
     ap.add_argument("--out", type=Path, default=None, help="default: <manifest dir>/analysis")
+    ap.add_argument(
+        "--x", default="matrix_lr", help="run meta key on the figures' x axis (e.g. gbs)"
+    )
     args = ap.parse_args(argv)
     try:
         manifest = read_manifest(args.manifest)
@@ -159,7 +166,7 @@ def main(argv=None) -> dict:
         sys.exit(f"[lr_sweep] {e}")
     out = args.out or args.manifest.parent / "analysis"
     out.mkdir(parents=True, exist_ok=True)
-    rows = [score_run(e, args.tail) for e in manifest["runs"]]
+    rows = [score_run(e, args.tail, args.x) for e in manifest["runs"]]
     best = optima(rows)
     for r in rows:
         if r["status"] != "ok":
@@ -181,7 +188,7 @@ def main(argv=None) -> dict:
         w = csv.DictWriter(f, keys, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-    plot(rows, out)
+    plot(rows, out, args.x)
     print(f"[lr_sweep] wrote {out}/lr_sweep.{{json,csv,png}}, lr_transfer.png", file=sys.stderr)
     return report
 

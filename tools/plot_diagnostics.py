@@ -1,10 +1,11 @@
 """Plot the MD diagnostics that ``pretrain_gpt.py`` logs (``--md-log-interval``) over training.
 
-Per run (one row of panels): relative weight update ‖ΔW‖/‖W‖ per matrix class, the gain
-spread (min and max effective gain φ(ĝ) per class, and the raw-gain norm), per-layer
-activation RMS (block outputs), and the sphere-norm drift max |‖Ŵ‖ − c| / c (MD runs). Baseline
-runs have only the first and third. Writes ``diagnostics.png`` and ``diagnostics.csv`` (long
-format: run, iteration, metric, key, value).
+Per run (one row of panels): relative weight update ‖ΔW‖/‖W‖ and relative output change
+‖XΔWᵀ‖/‖XWᵀ‖ per matrix class, the gain spread (min and max effective gain φ(ĝ) per class, and
+the raw-gain norm), the row and column gains of the middle layer (the paper's gain-dynamics
+figure), per-layer activation RMS (block outputs), the sphere-norm drift max |‖Ŵ‖ − c| / c (MD
+runs) and the gradient norm. Baseline runs have no gain or sphere panels. Writes
+``diagnostics.png`` and ``diagnostics.csv`` (long format: run, iteration, metric, key, value).
 
     python tools/plot_diagnostics.py runs/a/metrics.jsonl runs/b/metrics.jsonl --out plots/
     python tools/plot_diagnostics.py muonmd=runs/b --out plots/   # LABEL=PATH names a run
@@ -21,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from runlog import LogError, RunLog, read_log  # noqa: E402
 
-PANELS = ("rel_update", "gains", "act_rms", "sphere_drift")
+PANELS = ("rel_update", "out_change", "gains", "gains_by_layer", "act_rms", "sphere_drift",
+          "grad_norm")  # fmt: skip
 
 
 def series(log: RunLog) -> list[tuple[int, str, str, float]]:
@@ -31,12 +33,19 @@ def series(log: RunLog) -> list[tuple[int, str, str, float]]:
         md = row.get("md")
         if not md:
             continue
+        if row.get("grad_norm") is not None:
+            out.append((it, "grad_norm", "all", float(row["grad_norm"])))
         for metric, val in md.items():
             items = enumerate(val) if isinstance(val, list) else val.items()
             for k, v in items:
-                if v is not None:
+                if isinstance(v, list):  # gains_by_layer: raw-gain norm, min, max
+                    out += [(it, metric, f"{k}/{p}", float(x)) for p, x in zip(PARTS, v)]
+                elif v is not None:
                     out.append((it, metric, str(k), float(v)))
     return out
+
+
+PARTS = ("raw_norm", "min", "max")
 
 
 def plot(runs: dict[str, list], out: Path) -> None:
@@ -45,11 +54,12 @@ def plot(runs: dict[str, list], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(runs), 4, figsize=(16, 3.2 * len(runs)), squeeze=False)
+    n = len(PANELS)
+    fig, axes = plt.subplots(len(runs), n, figsize=(4 * n, 3.2 * len(runs)), squeeze=False)
     for row, (name, pts) in zip(axes, runs.items()):
 
-        def draw(ax, metric, style="-", prefix=""):
-            keys = sorted({k for _, m, k, _ in pts if m == metric}, key=_key_order)
+        def draw(ax, metric, style="-", prefix="", keep=lambda k: True):
+            keys = sorted({k for _, m, k, _ in pts if m == metric and keep(k)}, key=_key_order)
             for k in keys:
                 xy = [(i, v) for i, m, kk, v in pts if m == metric and kk == k]
                 ax.plot(*zip(*xy), style, lw=1, label=prefix + k)
@@ -58,18 +68,35 @@ def plot(runs: dict[str, list], out: Path) -> None:
         draw(row[0], "rel_update")
         row[0].set_yscale("log")
         row[0].set_title(f"{name}: relative update ‖ΔW‖/‖W‖")
-        has_gains = draw(row[1], "gain_max", "-", "max ") | draw(row[1], "gain_min", "--", "min ")
-        row[1].set_title("effective gains φ(ĝ): min / max" if has_gains else "no gains (not MD)")
+        if draw(row[1], "out_change"):
+            row[1].set_yscale("log")
+        row[1].set_title("relative output change ‖XΔWᵀ‖/‖XWᵀ‖")
+        has_gains = draw(row[2], "gain_max", "-", "max ") | draw(row[2], "gain_min", "--", "min ")
+        row[2].set_title("effective gains φ(ĝ): min / max" if has_gains else "no gains (not MD)")
         if has_gains:
-            twin = row[1].twinx()
+            twin = row[2].twinx()
             draw(twin, "raw_gain_norm", ":", "‖ĝ‖ ")
             twin.set_ylabel("raw-gain norm (dotted)")
-        draw(row[2], "act_rms", "-", "layer ")
-        row[2].set_title("block-output RMS")
-        has_drift = draw(row[3], "sphere_drift")
-        row[3].set_title("sphere drift |‖Ŵ‖−c|/c" if has_drift else "no sphere (not MD)")
+        layers = sorted({int(k.split("/")[1]) for _, m, k, _ in pts if m == "gains_by_layer"})
+        if layers:
+            mid = layers[len(layers) // 2]
+            for part, style in (("max", "-"), ("min", "--")):
+
+                def keep(k, p=part):
+                    return k.split("/")[1] == str(mid) and k.endswith("/" + p)
+
+                draw(row[3], "gains_by_layer", style, "", keep)
+            row[3].set_title(f"layer {mid}: row / column gains, max and min")
+        else:
+            row[3].set_title("no gains (not MD)")
+        draw(row[4], "act_rms", "-", "layer ")
+        row[4].set_title("block-output RMS")
+        has_drift = draw(row[5], "sphere_drift")
+        row[5].set_title("sphere drift |‖Ŵ‖−c|/c" if has_drift else "no sphere (not MD)")
         if has_drift:
-            row[3].set_yscale("log")
+            row[5].set_yscale("log")
+        draw(row[6], "grad_norm")
+        row[6].set_title("gradient norm")
         for ax in row:
             ax.set_xlabel("iteration")
             ax.grid(alpha=0.3)

@@ -5,11 +5,12 @@
     python examples/md_decoupling/sweep.py moe-ladder --ep 4 --only 'moe-0.27B.*15B'
     python examples/md_decoupling/sweep.py --list
 
-Experiments, sizes, recipes and LR-transfer rules live in ``megatron/md/train/recipes.py`` and
-``presets.py``. Each job runs ``launch.sbatch`` with RUN_NAME = the run's name (which encodes
-size, method, matrix LR and variant) and RUN_ROOT; site settings (data, container, NCCL, wandb)
-go through the launcher's environment knobs. The manifest (JSON: experiment, git commit, and per
-run its name, job id, flags, metadata and run directory) is what the analysis tools read back.
+Experiments live in ``experiments.py`` (next to this file); recipes and LR-transfer rules in
+``megatron/md/train/recipes.py``, sizes in ``presets.py``. Each job runs ``launch.sbatch`` with
+RUN_NAME = the run's name (which encodes size, method, matrix LR and variant) and RUN_ROOT;
+site settings (data, container, NCCL, wandb) go through the launcher's environment knobs. The
+manifest (JSON: experiment, git commit, and per run its name, job id, flags, metadata and run
+directory) is what the analysis tools read back.
 """
 
 from __future__ import annotations
@@ -27,15 +28,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from megatron.md.train import recipes  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import experiments  # noqa: E402
 
 LAUNCHER = ROOT / "examples" / "md_decoupling" / "launch.sbatch"
 
 
 def plan(
     experiment: str, lrs, run_root: str, ep: int, only: str | None, mbs: int = 4
-) -> list[recipes.Run]:
-    runs = recipes.experiment(experiment, lrs)
+) -> list[experiments.Run]:
+    runs = experiments.experiment(experiment, lrs)
     if only:
         runs = [r for r in runs if re.search(only, r.name)]
     for r in runs:
@@ -43,7 +45,7 @@ def plan(
     return runs
 
 
-def sbatch_command(run: recipes.Run, args, run_root: str, dependency: str | None) -> list[str]:
+def sbatch_command(run: experiments.Run, args, run_root: str, dependency: str | None) -> list[str]:
     nodes = run.meta.get("nodes", args.nodes)
     cmd = [
         "sbatch",
@@ -88,11 +90,13 @@ def main(argv=None) -> None:
     ap.add_argument("--manifest", type=Path, default=None, help="default <run-root>/manifest.json")
     args = ap.parse_args(argv)
     if args.list:
-        for name in recipes.EXPERIMENTS:
-            print(f"{name:<24} {len(recipes.experiment(name)):>4} runs")
+        for name in experiments.EXPERIMENTS:
+            print(f"{name:<24} {len(experiments.experiment(name)):>4} runs")
         return
-    if args.experiment not in recipes.EXPERIMENTS:
-        ap.error(f"experiment {args.experiment!r} is not one of {', '.join(recipes.EXPERIMENTS)}")
+    if args.experiment not in experiments.EXPERIMENTS:
+        ap.error(
+            f"experiment {args.experiment!r} is not one of {', '.join(experiments.EXPERIMENTS)}"
+        )
     run_root = os.path.abspath(args.run_root or ROOT / "runs" / args.experiment)
     runs = plan(args.experiment, args.lrs, run_root, args.ep, args.only, args.micro_batch_size)
     if not runs:

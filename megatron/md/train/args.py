@@ -100,6 +100,20 @@ def add_md_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "optimizer state; MD state is created from its weights (radius = their norm, gains 1)",
     )
     g.add_argument(
+        "--init-from",
+        type=str,
+        default=None,
+        help="continual training (re-warming): while --load holds no checkpoint of this run, "
+        "start from this checkpoint directory instead: its weights and optimizer state, at "
+        "iteration 0 with this run's LR schedule and data from the start; a requeued run "
+        "resumes from --load as usual",
+    )
+    g.add_argument(
+        "--init-weights-only",
+        action="store_true",
+        help="with --init-from: take only the weights (a fresh optimizer)",
+    )
+    g.add_argument(
         "--md-log-interval",
         type=int,
         default=0,
@@ -264,6 +278,19 @@ def validate(args) -> MDConfig | None:
         )
     if args.md_from_plain_checkpoint and not (args.md_decoupling and args.load):
         _fail("--md-from-plain-checkpoint needs --md-decoupling and --load")
+    if args.init_weights_only and not args.init_from:
+        _fail("--init-weights-only needs --init-from")
+    if args.init_from:
+        if not args.load:
+            _fail("--init-from needs --load (this run's own directory, where it resumes)")
+        from megatron.md.train.patches import checkpoint_dir
+
+        try:
+            found = checkpoint_dir(args.init_from)
+        except RuntimeError as e:
+            _fail(str(e).replace("--load", "--init-from"))
+        if found is None:
+            _fail(f"--init-from {args.init_from}: no latest_checkpointed_iteration.txt there")
     return md
 
 

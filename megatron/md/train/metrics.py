@@ -10,11 +10,9 @@ Rows, one JSON object per line, written by global rank 0:
   milliseconds per iteration;
 - ``{"type": "valid" | "test", "iteration", "lm loss"}`` after each evaluation.
 
-MD diagnostics (every ``--md-log-interval`` iterations, on every run, MD or not, so baselines
-compare): relative update ‖ΔW‖/‖W‖ per matrix class (mean over its matrices, from the fp32
-weights the optimizer holds, never bf16 model weights), per-layer
-activation RMS (block outputs, first micro-batch), and for MD runs the sphere drift
-max |‖Ŵ‖−c|/c and the gain spread (raw-gain norm, min and max φ(ĝ)) per class.
+The ``md`` entry: the diagnostics of ``diagnostics.py`` (relative update from fp32 weights,
+output change, activation RMS, sphere drift, gains per class and per layer), every
+``--md-log-interval`` iterations, on every run (MD or not, so baselines compare).
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import math
 import os
 import subprocess
 import sys
@@ -31,29 +28,7 @@ from dataclasses import asdict
 
 import torch
 
-CLASSES = ("qkv", "proj", "fc1", "fc2", "router", "experts", "shared", "embeddings", "output")
-_S: dict = {"file": None, "opt": None, "chunks": None, "diag": None, "acts": {}, "t": None}
-
-
-def matrix_class(name: str) -> str | None:
-    """The class of a 2-D parameter for the diagnostics (None: not reported)."""
-    if name.endswith("word_embeddings.weight"):
-        return "embeddings"
-    if name.endswith("output_layer.weight"):
-        return "output"
-    if ".router." in name:
-        return "router"
-    if "shared_experts" in name:
-        return "shared"
-    if ".experts." in name:
-        return "experts"
-    for key, cls in (("linear_qkv", "qkv"), ("linear_proj", "proj")):
-        if key in name:
-            return cls
-    for key, cls in (("linear_fc1", "fc1"), ("linear_fc2", "fc2")):
-        if key in name:
-            return cls
-    return None
+_S: dict = {"file": None, "opt": None, "diag": None, "t": None, "step_diag": None}
 
 
 def git_commit() -> str:
@@ -123,170 +98,25 @@ def _due(args, iteration: int) -> bool:
 
 
 # ---- hooks ----
-def attach_optimizer(opt) -> None:
-    _S["opt"] = opt
-    orig = opt.step
+def attach(optimizer, model_chunks) -> None:
+    """The diagnostics around ``optimizer.step`` on diagnostic iterations (diagnostics.py)."""
+    from megatron.md.train.diagnostics import StepDiagnostics
+
+    _S["opt"] = optimizer
+    due = lambda: _due(_S["args"], _S["args"].curr_iteration + 1)  # noqa: E731
+    diag = _S["step_diag"] = StepDiagnostics(optimizer, model_chunks, due)
+    orig = optimizer.step
 
     @functools.wraps(orig)
     def step(*a, **k):
-        args = _S["args"]
-        it = args.curr_iteration + 1
-        before = _snapshot() if _due(args, it) else None
+        it = _S["args"].curr_iteration + 1
+        before = diag.before_step() if _due(_S["args"], it) else None
         out = orig(*a, **k)
         if before is not None:
-            _S["diag"] = (it, _diagnostics(before))
+            _S["diag"] = (it, diag.after_step(before))
         return out
 
-    opt.step = step
-
-
-def attach_model(model_chunks) -> None:
-    """Block-output RMS hooks (active only on diagnostic iterations)."""
-    _S["chunks"] = model_chunks
-    for chunk in model_chunks:
-        decoder = getattr(_unwrap(chunk), "decoder", None)
-        for i, layer in enumerate(getattr(decoder, "layers", [])):
-            layer.register_forward_hook(functools.partial(_act_hook, i))
-
-
-def _unwrap(m):
-    while hasattr(m, "module"):
-        m = m.module
-    return m
-
-
-def _act_hook(i, module, inputs, output):
-    args = _S.get("args")
-    if args is None or not module.training:
-        return
-    it = args.curr_iteration + 1
-    if not _due(args, it):
-        return
-    acts = _S["acts"].setdefault(it, {})
-    if i not in acts:  # first micro-batch only
-        h = output[0] if isinstance(output, tuple) else output
-        acts[i] = float(h.detach().float().pow(2).mean().sqrt())
-
-
-def _names() -> dict:
-    """Model parameter -> (name, diagnostic class) for the reported matrices."""
-    out = {}
-    for chunk in _S["chunks"] or []:
-        for name, p in _unwrap(chunk).named_parameters():
-            cls = matrix_class(name) if p.ndim == 2 else None
-            if cls is not None:
-                out[p] = (name, cls)
-    return out
-
-
-def _owned_weights():
-    """(leaf optimizer, main param, name, class) of every reported matrix this rank steps."""
-    from megatron.md.checkpoint import leaf_optimizers
-    from megatron.md.mains import main_params
-
-    names = _names()
-    for opt in leaf_optimizers(_S["opt"]):
-        for mp in main_params(opt):
-            if mp.model in names:
-                yield opt, mp, *names[mp.model]
-
-
-@torch.no_grad()
-def _snapshot() -> dict:
-    """The fp32 weights W this rank steps (its ZeRO-1 slices / whole matrices), before a step:
-    the relative update is measured on them, not on bf16 model weights, whose rounding would
-    bias it upward at small LRs."""
-    from megatron.md.mains import fp32_weight
-
-    return {(name, mp.start): fp32_weight(opt, mp).clone() for opt, mp, name, _ in _owned_weights()}
-
-
-@torch.no_grad()
-def _diagnostics(before: dict) -> dict:
-    """Relative update ‖ΔW‖/‖W‖ per class (mean over its matrices) from the fp32 weights of
-    every rank, and the MD statistics: one ``all_gather_object`` in all."""
-    from megatron.md.mains import fp32_weight
-
-    parts = []
-    for opt, mp, name, cls in _owned_weights():
-        w = fp32_weight(opt, mp)
-        dw2 = float((w - before[(name, mp.start)]).double().square().sum())
-        parts.append((name, cls, mp.start, dw2, float(w.double().square().sum())))
-    gathered = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, (parts, _md_local()))
-    slices: dict[str, dict] = {}
-    for rank_parts, _ in gathered:
-        for name, cls, start, dw2, w2 in rank_parts:  # replicas of one slice counted once
-            slices.setdefault((name, cls), {})[start] = (dw2, w2)
-    rel: dict[str, list[float]] = {}
-    for (_, cls), by_start in slices.items():
-        dw2, w2 = (sum(v) for v in zip(*by_start.values()))
-        rel.setdefault(cls, []).append(math.sqrt(dw2 / max(w2, 1e-60)))
-    out = {"rel_update": {c: sum(v) / len(v) for c, v in rel.items()}}
-    out.update(_md_merge([items for _, items in gathered]))
-    return out
-
-
-def _md_local() -> list[dict]:
-    """This rank's sphere-norm partials and gain statistics of every MD matrix it steps."""
-    from megatron.md import maps
-    from megatron.md.checkpoint import leaf_optimizers
-
-    local = []
-    for o in leaf_optimizers(_S["opt"]):
-        inner = o.optimizer
-        if not hasattr(inner, "slots"):
-            continue
-        for p, slot in inner.slots.items():
-            md, st = slot.md, inner.md_state[p]
-            part = torch.zeros(md.n_norm, dtype=torch.float64)
-            if md.n_norm:
-                tmp = torch.zeros(md.n_norm, dtype=torch.float32, device=p.device)
-                md.norm_partials(inner._flat_dir(p), tmp)
-                part = tmp.double().cpu()
-            gains = [st[n] for n in md.gain_names if n in ("gain_row", "gain_col", "gain_scalar")]
-            phi = [maps.phi(g, md.spec.gain_map) for g in gains]
-            radius = st.get("radius")
-            local.append(
-                {
-                    "name": slot.name,
-                    "start": md.start,
-                    "partial": part,
-                    "radius": None if radius is None else radius.detach().double().cpu(),
-                    "raw_sq": sum(float((g.double() ** 2).sum()) for g in gains),
-                    "gmin": min((float(x.min()) for x in phi), default=None),
-                    "gmax": max((float(x.max()) for x in phi), default=None),
-                }
-            )
-    return local
-
-
-def _md_merge(gathered: list[list[dict]]) -> dict:
-    """Sphere drift and gain spread per class from every rank's ``_md_local``."""
-    by_name: dict[str, dict] = {}
-    for rank_items in gathered:
-        for it in rank_items:
-            e = by_name.setdefault(it["name"], {"slices": {}, **it})
-            e["slices"][it["start"]] = it["partial"]  # replicas of one slice counted once
-    drift, raw, gmin, gmax = {}, {}, {}, {}
-    for name, e in by_name.items():
-        cls = matrix_class(name) or "other"
-        if e["radius"] is not None and e["slices"]:
-            norm = sum(e["slices"].values()).sqrt()
-            r = e["radius"].reshape(-1)
-            d = float(((norm - r).abs() / r).max())
-            drift[cls] = max(drift.get(cls, 0.0), d)
-        if e["gmin"] is not None:
-            raw.setdefault(cls, []).append(math.sqrt(e["raw_sq"]))
-            gmin[cls] = min(gmin.get(cls, math.inf), e["gmin"])
-            gmax[cls] = max(gmax.get(cls, -math.inf), e["gmax"])
-    out = {
-        "sphere_drift": drift,
-        "raw_gain_norm": {c: sum(v) / len(v) for c, v in raw.items()},
-        "gain_min": gmin,
-        "gain_max": gmax,
-    }
-    return {k: v for k, v in out.items() if v}
+    optimizer.step = step
 
 
 def _lrs(opt) -> dict:
@@ -319,7 +149,11 @@ def _to_wandb(md: dict, iteration: int) -> None:
     for metric, val in md.items():
         items = enumerate(val) if isinstance(val, list) else val.items()
         for k, v in items:
-            flat[f"md/{metric}/{k}"] = v
+            if isinstance(v, list):  # gains_by_layer: [raw-gain norm, min, max]
+                for part, x in zip(("raw_norm", "min", "max"), v):
+                    flat[f"md/{metric}/{k}/{part}"] = x
+            else:
+                flat[f"md/{metric}/{k}"] = v
     writer.log(flat, iteration)
 
 
@@ -354,8 +188,6 @@ def wrap_training_log(orig):
         diag = _S["diag"]
         if diag is not None and diag[0] == iteration:
             row["md"] = diag[1]
-            acts = _S["acts"].pop(iteration, {})
-            row["md"]["act_rms"] = [acts[i] for i in sorted(acts)]
             _S["diag"] = None
             _to_wandb(row["md"], iteration)
         _write(row)

@@ -142,7 +142,7 @@ def _wrap_optimizer(orig):
         _STATE["optimizer"] = opt
         from megatron.md.train import metrics
 
-        metrics.attach_optimizer(opt)
+        metrics.attach(opt, model_chunks)
         return opt
 
     return get_optimizer
@@ -183,6 +183,8 @@ def _wrap_load(orig):
 
         args = get_args()
         path = checkpoint_dir(args.load, args.ckpt_step) if args.load else None
+        if path is None and getattr(args, "init_from", None):  # first start of a continual run
+            return _load_init(orig, model, optimizer, *a, **kw)
         if path is not None:
             ckpt_checks.check_all(path, args)
         loads_optim = not (args.no_load_optim or args.finetune)  # else MD state is rebuilt
@@ -206,6 +208,64 @@ def _wrap_load(orig):
         return out
 
     return load
+
+
+def _load_init(orig, model, optimizer, scheduler, *a, **kw):
+    """``--init-from``: megatron's load pointed at that checkpoint (weights, optimizer state
+    unless ``--init-weights-only``; no RNG, no LR schedule: ``scheduler`` is not passed, so this
+    run's starts at step 0), then iteration and consumed samples reset to 0."""
+    from megatron.training import get_args
+    from megatron.training.utils import print_rank_0
+
+    args = get_args()
+    saved = args.load, args.ckpt_step, args.no_load_optim, args.no_load_rng
+    args.load, args.ckpt_step, args.no_load_rng = args.init_from, None, True
+    args.no_load_optim = args.no_load_optim or args.init_weights_only
+    adopted = _adopt_param_groups(optimizer) if not args.no_load_optim else []
+    try:
+        print_rank_0(f"[megatron-md] --init-from {args.init_from}: a new run from its checkpoint")
+        load = _wrap_load(orig)
+        load(model, optimizer, None, *a, **kw)
+    finally:
+        args.load, args.ckpt_step, args.no_load_optim, args.no_load_rng = saved
+        for opt in adopted:
+            del opt.load_state_dict  # the class's again
+    args.consumed_train_samples = args.consumed_valid_samples = args.skipped_train_samples = 0
+    return 0, 0
+
+
+def _adopt_param_groups(optimizer) -> list:
+    """For ``--init-from`` with optimizer state: megatron pairs saved and current parameter
+    groups by their hyper-parameters (core/optimizer/distrib_optimizer.py:941-970), so a run
+    with other LRs than the source's could not load its moments. The moments are stored per
+    parameter, not per group: give the load this run's groups (its hyper-parameters) with the
+    source's step count. Returns the optimizers whose ``load_state_dict`` was wrapped (on the
+    instance, for this load only)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from megatron.md.checkpoint import leaf_optimizers
+
+    wrapped = []
+    for opt in leaf_optimizers(optimizer):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        orig = opt.load_state_dict
+
+        def load_state_dict(state_dict, _opt=opt, _orig=orig):
+            saved = state_dict["optimizer"]["param_groups"]
+            steps = {g["step"] for g in saved if g.get("step") is not None}
+            groups = []
+            for g in _opt.optimizer.state_dict()["param_groups"]:
+                g = {k: v for k, v in g.items() if k != "params"}
+                if steps:
+                    g["step"] = max(steps)
+                groups.append(g)
+            state_dict["optimizer"]["param_groups"] = groups
+            return _orig(state_dict)
+
+        opt.load_state_dict = load_state_dict
+        wrapped.append(opt)
+    return wrapped
 
 
 def _wrap_muon_scale(orig):

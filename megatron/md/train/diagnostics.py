@@ -1,0 +1,253 @@
+"""The MD diagnostics of one optimizer step, on every run (MD or not, so baselines compare).
+
+Per matrix class (``matrix_class``; mean over its matrices unless said otherwise):
+
+- ``rel_update``: relative weight update ‖ΔW‖/‖W‖, from the fp32 weights the optimizer holds
+  (never bf16 model weights, whose rounding biases it upward at small LRs);
+- ``out_change``: relative change of a layer's output on the same input, ‖X ΔWᵀ‖/‖X Wᵀ‖ (the
+  paper's transfer-dynamics figure). X: the first 512 tokens of each rank's first micro-batch
+  into the layer (attention and MLP linears outside routed experts, whose inputs depend on the
+  routing); each rank measures the rows it owns on its own X (a ZeRO-1 cut row counts as two
+  pieces), the sums are added over ranks;
+- ``act_rms``: per-layer RMS of block outputs (first micro-batch);
+- MD runs: ``sphere_drift`` max |‖Ŵ‖−c|/c, gain spread (``raw_gain_norm``, ``gain_min``,
+  ``gain_max``), and ``gains_by_layer``: per ``<class>/<layer>/<row|col>`` the raw-gain norm
+  and the min and max effective gain (the paper's gain-dynamics figure).
+
+One ``all_gather_object`` per diagnostic step (global rank 0 writes the merged result).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+#: tokens of X kept per layer for the output change
+OUT_TOKENS = 512
+LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def matrix_class(name: str) -> str | None:
+    """The class of a 2-D parameter for the diagnostics (None: not reported)."""
+    if name.endswith("word_embeddings.weight"):
+        return "embeddings"
+    if name.endswith("output_layer.weight"):
+        return "output"
+    if ".router." in name:
+        return "router"
+    if "shared_experts" in name:
+        return "shared"
+    if ".experts." in name:
+        return "experts"
+    for key, cls in (("linear_qkv", "qkv"), ("linear_proj", "proj")):
+        if key in name:
+            return cls
+    for key, cls in (("linear_fc1", "fc1"), ("linear_fc2", "fc2")):
+        if key in name:
+            return cls
+    return None
+
+
+def layer_of(name: str) -> int | None:
+    m = re.search(r"layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def unwrap(m):
+    while hasattr(m, "module"):
+        m = m.module
+    return m
+
+
+class StepDiagnostics:
+    """Hooks on the model (activation RMS, layer inputs: recorded while ``due()``, i.e. on
+    diagnostic iterations) and the measurements around one optimizer step."""
+
+    def __init__(self, optimizer, model_chunks, due):
+        self.opt, self.chunks, self.due = optimizer, model_chunks, due
+        self.acts: dict[int, float] = {}
+        self.inputs: dict[torch.Tensor, torch.Tensor] = {}  # weight -> X (first micro-batch)
+        for chunk in model_chunks:
+            module = unwrap(chunk)
+            decoder = getattr(module, "decoder", None)
+            for i, layer in enumerate(getattr(decoder, "layers", [])):
+                layer.register_forward_hook(self._act_hook(i))
+            for name, sub in module.named_modules():
+                w = getattr(sub, "weight", None)
+                fused_norm = "LayerNorm" in type(sub).__name__  # TE: X is before the norm
+                if name.endswith(LINEARS) and ".experts." not in name and not fused_norm:
+                    if isinstance(w, torch.Tensor) and w.ndim == 2:
+                        sub.register_forward_pre_hook(self._input_hook(w))
+
+    def _act_hook(self, i):
+        def hook(module, inputs, output):
+            if module.training and i not in self.acts and self.due():  # first micro-batch
+                h = output[0] if isinstance(output, tuple) else output
+                self.acts[i] = float(h.detach().float().pow(2).mean().sqrt())
+
+        return hook
+
+    def _input_hook(self, weight):
+        def hook(module, inputs):
+            if module.training and weight not in self.inputs and inputs and self.due():
+                x = inputs[0].detach()
+                self.inputs[weight] = x.reshape(-1, x.shape[-1])[:OUT_TOKENS].float().clone()
+
+        return hook
+
+    # ---- around the step ----
+    def _names(self) -> dict:
+        out = {}
+        for chunk in self.chunks:
+            for name, p in unwrap(chunk).named_parameters():
+                cls = matrix_class(name) if p.ndim == 2 else None
+                if cls is not None:
+                    out[p] = (name, cls)
+        return out
+
+    def _owned(self):
+        """(leaf optimizer, main param, name, class) of every reported matrix this rank steps."""
+        from megatron.md.checkpoint import leaf_optimizers
+        from megatron.md.mains import main_params
+
+        names = self._names()
+        for opt in leaf_optimizers(self.opt):
+            for mp in main_params(opt):
+                if mp.model in names:
+                    yield opt, mp, *names[mp.model]
+
+    @torch.no_grad()
+    def before_step(self) -> dict:
+        """The fp32 weights this rank steps (ZeRO-1 slices / whole matrices)."""
+        from megatron.md.mains import fp32_weight
+
+        return {(n, mp.start): fp32_weight(o, mp).clone() for o, mp, n, _ in self._owned()}
+
+    @torch.no_grad()
+    def after_step(self, before: dict) -> dict:
+        from megatron.md.mains import fp32_weight
+
+        parts = []
+        for opt, mp, name, cls in self._owned():
+            w = fp32_weight(opt, mp)
+            dw = w - before[(name, mp.start)]
+            out = self._out_change(mp, w, dw)
+            parts.append((name, cls, mp.start, _sq(dw), _sq(w), out))
+        gathered = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, (parts, _md_local(self.opt)))
+        result = _merge_updates([p for p, _ in gathered])
+        result.update(_md_merge([m for _, m in gathered]))
+        result["act_rms"] = [self.acts[i] for i in sorted(self.acts)]
+        self.acts, self.inputs = {}, {}
+        return result
+
+    def _out_change(self, mp, w: torch.Tensor, dw: torch.Tensor):
+        """(‖X ΔWᵀ‖², ‖X Wᵀ‖²) over the rows of this rank's piece, or None."""
+        from megatron.md.sliced import slice_blocks
+
+        x = self.inputs.get(mp.model)
+        if x is None:
+            return None
+        num = den = 0.0
+        for blk in slice_blocks(tuple(mp.model.shape), mp.start, mp.start + w.numel()):
+            xs = x[:, blk.c0 : blk.c0 + blk.nc].to(w.device)
+            num += _sq(xs @ blk.view(dw).T)
+            den += _sq(xs @ blk.view(w).T)
+        return num, den
+
+
+def _sq(t: torch.Tensor) -> float:
+    return float(t.double().square().sum())
+
+
+def _merge_updates(gathered: list[list]) -> dict:
+    """Relative update and output change per class from every rank's pieces (replicas of one
+    piece, same start, counted once)."""
+    pieces: dict[tuple, dict] = {}
+    for rank_parts in gathered:
+        for name, cls, start, dw2, w2, out in rank_parts:
+            pieces.setdefault((name, cls), {})[start] = (dw2, w2, out)
+    rel: dict[str, list[float]] = {}
+    change: dict[str, list[float]] = {}
+    for (_, cls), by_start in pieces.items():
+        dw2 = sum(v[0] for v in by_start.values())
+        w2 = sum(v[1] for v in by_start.values())
+        rel.setdefault(cls, []).append(math.sqrt(dw2 / max(w2, 1e-60)))
+        outs = [v[2] for v in by_start.values() if v[2] is not None]
+        if outs:
+            num, den = sum(o[0] for o in outs), sum(o[1] for o in outs)
+            change.setdefault(cls, []).append(math.sqrt(num / max(den, 1e-60)))
+    out = {"rel_update": {c: sum(v) / len(v) for c, v in rel.items()}}
+    if change:
+        out["out_change"] = {c: sum(v) / len(v) for c, v in change.items()}
+    return out
+
+
+def _md_local(optimizer) -> list[dict]:
+    """This rank's sphere-norm partials and gain statistics of every MD matrix it steps."""
+    from megatron.md import maps
+    from megatron.md.checkpoint import leaf_optimizers
+
+    local = []
+    for o in leaf_optimizers(optimizer):
+        inner = o.optimizer
+        if not hasattr(inner, "slots"):
+            continue
+        for p, slot in inner.slots.items():
+            md, st = slot.md, inner.md_state[p]
+            part = torch.zeros(md.n_norm, dtype=torch.float64)
+            if md.n_norm:
+                tmp = torch.zeros(md.n_norm, dtype=torch.float32, device=p.device)
+                md.norm_partials(inner._flat_dir(p), tmp)
+                part = tmp.double().cpu()
+            axes = {}
+            for n in md.gain_names:
+                if n in ("gain_row", "gain_col", "gain_scalar"):
+                    g = st[n]
+                    phi = maps.phi(g, md.spec.gain_map)
+                    axes[n[5:]] = (_sq(g), float(phi.min()), float(phi.max()))
+            radius = st.get("radius")
+            local.append(
+                {
+                    "name": slot.name,
+                    "start": md.start,
+                    "partial": part,
+                    "radius": None if radius is None else radius.detach().double().cpu(),
+                    "axes": axes,
+                }
+            )
+    return local
+
+
+def _md_merge(gathered: list[list[dict]]) -> dict:
+    """Sphere drift and gain spread per class, gains per layer and axis."""
+    by_name: dict[str, dict] = {}
+    for rank_items in gathered:
+        for it in rank_items:
+            e = by_name.setdefault(it["name"], {"slices": {}, **it})
+            e["slices"][it["start"]] = it["partial"]  # replicas of one slice counted once
+    drift, raw, gmin, gmax, by_layer = {}, {}, {}, {}, {}
+    for name, e in by_name.items():
+        cls = matrix_class(name) or "other"
+        if e["radius"] is not None and e["slices"]:
+            norm = sum(e["slices"].values()).sqrt()
+            r = e["radius"].reshape(-1)
+            drift[cls] = max(drift.get(cls, 0.0), float(((norm - r).abs() / r).max()))
+        if e["axes"]:
+            raw.setdefault(cls, []).append(math.sqrt(sum(a[0] for a in e["axes"].values())))
+            gmin[cls] = min(gmin.get(cls, math.inf), *(a[1] for a in e["axes"].values()))
+            gmax[cls] = max(gmax.get(cls, -math.inf), *(a[2] for a in e["axes"].values()))
+            layer = layer_of(name)
+            if layer is not None and cls in ("qkv", "proj", "fc1", "fc2"):
+                for axis, (sq, lo, hi) in e["axes"].items():
+                    by_layer[f"{cls}/{layer}/{axis}"] = [math.sqrt(sq), lo, hi]
+    out = {
+        "sphere_drift": drift,
+        "raw_gain_norm": {c: sum(v) / len(v) for c, v in raw.items()},
+        "gain_min": gmin,
+        "gain_max": gmax,
+        "gains_by_layer": by_layer,
+    }
+    return {k: v for k, v in out.items() if v}
