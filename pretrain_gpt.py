@@ -22,7 +22,7 @@ import traceback
 import megatron.md  # noqa: F401  (CPU mode first, before megatron.training is imported)
 from megatron.md import cpu_mode
 from megatron.md.train import args as md_args
-from megatron.md.train import patches, presets
+from megatron.md.train import patches, presets, startup
 
 MD_RECIPE = [
     "--weight-decay=0",
@@ -60,22 +60,28 @@ def expand_argv(argv: list[str], on_cpu: bool) -> list[str]:
         front += patches.cpu_flags()
     if "--md-decoupling" in argv:
         front += MD_RECIPE
+    if _value(argv, "--wandb-project"):  # read while megatron parses (global_vars.py:139-140)
+        save = _value(argv, "--save") or "runs"
+        # megatron logs wandb history only beside a TensorBoard writer (training.py:2681)
+        front.append(f"--tensorboard-dir={os.path.join(save, 'tensorboard')}")
+        front.append(f"--wandb-exp-name={os.path.basename(os.path.normpath(save))}")
     return front + argv
 
 
 def finalize(args, argv: list[str]) -> None:
     """Defaults that depend on other flags."""
-    if not _given(argv, "--init-method-std"):
+    if args.paper_arch and not _given(argv, "--init-method-std"):
         args.init_method_std = 1 / math.sqrt(args.hidden_size)  # the paper: 1/sqrt(d)
+    for flag in ("sandwich_norm", "embedding_scale"):  # on with --paper-arch unless given
+        if getattr(args, flag) is None:
+            setattr(args, flag, args.paper_arch)
+    args.eval_interval_defaulted = args.eval_interval is None
     if args.eval_interval is None:
         # megatron-core 0.19.2 has no default here and divides by it before training starts
         # (training/training.py:4481: TypeError); 1000 is Megatron-LM's long-standing default
         args.eval_interval = 1000
     if args.wsd_cooldown_fraction is not None:
         args.lr_wsd_decay_iters = max(1, round(args.wsd_cooldown_fraction * args.train_iters))
-    if args.wandb_project and not args.tensorboard_dir:
-        # megatron logs wandb history only next to a TensorBoard writer (training.py:2681)
-        args.tensorboard_dir = os.path.join(args.save or "runs", "tensorboard")
     if args.tokenizer_type is None:
         raise SystemExit(
             "pretrain_gpt.py: error: give --tokenizer-type HuggingFaceTokenizer --tokenizer-model "
@@ -122,6 +128,9 @@ def main() -> None:
     _single_process_env()
     on_cpu = cpu_mode.is_active()
     args, md = parse(sys.argv[1:], on_cpu)
+    startup.check_stack(args)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(startup.banner(args, md), flush=True)
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args

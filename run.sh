@@ -30,7 +30,7 @@ sys.exit(0 if s and s.submodule_search_locations[0].startswith('$PWD/') else 1)"
 }
 if [ ! -f "$stamp" ] || ! here_installed; then
   echo "[run.sh] installing megatron-md and its dependencies into $VENV (first time: several minutes)"
-  "$VENV/bin/pip" install -q -e ".[dev]"
+  "$VENV/bin/pip" install -q -e ".[torch,dev]"
   touch "$stamp"
 fi
 PY="$VENV/bin/python"

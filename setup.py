@@ -10,20 +10,22 @@ setup(
     # `megatron` is megatron-core's namespace package: ship only our sub-package, never
     # megatron/__init__.py.
     packages=find_namespace_packages(include=["megatron.md", "megatron.md.*"]),
+    # torch itself is an extra: a container (NGC PyTorch) keeps its own torch, Transformer
+    # Engine and apex (container/README.md); a venv installs ".[torch,dev]" (run.sh)
     install_requires=[
-        "torch>=2.15,<2.16",
         "megatron-core==0.19.2",
         "emerging-optimizers==0.3.0",
         "wandb>=0.31",
+        "tensorboard",  # megatron logs to wandb only beside a TensorBoard writer
         "numpy",
     ],
     extras_require={
+        "torch": ["torch>=2.15,<2.16"],
         "gpu": ["transformer-engine[pytorch]"],
         "dev": [
             "pytest",
             "ruff",
             "psutil",
-            "tensorboard",
             "matplotlib",
             "tokenizers",
             "transformers",

@@ -7,6 +7,7 @@ iterations 11-20 exactly; AdamMD/MuonMD resumed at 1 and 4 ranks continue the 2-
 The analysis tools read these runs' logs."""
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -501,3 +502,50 @@ def test_init_from_starts_a_new_run_and_a_requeue_resumes_its_own(runs, tmp_path
     assert abs(fresh[2]["lm loss"] - first[2]["lm loss"]) > 1e-3
     again, _ = pretrain(tmp_path, "rewarm-b", *flags, save=d)
     assert sorted(train_rows(again)) == [4, 5, 6]  # its own checkpoint at 3
+
+
+def test_wandb_offline_run_has_the_metrics_and_config(tmp_path):
+    """--wandb-project alone (offline mode): megatron's own history (lm loss), our MD
+    diagnostics and the config (megatron's args and the MD config) reach the run file. megatron
+    logs to wandb only beside a TensorBoard writer: tensorboard is a dependency of the package,
+    and --tensorboard-dir gets a default."""
+    from _wandb_offline import read_run
+
+    d = tmp_path / "wb"
+    env_flags = ["--train-iters=3", "--md-log-interval=1", "--preset=tiny", "--optimizer=adam",
+                 "--md-decoupling", "--lr=1e-2", "--wandb-project=md-test",
+                 f"--wandb-save-dir={d}"]  # fmt: skip
+    cmd, env = command(
+        tmp_path, "wandb", *env_flags, f"--save={tmp_path / 'ck'}", "--save-interval=10"
+    )
+    env = {**env, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run = read_run(d)
+    keys = set().union(*run["history"])
+    assert {"lm loss", "md/rel_update/qkv", "md/sphere_drift/fc1"} <= keys, sorted(keys)[:40]
+    losses = [h["lm loss"] for h in run["history"] if "lm loss" in h]
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
+    assert run["config"]["md_config"]["gains"] == "rowcol"
+    assert run["config"]["md_decoupling"] is True
+
+
+def test_plain_install_brings_tensorboard():
+    """What a plain `pip install .` installs includes tensorboard (wandb logging needs it) and
+    never torch (a container keeps its own; venvs add the `torch` extra)."""
+    import ast
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    call = next(
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup"
+    )
+    kw = {
+        k.arg: ast.literal_eval(k.value)
+        for k in call.keywords
+        if k.arg in ("install_requires", "extras_require")
+    }
+    assert "tensorboard" in kw["install_requires"]
+    assert not any(r.startswith("torch") for r in kw["install_requires"])
+    assert kw["extras_require"]["torch"] == ["torch>=2.15,<2.16"]

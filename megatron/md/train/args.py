@@ -141,10 +141,18 @@ def add_md_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="with --lr-decay-style WSD: cooldown over this fraction of --train-iters",
     )
     g.add_argument(
-        "--no-sandwich-norm",
-        action="store_false",
-        dest="sandwich_norm",
-        help="no RMSNorm on block outputs (the paper's MoE models)",
+        "--paper-arch",
+        action="store_true",
+        help="the paper's GPT (every --preset implies it): Sandwich Norm, embeddings × sqrt(d), "
+        "init std 1/sqrt(d) for every matrix (output projections too, unless "
+        "--scaled-output-init); without it megatron's own defaults apply",
+    )
+    g.add_argument(
+        "--sandwich-norm",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="RMSNorm and a fixed scale on each block output (default: --paper-arch; the "
+        "paper's MoE models have none)",
     )
     g.add_argument(
         "--block-output-scale",
@@ -155,14 +163,14 @@ def add_md_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--scaled-output-init",
         action="store_true",
-        help="init std sigma/sqrt(2L) for attention/MLP output projections "
-        "(the paper's MoE MuonMD runs); default: all matrices 1/sqrt(d)",
+        help="with --paper-arch: init std sigma/sqrt(2L) for attention/MLP output projections "
+        "(the paper's MoE MuonMD runs; megatron's own default); else all at 1/sqrt(d)",
     )
     g.add_argument(
-        "--no-embedding-scale",
-        action="store_false",
-        dest="embedding_scale",
-        help="do not multiply embeddings by sqrt(d)",
+        "--embedding-scale",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="multiply embeddings by sqrt(d) (default: --paper-arch)",
     )
     g.add_argument(
         "--metrics-file",
@@ -246,6 +254,11 @@ def validate(args) -> MDConfig | None:
         _fail(
             "Muon with --use-distributed-optimizer (layer-wise) saves checkpoints only for bf16 "
             "params in megatron-core 0.19.2 (core/optimizer/optimizer.py:1150): add --bf16"
+        )
+    if args.decoupled_lr is not None or args.decoupled_min_lr is not None:
+        _fail(
+            "--decoupled-lr / --decoupled-min-lr are not supported: set the embedding and LM-head "
+            "peak LRs with --embedding-lr and --output-lr (the paper's per-group LRs)"
         )
     if args.wsd_cooldown_fraction is not None:
         if args.lr_decay_style != "WSD":

@@ -67,7 +67,7 @@ def start_run(args, md) -> str:
     """Pick the metrics file, write the run row (rank 0); returns the path."""
     path = args.metrics_file or os.path.join(args.save or "runs", "metrics.jsonl")
     _S["file"] = path
-    _S["args"] = args
+    _S["args"], _S["md"] = args, md
     if _rank0():
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         config = {k: v for k, v in sorted(vars(args).items()) if _jsonable(v)}
@@ -103,6 +103,11 @@ def attach(optimizer, model_chunks) -> None:
     from megatron.md.train.diagnostics import StepDiagnostics
 
     _S["opt"] = optimizer
+    from megatron.training.global_vars import get_wandb_writer
+
+    writer = get_wandb_writer()
+    if writer is not None and _S.get("md") is not None:  # megatron's config has the flags
+        writer.config.update({"md_config": asdict(_S["md"])}, allow_val_change=True)
     due = lambda: _due(_S["args"], _S["args"].curr_iteration + 1)  # noqa: E731
     diag = _S["step_diag"] = StepDiagnostics(optimizer, model_chunks, due)
     orig = optimizer.step

@@ -5,8 +5,9 @@ specs (local on CPU, Transformer Engine on GPU) plus two additions at narrow sea
   residual add — ``SandwichAdd`` takes the place of the layer's bias-dropout-add submodule;
 - embeddings × sqrt(d): a forward hook on the embedding.
 
-Init std 1/sqrt(d) for every matrix (``--init-method-std`` defaults to it); megatron's scaled
-σ/sqrt(2L) output-projection init only with ``--scaled-output-init``.
+Both, and init std 1/sqrt(d) for every matrix (``--init-method-std`` defaults to it; megatron's
+scaled σ/sqrt(2L) output-projection init only with ``--scaled-output-init``), come with
+``--paper-arch`` (every ``--preset``); without it the model is megatron's own.
 """
 
 from __future__ import annotations
@@ -52,24 +53,41 @@ def _with_sandwich(spec, cfg, alpha: float):
     return dataclasses.replace(spec, submodules=sub)
 
 
-def layer_spec(args, cfg, use_te: bool, vp_stage=None):
-    """Layer (dense) or block (MoE) spec, with Sandwich Norm when asked."""
+def spec_call(args, cfg, use_te: bool, vp_stage=None):
+    """(megatron-core spec builder, the one it delegates to, kwargs): what ``layer_spec``
+    calls. The Transformer Engine layer builder takes no ``normalization`` (TENorm reads it
+    from the config), the local one does (core/models/gpt/gpt_layer_specs.py:179, :359); MoE
+    goes through the decoder-block builder for either (:676), which picks TE grouped experts
+    for --moe-grouped-gemm from the config."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    alpha = block_scale(args.block_output_scale, cfg.num_layers)
     if args.num_experts:
-        block = specs.get_gpt_decoder_block_spec(
-            cfg, use_transformer_engine=use_te, normalization=args.normalization, vp_stage=vp_stage
+        fn = specs.get_gpt_decoder_block_spec
+        kw = dict(config=cfg, use_transformer_engine=use_te, normalization=args.normalization,
+                  vp_stage=vp_stage)  # fmt: skip
+        return fn, fn, kw
+    if use_te:
+        return (
+            specs.get_gpt_layer_with_transformer_engine_spec,
+            specs.get_gpt_layer_with_transformer_engine_submodules,
+            dict(qk_layernorm=args.qk_layernorm),
         )
-        if args.sandwich_norm:
-            block.layer_specs = [_with_sandwich(s, cfg, alpha) for s in block.layer_specs]
-        return block
-    make = (
-        specs.get_gpt_layer_with_transformer_engine_spec
-        if use_te
-        else specs.get_gpt_layer_local_spec
+    return (
+        specs.get_gpt_layer_local_spec,
+        specs.get_gpt_layer_local_submodules,
+        dict(qk_layernorm=args.qk_layernorm, normalization=args.normalization),
     )
-    spec = make(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+
+
+def layer_spec(args, cfg, use_te: bool, vp_stage=None):
+    """Layer (dense) or block (MoE) spec, with Sandwich Norm when asked."""
+    alpha = block_scale(args.block_output_scale, cfg.num_layers)
+    fn, _, kw = spec_call(args, cfg, use_te, vp_stage)
+    spec = fn(**kw)
+    if args.num_experts:
+        if args.sandwich_norm:
+            spec.layer_specs = [_with_sandwich(s, cfg, alpha) for s in spec.layer_specs]
+        return spec
     return _with_sandwich(spec, cfg, alpha) if args.sandwich_norm else spec
 
 
@@ -83,7 +101,7 @@ def model_provider(
 
     args = get_args()
     cfg = config if config is not None else core_transformer_config_from_args(args)
-    if not args.scaled_output_init:  # the paper: every matrix at std 1/sqrt(d)
+    if args.paper_arch and not args.scaled_output_init:  # the paper: every matrix at 1/sqrt(d)
         cfg.output_layer_init_method = cfg.init_method
     use_te = args.transformer_impl == "transformer_engine"
     model = GPTModel(

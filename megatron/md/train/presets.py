@@ -136,6 +136,7 @@ PRESETS: dict[str, Preset] = {
 
 #: Conventions of every preset (recipe §3): passed before the preset's own flags.
 COMMON = [
+    "--paper-arch",
     "--position-embedding-type=rope",
     "--rotary-base=500000",
     "--swiglu",

@@ -1,0 +1,53 @@
+"""What ``pretrain_gpt.py`` says and checks once, before megatron builds anything: the stack
+(megatron-core release, Transformer Engine against this torch) and every default of this run
+that differs from upstream Megatron-LM's, in one block."""
+
+from __future__ import annotations
+
+import math
+
+
+def check_stack(args) -> None:
+    """Stop with the stack's problems named (megatron/md/stack.py)."""
+    from megatron.md.stack import problems
+
+    found = problems(args.transformer_impl)
+    if found:
+        raise SystemExit("pretrain_gpt.py: error: " + "\n  ".join(found))
+
+
+def differences(args, md) -> list[tuple[str, str]]:
+    """(what this run does that upstream Megatron does not, the flag that changes it)."""
+    out = []
+    if args.sandwich_norm:
+        out.append((f"Sandwich Norm: RMSNorm and scale {args.block_output_scale} on every block "
+                    "output", "--no-sandwich-norm"))  # fmt: skip
+    if args.embedding_scale:
+        out.append(("embeddings multiplied by sqrt(d)", "--no-embedding-scale"))
+    if args.paper_arch and abs(args.init_method_std - 1 / math.sqrt(args.hidden_size)) < 1e-12:
+        out.append((f"init std 1/sqrt(d) = {args.init_method_std:.4g} (upstream 0.02)",
+                    "--init-method-std"))  # fmt: skip
+    if args.paper_arch and not args.scaled_output_init:
+        out.append(("output projections at the same init std (upstream: σ/sqrt(2L))",
+                    "--scaled-output-init"))  # fmt: skip
+    if getattr(args, "eval_interval_defaulted", False):
+        out.append(("--eval-interval 1000 (megatron-core 0.19.2 has none and fails)",
+                    "--eval-interval"))  # fmt: skip
+    if md is not None:
+        out.append(("MD recipe: weight decay 0, Adam beta2 0.99, Muon momentum 0.95 Nesterov",
+                    "the flags themselves"))  # fmt: skip
+        if args.optimizer == "muon":
+            out.append((f"Muon update scale '{md.muon_scale}' for MD matrices (upstream "
+                        "'spectral'; sphere_rms follows the sphere radius)",
+                        "--muon-scale-mode"))  # fmt: skip
+    return out
+
+
+def banner(args, md) -> str:
+    rows = differences(args, md)
+    if not rows:
+        return "[megatron-md] this run uses upstream Megatron's defaults"
+    width = max(len(w) for w, _ in rows)
+    lines = ["[megatron-md] defaults of this run that differ from upstream Megatron:"]
+    lines += [f"  {w:<{width}}  ({flag})" for w, flag in rows]
+    return "\n".join(lines)
