@@ -29,7 +29,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -77,14 +76,8 @@ def execute(runs: list[dict], args) -> None:
     todo = [r for r in runs if not repro.done(r, int(_flag(r, "train-iters")))]
     print(f"[controls] {len(runs)} runs, {len(runs) - len(todo)} finished", file=sys.stderr)
     for i, r in enumerate(todo, 1):
-        d = Path(r["run_dir"])
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "metrics.jsonl").unlink(missing_ok=True)
-        t0 = time.time()
-        rc = repro.run_pretrain(2, [*r["flags"], f"--metrics-file={d / 'metrics.jsonl'}"],
-                                d / "train.log", args.out)  # fmt: skip
-        status = "ok" if rc == 0 else f"FAILED (exit {rc}, see {d / 'train.log'})"
-        print(f"[controls] {i}/{len(todo)} {r['name']}: {status}, {time.time() - t0:.0f} s",
+        status, took = repro.run_one(r, 2, args.out)
+        print(f"[controls] {i}/{len(todo)} {r['name']}: {status}, {took:.0f} s",
               file=sys.stderr, flush=True)  # fmt: skip
 
 

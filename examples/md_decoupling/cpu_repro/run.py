@@ -148,6 +148,18 @@ def done(run: dict, iters: int) -> bool:
     return log.last_iteration() >= iters and bool(log.valid)
 
 
+def run_one(run: dict, nproc: int, cwd: Path) -> tuple[str, float]:
+    """One run from scratch in its directory: ("ok" or what failed, seconds)."""
+    d = Path(run["run_dir"])
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "metrics.jsonl").unlink(missing_ok=True)
+    t0 = time.time()
+    rc = run_pretrain(nproc, [*run["flags"], f"--metrics-file={d / 'metrics.jsonl'}"],
+                      d / "train.log", cwd)  # fmt: skip
+    status = "ok" if rc == 0 else f"FAILED (exit {rc}, see {d / 'train.log'})"
+    return status, time.time() - t0
+
+
 def execute(runs: list[dict], args) -> None:
     runs = [r for r in runs if r["meta"]["part"] in args.parts]
     todo = [r for r in runs if not done(r, args.iters)]
@@ -155,14 +167,8 @@ def execute(runs: list[dict], args) -> None:
         return
     print(f"[repro] {len(runs)} runs, {len(runs) - len(todo)} already finished", file=sys.stderr)
     for i, r in enumerate(todo, 1):
-        d = Path(r["run_dir"])
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "metrics.jsonl").unlink(missing_ok=True)
-        t0 = time.time()
-        rc = run_pretrain(args.nproc, [*r["flags"], f"--metrics-file={d / 'metrics.jsonl'}"],
-                          d / "train.log", args.out)  # fmt: skip
-        status = "ok" if rc == 0 else f"FAILED (exit {rc}, see {d / 'train.log'})"
-        print(f"[repro] {i}/{len(todo)} {r['name']}: {status}, {time.time() - t0:.0f} s",
+        status, took = run_one(r, args.nproc, args.out)
+        print(f"[repro] {i}/{len(todo)} {r['name']}: {status}, {took:.0f} s",
               file=sys.stderr, flush=True)  # fmt: skip
 
 
