@@ -30,7 +30,9 @@ sys.exit(0 if s and s.submodule_search_locations[0].startswith('$PWD/') else 1)"
 }
 if [ ! -f "$stamp" ] || ! here_installed; then
   echo "[run.sh] installing megatron-md and its dependencies into $VENV (first time: several minutes)"
-  "$VENV/bin/pip" install -q -e ".[torch,dev]"
+  # this machine's pip config may name local package folders that do not exist: pip warns
+  # about each one on every call; nothing to act on
+  "$VENV/bin/pip" install -q -e ".[torch,dev]" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
   touch "$stamp"
 fi
 PY="$VENV/bin/python"

@@ -1,6 +1,6 @@
 """The laptop-scale reproduction's pipeline end to end in its smoke mode (mock data, 1 process,
 6 iterations, 4 runs): runs, manifest, LR-sweep analysis, claims and figures. Checks the
-pipeline only, not the paper's claims (the full run's numbers are in the README)."""
+pipeline only, not the paper's claims (the full run's numbers are in docs/cpu_repro.md)."""
 
 import json
 import subprocess

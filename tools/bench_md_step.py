@@ -451,7 +451,7 @@ def main(argv=None) -> None:
         own = [a for a in (argv if argv is not None else sys.argv[1:])]
         cmd += [f"--master-port={port}", __file__, *own]
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world))}
-        if DEV == "cpu":  # huge pages for torch's large CPU buffers (README "Step cost": without
+        if DEV == "cpu":  # huge pages for torch's large CPU buffers (docs/benchmarks.md: without
             env.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # them page faults dominate at 457M)
             # inductor's compile workers fork from each rank: at 457M two ranks ran out of 24 GB
             env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")

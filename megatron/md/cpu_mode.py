@@ -178,5 +178,5 @@ def maybe_activate() -> bool:
     """Activate CPU mode when CUDA is unavailable and the env var does not forbid it."""
     if os.environ.get("MEGATRON_MD_CPU_MODE", "1") == "0" or torch.cuda.is_available():
         return False
-    activate()
+    activate(quiet=os.environ.get("MEGATRON_MD_QUIET") == "1")
     return True

@@ -91,7 +91,7 @@ def add_md_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--md-fused-step",
         action="store_true",
         help="AdamMD's per-block work as compiled (torch.compile) kernels; results agree with "
-        "the eager step to fp32 rounding (faster on CPU at scale; see README 'Step cost')",
+        "the eager step to fp32 rounding (faster on CPU at scale; see docs/benchmarks.md)",
     )
     g.add_argument(
         "--md-from-plain-checkpoint",
