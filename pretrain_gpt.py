@@ -19,10 +19,11 @@ import os
 import sys
 import traceback
 
-import megatron.md  # noqa: F401  (CPU mode first, before megatron.training is imported)
 from megatron.md import cpu_mode
-from megatron.md.train import args as md_args
-from megatron.md.train import patches, presets, startup
+
+cpu_mode.maybe_activate()  # without CUDA: first, before megatron.training is imported
+from megatron.md.train import args as md_args  # noqa: E402
+from megatron.md.train import patches, presets, startup  # noqa: E402
 
 MD_RECIPE = [
     "--weight-decay=0",

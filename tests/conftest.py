@@ -1,9 +1,11 @@
-"""Test set-up: CPU mode comes with `import megatron.md` on machines without CUDA."""
+"""Test set-up: CPU mode (megatron.md.cpu_mode) on machines without CUDA, before megatron."""
 
 import logging
 import warnings
 
-import megatron.md  # noqa: F401
+from megatron.md import cpu_mode
+
+cpu_mode.maybe_activate()
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 logging.getLogger("megatron").setLevel(logging.ERROR)

@@ -43,7 +43,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's megatron.md
-import megatron.md  # noqa: E402, F401  (CPU mode when there is no GPU)
+from megatron.md import cpu_mode  # noqa: E402
+
+cpu_mode.maybe_activate()  # CPU mode when there is no GPU
 
 SHAPES = {  # d, layers, heads, kv groups, d_ff (recipe §3); head dim 128
     "181M": (512, 12, 4, 2, 2048),

@@ -19,9 +19,11 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-import megatron.md  # noqa: F401  (CPU mode when there is no GPU)
-from megatron.md.config import MDConfig
-from megatron.md.optimizer import MDOptimizer, model_param_groups, tag_qkv
+from megatron.md import cpu_mode
+
+cpu_mode.maybe_activate()  # CPU mode when there is no GPU, before megatron is imported
+from megatron.md.config import MDConfig  # noqa: E402
+from megatron.md.optimizer import MDOptimizer, model_param_groups, tag_qkv  # noqa: E402
 
 # The Declaration of Independence (1776), public domain.
 TEXT = (

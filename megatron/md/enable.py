@@ -12,7 +12,8 @@ ZeRO-1 ``DistributedOptimizer`` (AdamMD on slices, one all-reduce per step), the
 
 from __future__ import annotations
 
-from megatron.md.checkpoint import leaf_optimizers
+from megatron.md import compat
+from megatron.md.checkpoint import is_md_wrapper, leaf_optimizers
 from megatron.md.config import MDConfig
 from megatron.md.optimizer import param_role
 from megatron.md.whole import setup_whole
@@ -55,6 +56,7 @@ def enable_md(optimizer, model_chunks, md: MDConfig):
     )
 
     md.validate()
+    compat.check()
     if ps.get_tensor_model_parallel_world_size() > 1:
         raise ValueError("MD with tensor parallelism > 1 is not supported yet: use TP=1")
     names, roles = {}, {}
@@ -74,9 +76,14 @@ def enable_md(optimizer, model_chunks, md: MDConfig):
     for opt in leaf_optimizers(optimizer):
         check_config(opt.config, getattr(opt, "ddp_config", None))
         if isinstance(opt, DistributedOptimizer):
+            compat.check_distributed_optimizer(opt)
             setup_zero1(opt, roles, names, md)
         elif isinstance(opt, Float16OptimizerWithFloat16Params | FP32Optimizer):
             setup_whole(opt, roles, names, md, layer_wise=id(opt) in layer_wise)
         else:
             raise ValueError(f"MD does not support megatron optimizer {type(opt).__name__}")
+    plain = [type(o).__name__ for o in leaf_optimizers(optimizer)
+             if not (getattr(o, "is_stub_optimizer", False) or is_md_wrapper(o))]  # fmt: skip
+    if plain:  # never train on with a leaf MD did not take over
+        raise RuntimeError(f"MD did not take over megatron's {', '.join(plain)}")
     return optimizer

@@ -30,7 +30,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import megatron.md  # noqa: F401  (CPU mode)
+from megatron.md import cpu_mode
+
+cpu_mode.maybe_activate()
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "md_decoupling"))
 import cpu_demo  # noqa: E402

@@ -47,7 +47,8 @@ from runlog import read_log, run_pretrain  # noqa: E402
 
 METHODS = ("adamw", "muon", "adammd", "muonmd")
 # ×2 steps, 5 points (+ --extend past an edge optimum), placed where 6-7-point sweeps from one
-# step lower found the optima (docs/cpu_repro.md); 5 points keep the full run within ~90 min on 2 cores.
+# step lower found the optima (docs/cpu_repro.md); 5 points keep the full run within ~90 min
+# on 2 cores.
 GRID_START = {"adamw": 4e-3, "adammd": 2e-3, "muon": 1.6e-2, "muonmd": 8e-3}
 SEED, EXTRA_SEED, SEED_POINTS = 1234, 1235, 2
 HIDDEN = ("qkv", "proj", "fc1", "fc2")

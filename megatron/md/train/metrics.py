@@ -170,6 +170,12 @@ def wrap_training_log(orig):
         call = sig.bind(*a, **k).arguments
         loss_dict, iteration, grad_norm = call["loss_dict"], call["iteration"], call["grad_norm"]
         args = _S.get("args")
+        if _S.get("md") is not None and _S["opt"] is None:  # our optimizer seam never ran
+            raise RuntimeError(
+                "--md-decoupling is set but megatron built its optimizer without megatron-md's "
+                "seam (megatron.training.training.get_megatron_optimizer moved?): stopping "
+                "rather than training without MD (megatron/md/compat.py)"
+            )
         if args is None or iteration % args.log_interval and iteration != 1:
             return orig(*a, **k)
         now = time.perf_counter()

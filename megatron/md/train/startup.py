@@ -8,10 +8,16 @@ import math
 
 
 def check_stack(args) -> None:
-    """Stop with the stack's problems named (megatron/md/stack.py)."""
+    """Stop with the stack's problems named (megatron/md/stack.py), and with every seam into
+    megatron-core that no longer resolves (megatron/md/compat.py)."""
+    from megatron.md import compat
     from megatron.md.stack import problems
 
     found = problems(args.transformer_impl)
+    try:
+        compat.check()
+    except RuntimeError as e:
+        found.append(str(e))
     if found:
         raise SystemExit("pretrain_gpt.py: error: " + "\n  ".join(found))
 
