@@ -326,3 +326,20 @@ def test_container_install_keeps_the_environments_torch():
     assert "[install]   torch==" in out.stderr
     report = json.loads(out.stdout)
     assert [i["metadata"]["name"] for i in report["install"]] == ["megatron-md"]
+
+
+def test_md_flags_come_from_the_config_fields(capsys):
+    """One --md-<field> flag per MDConfig field megatron's own flags do not set, its default the
+    field's; the ones that had no flag before (gain LR multiplier, gain eps, lowrank init std)
+    reach the config too; an optimizer MD does not support stops before anything is built."""
+    from megatron.md.config import FROM_MEGATRON_FLAGS, MDConfig
+
+    args, md = parse("--md-decoupling", "--md-gain-lr-mult=0.5", "--md-gain-eps=1e-6",
+                     "--md-lowrank-init-std=0.1")  # fmt: skip
+    assert (md.gain_lr_mult, md.gain_eps, md.lowrank_init_std) == (0.5, 1e-6, 0.1)
+    for name in MDConfig.field_names():
+        if name not in FROM_MEGATRON_FLAGS:
+            assert hasattr(args, "md_" + name), name
+    assert "works with --optimizer adam or muon" in fails(
+        capsys, "--md-decoupling", "--optimizer=sgd"
+    )

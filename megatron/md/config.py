@@ -149,6 +149,21 @@ class MDConfig:
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
+    @classmethod
+    def docs(cls) -> dict[str, str]:
+        """Each field's docstring (the string under it in this class), read from the source:
+        the ``--md-*`` flags' help text comes from here."""
+        import ast
+        import inspect
+
+        body = ast.parse(inspect.getsource(cls)).body[0].body
+        out = {}
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr):
+                if isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                    out[node.target.id] = " ".join(nxt.value.value.split())
+        return out
+
     def gain_lr_for(self, group: dict) -> float:
         """The gain LR of a parameter group at its current LR.
 
@@ -165,6 +180,25 @@ class MDConfig:
         if peak <= floor:
             return self.gain_lr
         return max(0.0, floor + (self.gain_lr - floor) * (lr - floor) / (peak - floor))
+
+
+#: MDConfig field -> allowed values (its flag's choices)
+CHOICES = {
+    "sphere": SPHERES,
+    "radius": RADII,
+    "gains": GAINS,
+    "gain_map": GAIN_MAPS,
+    "embedding_norm": ROW_NORMS,
+    "output_norm": ROW_NORMS,
+    "router_norm": ROW_NORMS,
+}
+#: MDConfig fields set from megatron's own flags, not from an --md-* flag of their own
+FROM_MEGATRON_FLAGS = {
+    "gain_betas": "--adam-beta1/--adam-beta2",
+    "muon_scale": "--muon-scale-mode",
+    "residual_init_scale": "--scaled-output-init",
+    "split_qkv": "--muon-split-qkv",
+}
 
 
 def check_radius(radius: float, name: str = "matrix") -> float:

@@ -4,18 +4,11 @@ parser as one argument group, and their validation, done once before any expensi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 
-from megatron.md.config import (
-    GAIN_MAPS,
-    GAINS,
-    MUON_SCALES,
-    RADII,
-    ROW_NORMS,
-    SPHERES,
-    MDConfig,
-)
+from megatron.md.config import CHOICES, FROM_MEGATRON_FLAGS, MUON_SCALES, MDConfig
 from megatron.md.train import datacheck
 
 #: --muon-scale-mode values megatron-core's Muon knows; the rest are ours (see patches.py).
@@ -38,61 +31,7 @@ def add_md_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="AdamMD / MuonMD: the MD step inside megatron's optimizer "
         "(defaults: the paper's recipe; weight decay defaults to 0)",
     )
-    g.add_argument(
-        "--md-sphere", choices=SPHERES, default="frobenius", help="constraint axis of the direction"
-    )
-    g.add_argument(
-        "--md-radius",
-        choices=RADII,
-        default="init",
-        help="sphere radius: norm at creation (init) or sqrt(max(d_out, d_in)) (shape)",
-    )
-    g.add_argument("--md-gains", choices=GAINS, default="rowcol", help="magnitude gains")
-    g.add_argument("--md-gain-rank", type=int, default=4, help="rank k of lowrank gains")
-    g.add_argument(
-        "--md-gain-map", choices=GAIN_MAPS, default="softplus", help="map from raw gain to gain"
-    )
-    g.add_argument(
-        "--md-gain-lr",
-        type=float,
-        default=None,
-        help="peak gain LR, following the schedule's shape (default: the matrix LR)",
-    )
-    g.add_argument(
-        "--md-embedding-norm",
-        choices=ROW_NORMS,
-        default="row",
-        help="embedding rows at unit L2 norm (row) or free (none)",
-    )
-    g.add_argument(
-        "--md-output-norm",
-        choices=ROW_NORMS,
-        default="row",
-        help="untied LM-head rows at unit L2 norm (row) or free (none)",
-    )
-    g.add_argument(
-        "--md-router-norm",
-        choices=ROW_NORMS,
-        default="row",
-        help="MoE router rows at their init norm (row) or free (none)",
-    )
-    g.add_argument(
-        "--md-tangent-grad",
-        action="store_true",
-        help="project the direction gradient onto the sphere's tangent space",
-    )
-    g.add_argument(
-        "--md-adam-layer-wise",
-        action="store_true",
-        help="with --optimizer adam --md-decoupling --use-distributed-optimizer: each rank owns "
-        "whole matrices (megatron's layer-wise optimizer) instead of ZeRO-1 slices",
-    )
-    g.add_argument(
-        "--md-fused-step",
-        action="store_true",
-        help="AdamMD's per-block work as compiled (torch.compile) kernels; results agree with "
-        "the eager step to fp32 rounding (faster on CPU at scale; see docs/benchmarks.md)",
-    )
+    add_md_config_flags(g)
     g.add_argument(
         "--md-from-plain-checkpoint",
         action="store_true",
@@ -181,29 +120,41 @@ def add_md_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def add_md_config_flags(group) -> None:
+    """One ``--md-<field>`` flag per MDConfig field (default, choices and help from the field
+    and its docstring), except the fields megatron's own flags set (FROM_MEGATRON_FLAGS)."""
+    docs = MDConfig.docs()
+    for f in dataclasses.fields(MDConfig):
+        if f.name in FROM_MEGATRON_FLAGS:
+            continue
+        flag = "--md-" + f.name.replace("_", "-")
+        kind = str(f.type)
+        if kind == "bool":
+            group.add_argument(flag, action="store_true", help=docs[f.name])
+        elif f.name in CHOICES:
+            group.add_argument(flag, choices=CHOICES[f.name], default=f.default, help=docs[f.name])
+        else:
+            typ = int if kind == "int" else float
+            group.add_argument(flag, type=typ, default=f.default, help=docs[f.name])
+
+
 def md_config_from_args(args) -> MDConfig:
     """The typed MD config behind the flags (raises ValueError naming a bad flag)."""
     if args.md_gain_rank < 1:
         raise ValueError(f"--md-gain-rank={args.md_gain_rank} must be >= 1")
     scale = args.muon_scale_mode if args.muon_scale_mode != "spectral" else "sphere_rms"
+    own = {
+        f.name: getattr(args, "md_" + f.name)
+        for f in dataclasses.fields(MDConfig)
+        if f.name not in FROM_MEGATRON_FLAGS
+    }
     return MDConfig(
-        sphere=args.md_sphere,
-        radius=args.md_radius,
-        gains=args.md_gains,
-        gain_rank=args.md_gain_rank,
-        gain_map=args.md_gain_map,
-        gain_lr=args.md_gain_lr,
+        **own,
         gain_betas=(args.adam_beta1, args.adam_beta2),
-        tangent_grad=args.md_tangent_grad,
-        embedding_norm=args.md_embedding_norm,
-        output_norm=args.md_output_norm,
-        router_norm=args.md_router_norm,
         muon_scale=scale,
         # the paper's MoE MuonMD: output projections at σ/sqrt(2L), shape_up follows (MoE app.)
         residual_init_scale=1 / math.sqrt(2 * args.num_layers) if args.scaled_output_init else 1.0,
         split_qkv=args.optimizer == "muon" and args.muon_split_qkv and not args.md_adam_layer_wise,
-        adam_layer_wise=args.md_adam_layer_wise,
-        fused_step=args.md_fused_step,
     )
 
 
@@ -224,6 +175,8 @@ def validate(args) -> MDConfig | None:
             md = md_config_from_args(args)
         except ValueError as e:
             _fail(str(e))
+        if args.optimizer not in ("adam", "muon"):
+            _fail(f"--md-decoupling works with --optimizer adam or muon, not {args.optimizer!r}")
         if args.weight_decay != 0:
             _fail(
                 f"--md-decoupling keeps matrices on a sphere: --weight-decay must be 0 "
