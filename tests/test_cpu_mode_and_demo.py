@@ -9,7 +9,8 @@ import torch
 
 from megatron.md import cpu_mode, reference
 from megatron.md.config import MDConfig, spec_for
-from megatron.md.optimizer import MDOptimizer, model_param_groups, param_role
+from megatron.md.optimizer import MDOptimizer, model_param_groups
+from megatron.md.roles import param_role
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "md_decoupling"))
 import cpu_demo  # noqa: E402

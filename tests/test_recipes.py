@@ -12,7 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "md_de
 import cpu_demo  # noqa: E402
 
 from megatron.md.config import MDConfig  # noqa: E402
-from megatron.md.optimizer import MDOptimizer, model_param_groups, tag_qkv  # noqa: E402
+from megatron.md.optimizer import MDOptimizer, model_param_groups  # noqa: E402
+from megatron.md.roles import tag_qkv  # noqa: E402
 
 LAYERS = 4
 

@@ -9,8 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron.md.optimizer import param_role, qkv_blocks, residual_write, tag_qkv
-from megatron.md.train.diagnostics import matrix_class
+from megatron.md.roles import matrix_class, param_role, qkv_blocks, residual_write, tag_qkv
 from megatron.md.train.model import spec_call
 
 

@@ -23,7 +23,8 @@ from megatron.md import cpu_mode
 
 cpu_mode.maybe_activate()  # CPU mode when there is no GPU, before megatron is imported
 from megatron.md.config import MDConfig  # noqa: E402
-from megatron.md.optimizer import MDOptimizer, model_param_groups, tag_qkv  # noqa: E402
+from megatron.md.optimizer import MDOptimizer, model_param_groups  # noqa: E402
+from megatron.md.roles import tag_qkv  # noqa: E402
 
 # The Declaration of Independence (1776), public domain.
 TEXT = (

@@ -21,53 +21,7 @@ from megatron.md.base_steps import (
     muon_update,
 )
 from megatron.md.config import MDConfig, spec_for
-
-ROLE_OF_NAME = (
-    ("word_embeddings", "embedding"),
-    ("output_layer", "output"),
-    ("router", "router"),
-)
-
-
-def param_role(name: str, param: torch.Tensor) -> str:
-    """Role of a megatron-core GPT parameter: embedding, output, router, matrix or vector."""
-    if param.ndim != 2:
-        return "vector"
-    for key, role in ROLE_OF_NAME:
-        if key in name:
-            return role
-    return "matrix"
-
-
-def residual_write(name: str) -> bool:
-    """Attention and MLP output projections (dense, shared and routed experts): the matrices
-    megatron-core initializes with ``output_layer_init_method`` (σ/sqrt(2L) when scaled)."""
-    return ".linear_proj." in name or ".linear_fc2." in name or name.endswith("experts.weight2")
-
-
-def qkv_split_shapes(config) -> tuple[int, int, int]:
-    """Rows of one query group of megatron's fused QKV weight: (q, k, v), as megatron-core's
-    Muon splits it (core/optimizer/emerging_optimizers.py:133)."""
-    q = config.num_attention_heads // config.num_query_groups * config.kv_channels
-    return (q, config.kv_channels, config.kv_channels)
-
-
-def qkv_blocks(param: torch.Tensor) -> tuple[int, ...]:
-    """The Q/K/V split of a fused QKV weight, from megatron's own tags (``is_qkv``,
-    ``qkv_split_shapes``: set on the model by ``get_megatron_optimizer`` for Muon,
-    core/optimizer/__init__.py:777-791, or by ``tag_qkv``); () for any other parameter."""
-    if not getattr(param, "is_qkv", False):
-        return ()
-    return tuple(param.qkv_split_shapes)
-
-
-def tag_qkv(model: torch.nn.Module) -> None:
-    """Tag the fused QKV weights of a model megatron's optimizer factory did not build for."""
-    for name, p in model.named_parameters():
-        if "linear_qkv.weight" in name and p.ndim == 2:
-            shapes = qkv_split_shapes(model.config)
-            if p.shape[0] % sum(shapes) == 0:
-                p.is_qkv, p.qkv_split_shapes = True, list(shapes)
+from megatron.md.roles import param_role, qkv_blocks, residual_write
 
 
 def model_param_groups(

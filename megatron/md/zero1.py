@@ -22,7 +22,7 @@ from megatron.md.checkpoint import wrapper_class
 from megatron.md.config import MDConfig, spec_for
 from megatron.md.inner import MDInner, MDSlot
 from megatron.md.mains import main_params
-from megatron.md.optimizer import residual_write
+from megatron.md.roles import residual_write
 from megatron.md.sliced import SliceMD
 
 

@@ -144,7 +144,8 @@ def build(args, world):
 
 def oracle_for(model, md, base):
     """fp32 copies of the model's params in the reference optimizer, grouped by role."""
-    from megatron.md.optimizer import MDOptimizer, param_role
+    from megatron.md.optimizer import MDOptimizer
+    from megatron.md.roles import param_role
 
     named = [(n, p) for n, p in model.named_parameters()]
     copies = [torch.nn.Parameter(p.detach().float().clone()) for _, p in named]
@@ -358,7 +359,7 @@ def check(args) -> dict:
 
     # ZeRO-1 payload by formula (default MD): rowcol gains + Frobenius norm per matrix,
     # one norm per row of embedding, LM head and router
-    from megatron.md.optimizer import param_role
+    from megatron.md.roles import param_role
 
     expected = 0
     for name, p in model.named_parameters():

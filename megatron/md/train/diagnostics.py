@@ -24,30 +24,11 @@ import re
 
 import torch
 
+from megatron.md.roles import matrix_class
+
 #: tokens of X kept per layer for the output change
 OUT_TOKENS = 512
 LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-
-
-def matrix_class(name: str) -> str | None:
-    """The class of a 2-D parameter for the diagnostics (None: not reported)."""
-    if name.endswith("word_embeddings.weight"):
-        return "embeddings"
-    if name.endswith("output_layer.weight"):
-        return "output"
-    if ".router." in name:
-        return "router"
-    if "shared_experts" in name:
-        return "shared"
-    if ".experts." in name:
-        return "experts"
-    for key, cls in (("linear_qkv", "qkv"), ("linear_proj", "proj")):
-        if key in name:
-            return cls
-    for key, cls in (("linear_fc1", "fc1"), ("linear_fc2", "fc2")):
-        if key in name:
-            return cls
-    return None
 
 
 def layer_of(name: str) -> int | None:

@@ -85,18 +85,12 @@ def current_optimizer():
     return _STATE["optimizer"]
 
 
-def _is_embedding(name: str) -> bool:
-    return name.endswith("embedding.word_embeddings.weight")
-
-
-def _is_output(name: str) -> bool:
-    return name.endswith("output_layer.weight")
-
-
 def _wrap_optimizer_config(orig):
     @functools.wraps(orig)
     def get_config(args):
         from megatron.core.optimizer.optimizer_config import ParamKey, ParamWithNamePredicate
+
+        from megatron.md.roles import is_embedding, is_output
 
         config, overrides = orig(args)
         if getattr(args, "md_adam_layer_wise", False):  # built as layer-wise Muon, see args.py
@@ -106,12 +100,12 @@ def _wrap_optimizer_config(orig):
             config.bf16 = True  # layer_wise_optimizer.py:505 needs it even for fp32 params
         overrides = dict(overrides or {})
         groups = (
-            ("md_embedding", args.embedding_lr, lambda p, n: _is_embedding(n)),
-            ("md_output", args.output_lr, lambda p, n: _is_output(n)),
+            ("md_embedding", args.embedding_lr, lambda p, n: is_embedding(n)),
+            ("md_output", args.output_lr, lambda p, n: is_output(n)),
             (
                 "md_matrix",
                 args.matrix_lr,
-                lambda p, n: p.ndim == 2 and not (_is_embedding(n) or _is_output(n)),
+                lambda p, n: p.ndim == 2 and not (is_embedding(n) or is_output(n)),
             ),
         )
         for name, lr, fn in groups:
