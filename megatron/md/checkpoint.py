@@ -21,6 +21,7 @@ import dataclasses
 import torch
 
 from megatron.md.config import EXECUTION_FIELDS
+from megatron.md.wrappers import is_md_wrapper, leaf_optimizers
 
 MD_KEY_PREFIX = "optimizer.md."
 
@@ -62,15 +63,6 @@ def prepare_md_load(optimizer, ckpt_dir: str) -> bool:
     for opt in wrappers:
         opt.md_expect_state = present
     return present
-
-
-def leaf_optimizers(optimizer) -> list:
-    """The non-chained megatron optimizers inside ``optimizer`` (LayerWise is a chain too)."""
-    from megatron.core.optimizer.optimizer import ChainedOptimizer
-
-    if isinstance(optimizer, ChainedOptimizer):
-        return [o for c in optimizer.chained_optimizers for o in leaf_optimizers(c)]
-    return [optimizer]
 
 
 def _replicated(key: str, t: torch.Tensor, replica: int):
@@ -126,7 +118,7 @@ def _global_name(ten) -> str:
     return ten.key + "".join(f"@{o}" for o in ten.global_offset[: ten.prepend_axis_num])
 
 
-def _md_entry(self, model_sharded_state_dict) -> dict:
+def md_entry(self, model_sharded_state_dict) -> dict:
     """{"config": MDConfig as a dict, "state": {param key: {field: ShardedTensor}}}."""
     from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map
 
@@ -158,7 +150,7 @@ def _md_entry(self, model_sharded_state_dict) -> dict:
     return {"config": dataclasses.asdict(inner.md), "state": state}
 
 
-def _load_md(self, md: dict | None) -> None:
+def load_md(self, md: dict | None) -> None:
     inner = self.optimizer
     loaded = (md or {}).get("state") or {}
     if not inner.slots:
@@ -174,113 +166,3 @@ def _load_md(self, md: dict | None) -> None:
             for name, t in inner.md_state[main].items():
                 if t is not None:
                     t.copy_(loaded[key][name].view(t.shape))
-
-
-def is_md_wrapper(opt) -> bool:
-    return getattr(opt, "_md_wrapper", False)
-
-
-def begin_model_load(optimizer) -> None:
-    """Before megatron loads a checkpoint: no MD wrapper has received state yet."""
-    for opt in leaf_optimizers(optimizer):
-        if is_md_wrapper(opt):
-            opt.md_state_loaded = False
-
-
-def finish_model_load(optimizer) -> int:
-    """After megatron loaded a checkpoint: an MD wrapper that received neither optimizer state
-    nor ``reload_model_params`` (``--finetune`` / ``--no-load-optim`` with fp32 params:
-    megatron reloads main params only for fp16/bf16, training/checkpointing.py:2611) still holds
-    MD state made from the weights *before* the load, and its first step would write them back
-    over the loaded ones. Recreate it from the loaded weights; returns how many were."""
-    n = 0
-    for opt in leaf_optimizers(optimizer):
-        if is_md_wrapper(opt) and not opt.md_state_loaded:
-            opt.optimizer.reinit_from_weights()
-            opt.md_state_loaded = True
-            n += 1
-    return n
-
-
-def _load_fixed(base_cls, self, state_dict, fix_step: bool) -> None:
-    """megatron's load under no_grad, then one step tensor per param (see ``wrapper_class``)."""
-    step = state_dict["optimizer"]["param_groups"][0].get("step") if fix_step else None
-    with torch.no_grad():  # fp32 main params are views of leaf params (distrib_optimizer.py:1225)
-        base_cls.load_state_dict(self, state_dict)
-    if step is not None:
-        for st in self.optimizer.state.values():
-            st["step"] = torch.tensor(float(step))
-
-
-def fix_plain_resume(optimizer) -> None:
-    """Resume of megatron's own (non-MD) DistributedOptimizer without TE/Apex, the three
-    upstream bugs worked around here in one place: the load template needs torch AdamW state
-    before the first step (distrib_optimizer.py:839 asserts one step value), the load writes
-    into views of leaf params (:1225, needs no_grad), and every param ends up sharing ONE step
-    tensor, advanced N times per step (:1027-1032, :1220)."""
-    from megatron.core.optimizer import distrib_optimizer as dopt
-
-    if dopt.HAVE_APEX_OR_TE:
-        return
-    for o in leaf_optimizers(optimizer):
-        if not isinstance(o, dopt.DistributedOptimizer) or is_md_wrapper(o):
-            continue
-        if not isinstance(o.optimizer, torch.optim.AdamW | torch.optim.Adam):
-            continue
-        for group in o.optimizer.param_groups:
-            for p in group["params"]:
-                if not o.optimizer.state[p]:  # what torch creates lazily at the first step
-                    o.optimizer.state[p] = {
-                        "step": torch.tensor(0.0),
-                        "exp_avg": torch.zeros_like(p),
-                        "exp_avg_sq": torch.zeros_like(p),
-                    }
-        base = type(o)
-
-        def load_state_dict(self, state_dict, _base=base):
-            _load_fixed(_base, self, state_dict, fix_step=True)
-
-        o.__class__ = type(
-            f"Resumable{base.__name__}", (base,), {"load_state_dict": load_state_dict}
-        )
-
-
-def wrapper_class(base_cls, extra: dict, fix_step: bool):
-    """Subclass of a megatron optimizer wrapper with MD state in its checkpoints.
-
-    Built with ``type()`` and no mixin: CPython refuses ``__class__`` retargeting to a class
-    with an extra (even empty-slotted) base, and megatron builds its wrappers with no hook.
-    ``fix_step``: DistributedOptimizer without TE/Apex aliases ONE step tensor to every param
-    on load and dp_reshardable copies the pre-load step into it (distrib_optimizer.py:1027-1032,
-    :1220), so the checkpoint's step is restored afterwards.
-    """
-
-    def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, **kwargs):
-        sd = base_cls.sharded_state_dict(self, model_sharded_state_dict, is_loading, **kwargs)
-        entry = _md_entry(self, model_sharded_state_dict)
-        if is_loading and not self.md_expect_state:
-            entry.pop("state")
-        sd["md"] = entry
-        return sd
-
-    def load_state_dict(self, state_dict):
-        md = state_dict.pop("md", None)
-        _load_fixed(base_cls, self, state_dict, fix_step)
-        _load_md(self, md)
-        self.md_state_loaded = True
-
-    def reload_model_params(self, state_dict=None):
-        base_cls.reload_model_params(self, state_dict)
-        self.optimizer.reinit_from_weights()
-        self.md_state_loaded = True
-
-    methods = dict(
-        _md_wrapper=True,
-        md_expect_state=True,
-        md_state_loaded=True,
-        sharded_state_dict=sharded_state_dict,
-        load_state_dict=load_state_dict,
-        reload_model_params=reload_model_params,
-        __doc__=f"{base_cls.__name__} with the MD step (megatron-md).",
-    )
-    return type(f"MD{base_cls.__name__}", (base_cls,), {**methods, **extra})

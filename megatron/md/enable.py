@@ -13,10 +13,10 @@ ZeRO-1 ``DistributedOptimizer`` (AdamMD on slices, one all-reduce per step), the
 from __future__ import annotations
 
 from megatron.md import compat
-from megatron.md.checkpoint import is_md_wrapper, leaf_optimizers
 from megatron.md.config import MDConfig
 from megatron.md.roles import param_role
 from megatron.md.whole import setup_whole
+from megatron.md.wrappers import is_md_wrapper, leaf_optimizers
 from megatron.md.zero1 import setup_zero1
 
 

@@ -13,12 +13,12 @@ import functools
 import torch
 
 from megatron.md.base_steps import MuonHParams
-from megatron.md.checkpoint import wrapper_class
 from megatron.md.config import MDConfig, spec_for
 from megatron.md.inner import MDInner, MDSlot
 from megatron.md.mains import main_params
 from megatron.md.roles import qkv_blocks, residual_write
 from megatron.md.sliced import SliceMD
+from megatron.md.wrappers import wrapper_class
 
 
 def _copy_main_params_to_model_params(self):

@@ -264,8 +264,8 @@ def check(args) -> dict:
     if args.device != DEV:
         raise ValueError("all jobs of one launch run on one device")
     world = dist.get_world_size()
-    from megatron.md.checkpoint import leaf_optimizers
     from megatron.md.enable import enable_md
+    from megatron.md.wrappers import leaf_optimizers
 
     torch.use_deterministic_algorithms(args.deterministic)
     md = md_config(args)

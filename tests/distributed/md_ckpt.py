@@ -95,8 +95,8 @@ def run(ours, args) -> dict:
     """One job (fresh model and optimizers); the result rank 0 prints."""
     rank, world = dist.get_rank(), dist.get_world_size()
     from megatron.md import maps
-    from megatron.md.checkpoint import leaf_optimizers
     from megatron.md.enable import enable_md
+    from megatron.md.wrappers import leaf_optimizers
 
     md = MDConfig(
         sphere=args.sphere,

@@ -90,8 +90,8 @@ class StepDiagnostics:
 
     def _owned(self):
         """(leaf optimizer, main param, name, class) of every reported matrix this rank steps."""
-        from megatron.md.checkpoint import leaf_optimizers
         from megatron.md.mains import main_params
+        from megatron.md.wrappers import leaf_optimizers
 
         names = self._names()
         for opt in leaf_optimizers(self.opt):
@@ -169,7 +169,7 @@ def _merge_updates(gathered: list[list]) -> dict:
 def _md_local(optimizer) -> list[dict]:
     """This rank's sphere-norm partials and gain statistics of every MD matrix it steps."""
     from megatron.md import maps
-    from megatron.md.checkpoint import leaf_optimizers
+    from megatron.md.wrappers import leaf_optimizers
 
     local = []
     for o in leaf_optimizers(optimizer):

@@ -14,7 +14,7 @@ def guard(opt) -> None:
     """Wrap ``opt.prepare_grads`` (megatron's step returns (False, None, None) when it reports
     found-inf: optimizer.py:820, 1309, 1862) with a finiteness check of every main grad, agreed
     across all ranks with one all-reduce."""
-    from megatron.md.checkpoint import leaf_optimizers
+    from megatron.md.wrappers import leaf_optimizers
 
     orig = opt.prepare_grads
 

@@ -10,7 +10,7 @@ Each is a module attribute replaced at the narrowest seam, looked up by megatron
   --output-lr) as megatron param-group overrides; layer-wise sharding needs
   ``OptimizerConfig.bf16=True`` even for fp32 params (core/optimizer/layer_wise_optimizer.py:505).
 - ``get_megatron_optimizer``: ``enable_md`` on the optimizer megatron built (training.py:2132),
-  or the resume fix of megatron's own DistributedOptimizer (checkpoint.fix_plain_resume).
+  or the resume fix of megatron's own DistributedOptimizer (wrappers.fix_plain_resume).
 - ``load_checkpoint`` (training.py:2199): checks a checkpoint's MD state against the --md-*
   flags and tells the MD optimizer whether to expect it, before megatron reads anything.
 - ``get_muon_scale_factor`` (core/optimizer/emerging_optimizers.py:208): adds the paper's
@@ -120,9 +120,9 @@ def _wrap_optimizer_config(orig):
 def _wrap_optimizer(orig):
     @functools.wraps(orig)
     def get_optimizer(config, model_chunks, *a, **kw):
-        from megatron.md.checkpoint import fix_plain_resume
         from megatron.md.enable import enable_md
         from megatron.md.train import nonfinite
+        from megatron.md.wrappers import fix_plain_resume
 
         opt = orig(config, model_chunks, *a, **kw)
         if _STATE["md"] is not None:
@@ -172,8 +172,9 @@ def _wrap_load(orig):
     def load(model, optimizer, *a, **kw):
         from megatron.training import get_args
 
-        from megatron.md.checkpoint import begin_model_load, finish_model_load, prepare_md_load
+        from megatron.md.checkpoint import prepare_md_load
         from megatron.md.train import ckpt_checks
+        from megatron.md.wrappers import begin_model_load, finish_model_load
 
         args = get_args()
         path = checkpoint_dir(args.load, args.ckpt_step) if args.load else None
@@ -237,7 +238,7 @@ def _adopt_param_groups(optimizer) -> list:
     instance, for this load only)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from megatron.md.checkpoint import leaf_optimizers
+    from megatron.md.wrappers import leaf_optimizers
 
     wrapped = []
     for opt in leaf_optimizers(optimizer):
