@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from megatron.md import reference, sliced
+from megatron.md import batched, reference, sliced
 from megatron.md.base_steps import AdamHParams, MuonHParams
+from megatron.md.blocks import slice_blocks
 from megatron.md.config import MatrixSpec
 
 CUTS = {
@@ -55,11 +56,11 @@ def _run(spec, cuts, base="adam", steps=5, shape=(9, 11), dtype=torch.float64, f
         bufs = []
         for md, d, st in parts:
             b = torch.zeros(md.n_partials(), dtype=dtype)
-            md.phase1(d, gf[md.start : md.end], st, hp, b, pre)
+            md.step_direction(d, gf[md.start : md.end], st, hp, b, pre)
             bufs.append(b)
         total = torch.stack(bufs).sum(0)
         for md, d, st in parts:
-            md.phase2(d, st, ghp, total)
+            md.project_and_step_gains(d, st, ghp, total)
     w = torch.empty(n, dtype=dtype)
     for md, d, st in parts:
         md.fuse(d, st, w[md.start : md.end])
@@ -161,7 +162,7 @@ def test_muon_refuses_a_slice():
 
 @pytest.mark.parametrize("start,end", [(0, 99), (3, 4), (10, 22), (0, 11), (5, 98), (11, 33)])
 def test_blocks_cover_the_slice_exactly(start, end):
-    blocks = sliced.slice_blocks((9, 11), start, end)
+    blocks = slice_blocks((9, 11), start, end)
     assert len(blocks) <= 3
     covered = []
     for b in blocks:
@@ -177,12 +178,12 @@ def test_batched_step_uses_one_reduction():
         d = torch.randn(shape).view(-1)
         md = sliced.SliceMD(shape, 0, d.numel(), spec, "adam")
         st = md.init_state(d)
-        items.append(sliced.SliceItem(md, d, None, st))
-    sliced.md_init_batched(items, lambda b: calls.append(b.numel()))
+        items.append(batched.SliceItem(md, d, None, st))
+    batched.md_init_batched(items, lambda b: calls.append(b.numel()))
     assert calls == [2]
     calls.clear()
     step_items = [
-        sliced.SliceItem(
+        batched.SliceItem(
             it.md,
             it.direction,
             torch.randn_like(it.direction),
@@ -192,7 +193,7 @@ def test_batched_step_uses_one_reduction():
         )
         for it in items
     ]
-    sliced.md_step_batched(step_items, lambda b: calls.append(b.numel()))
+    batched.md_step_batched(step_items, lambda b: calls.append(b.numel()))
     assert calls == [(6 + 4 + 1) + (3 + 8 + 1)]
 
 
@@ -214,21 +215,26 @@ def test_multi_tensor_adam_is_bit_identical(cap):
     for k, spec in enumerate(specs):
         d = torch.randn((5 + k, 7), generator=gen).view(-1)
         md = sliced.SliceMD((5 + k, 7), 0, d.numel(), spec, "adam")
-        items.append(sliced.SliceItem(md, d, None, md.init_state(d, seed=k)))
-    sliced.md_init_batched(items, sliced.identity_reduce)
+        items.append(batched.SliceItem(md, d, None, md.init_state(d, seed=k)))
+    batched.md_init_batched(items, batched.identity_reduce)
     twin = copy.deepcopy(items)
     for _ in range(3):
         grads = [torch.randn(it.direction.shape, generator=gen) for it in items]
         batch = [
-            sliced.SliceItem(it.md, it.direction, g, it.state, AdamHParams(1e-2 if k < 2 else 2e-2),
-                             AdamHParams(1e-2 if k % 2 else 3e-2))
+            batched.SliceItem(it.md, it.direction, g, it.state,
+                              AdamHParams(1e-2 if k < 2 else 2e-2),
+                              AdamHParams(1e-2 if k % 2 else 3e-2))
             for k, (it, g) in enumerate(zip(items, grads))
         ]  # fmt: skip
-        sliced.md_step_batched(batch, sliced.identity_reduce, cap=cap)
+        batched.md_step_batched(batch, batched.identity_reduce, cap=cap)
         for k, (it, g) in enumerate(zip(twin, grads)):  # one matrix at a time, no batch
             buf = torch.zeros(it.md.n_partials())
-            it.md.phase1(it.direction, g, it.state, AdamHParams(1e-2 if k < 2 else 2e-2), buf)
-            it.md.phase2(it.direction, it.state, AdamHParams(1e-2 if k % 2 else 3e-2), buf)
+            it.md.step_direction(
+                it.direction, g, it.state, AdamHParams(1e-2 if k < 2 else 2e-2), buf
+            )
+            it.md.project_and_step_gains(
+                it.direction, it.state, AdamHParams(1e-2 if k % 2 else 3e-2), buf
+            )
     for a, b in zip(items, twin):
         assert torch.equal(a.direction, b.direction)
         for key, v in a.state.items():

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from megatron.md.base_steps import AdamHParams, MuonHParams, adam_multi_
+from megatron.md.batched import SliceItem, identity_reduce, md_init_batched, md_step_batched
 from megatron.md.config import MDConfig
-from megatron.md.sliced import SliceItem, SliceMD, identity_reduce, md_init_batched, md_step_batched
+from megatron.md.sliced import SliceMD
 
 #: State keys megatron-core's checkpointing handles per parameter.
 BASE_KEYS = ("step", "exp_avg", "exp_avg_sq", "momentum_buffer")
@@ -76,7 +77,7 @@ class MDInner(torch.optim.Optimizer):
     def _flat_dir(self, p: torch.Tensor) -> torch.Tensor:
         slot = self.slots[p]
         d = self.md_state[p]["direction"] if slot.fp32_mode else p.data.view(-1)
-        slot.md.settle(d)  # a fused step's rescale not yet taken by a fuse
+        slot.md.apply_pending_rescale(d)  # a fused step's rescale not yet taken by a fuse
         return d
 
     def init_state(self, keep_base: bool = False) -> None:

@@ -1,11 +1,12 @@
 """The MD step on a contiguous slice of a flattened matrix, or on a whole matrix.
 
-A ZeRO-1 rank owns an arbitrary contiguous range ``[start, end)`` of ``W.view(-1)``; cuts fall
-inside rows. The range is covered by at most three rectangular blocks (a partial first row,
-full rows, a partial last row), each a 2-D view of the local flat tensor, so every row/column
-broadcast and sum is an ordinary tensor op. Cross-slice quantities (gain-gradient row/column
-sums, squared norms) are written as *partials* into one flat buffer per step for all matrices;
-the caller reduces it once (identity for whole matrices, one all-reduce under ZeRO-1).
+A ZeRO-1 rank owns an arbitrary contiguous range ``[start, end)`` of ``W.view(-1)``, covered by
+at most three rectangular blocks (``blocks.py``). Per step, ``step_direction`` writes the gain
+gradient partials, takes the base step on Ŵ and writes the squared-norm partials;
+``project_and_step_gains`` puts Ŵ back on its sphere from the reduced norms and steps the gains
+(``batched.py`` drives many matrices with one reduction). Cross-slice quantities (gain-gradient
+row/column sums, squared norms) are written as *partials* into one flat buffer per step for all
+matrices; the caller reduces it once (identity for whole matrices, one all-reduce under ZeRO-1).
 
 Same arithmetic as ``reference.md_step`` (tested against it); gains and radius are replicated
 (full vectors on every rank), the direction and the base-optimizer moments are slices.
@@ -13,56 +14,14 @@ Same arithmetic as ``reference.md_step`` (tested against it); gains and radius a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
 from megatron.md import fused as fused_k
 from megatron.md import maps, reference
-from megatron.md.base_steps import AdamHParams, MuonHParams, adam_multi_, adam_step_, muon_update
+from megatron.md.base_steps import AdamHParams, adam_step_, muon_update
+from megatron.md.blocks import Block, slice_blocks
 from megatron.md.config import MatrixSpec, check_radius
 from megatron.md.reference import GAIN_NAMES, init_gain_state
-
-ReduceFn = Callable[[torch.Tensor], None]
-
-
-def identity_reduce(buf: torch.Tensor) -> None:
-    """Reduction for whole matrices: the partials already are the totals."""
-
-
-@dataclass(frozen=True)
-class Block:
-    """Rows [r0, r0+nr) × columns [c0, c0+nc), stored at local flat offsets [lo, hi)."""
-
-    lo: int
-    hi: int
-    r0: int
-    nr: int
-    c0: int
-    nc: int
-
-    def view(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.lo : self.hi].view(self.nr, self.nc)
-
-
-def slice_blocks(shape: tuple[int, int], start: int, end: int) -> list[Block]:
-    """Cover flat range [start, end) of a row-major (d_out, d_in) matrix by ≤ 3 blocks."""
-    d_out, d_in = shape
-    if not 0 <= start <= end <= d_out * d_in:
-        raise ValueError(f"slice [{start}, {end}) outside a {d_out}x{d_in} matrix")
-    blocks, pos = [], start
-    while pos < end:
-        r, c = divmod(pos, d_in)
-        if c > 0 or end - pos < d_in:  # partial row
-            n = min(d_in - c, end - pos)
-            blocks.append(Block(pos - start, pos - start + n, r, 1, c, n))
-        else:  # as many full rows as fit
-            nr = (end - pos) // d_in
-            blocks.append(Block(pos - start, pos - start + nr * d_in, r, nr, 0, d_in))
-            n = nr * d_in
-        pos += n
-    return blocks
 
 
 class SliceMD:
@@ -100,7 +59,9 @@ class SliceMD:
             spec.sphere
         ]
         self._phi: dict[str, tuple] = {}  # gain name -> (ĝ, its version, φ(ĝ)); see _gains
-        self._pending = None  # fused: sphere rescale left for the fuse's pass (see settle)
+        self._pending = (
+            None  # fused: sphere rescale left for the fuse's pass (see apply_pending_rescale)
+        )
         # compiled kernels (fused.py) where they apply; never with MD off (bit-identity)
         self.fused = (
             fused
@@ -261,9 +222,9 @@ class SliceMD:
         for blk in self.blocks:  # written straight into ``out``, rounded once (_apply_into)
             self._apply_into(blk, blk.view(direction), g, blk.view(out))
 
-    def settle(self, direction: torch.Tensor) -> None:
-        """Apply a sphere rescale left pending by ``phase2`` (fused path) if no fuse took it:
-        called before anything reads the direction."""
+    def apply_pending_rescale(self, direction: torch.Tensor) -> None:
+        """Apply a sphere rescale left pending by ``project_and_step_gains`` (fused path) if no
+        fuse took it: called before anything reads the direction."""
         if self._pending is not None:
             for blk in self.blocks:
                 blk.view(direction).mul_(self._axis_bcast(blk, self._pending))
@@ -283,8 +244,8 @@ class SliceMD:
             off += self.gain_sizes[name]
         return views
 
-    def _phase1_fused(self, direction, grad, st, base_hp, t, g, gain_out, norm_out) -> None:
-        """``phase1`` with compiled kernels (fused.py): one fused pass per block."""
+    def _step_direction_fused(self, direction, grad, st, base_hp, t, g, gain_out, norm_out) -> None:
+        """``step_direction`` with compiled kernels (fused.py): one fused pass per block."""
         hp = fused_k.adam_hparams(base_hp, t, direction)
         views = self._gain_views(gain_out)
         m, v = st["exp_avg"], st["exp_avg_sq"]
@@ -335,17 +296,19 @@ class SliceMD:
             self._axis_sum(blk, gd * w, inner)
             self._axis_sum(blk, w * w, sq)
 
-    def phase1(self, direction, grad, st, base_hp, out: torch.Tensor, pre=None, batch=None) -> None:
+    def step_direction(
+        self, direction, grad, st, base_hp, out: torch.Tensor, pre=None, batch=None
+    ) -> None:
         """Gain-gradient partials, base step on Ŵ, then squared-norm partials of the new Ŵ.
         With ``batch`` (a ``DirAdamBatch``), Ŵ's Adam step and the norm partials after it are
         queued there instead (one multi-tensor Adam for many matrices)."""
-        self.settle(direction)
+        self.apply_pending_rescale(direction)
         st["step"] = st["step"] + 1  # rebind: megatron may alias one step tensor across params
         t = int(st["step"])
         g = self._gains(st)
         gain_out, norm_out = out[: self.n_gain], out[self.n_gain :]
         if self.fused:
-            self._phase1_fused(direction, grad, st, base_hp, t, g, gain_out, norm_out)
+            self._step_direction_fused(direction, grad, st, base_hp, t, g, gain_out, norm_out)
             return
         single = len(self.blocks) == 1  # the usual case: G_Ŵ is the block itself, no copy
         g_dir = None if single else torch.empty_like(direction)
@@ -382,8 +345,8 @@ class SliceMD:
         if self.n_norm:
             self.norm_partials(direction, norm_out)
 
-    def phase2(
-        self, direction, st, gain_hp: AdamHParams, out: torch.Tensor, batch: GainBatch | None = None
+    def project_and_step_gains(
+        self, direction, st, gain_hp: AdamHParams, out: torch.Tensor, batch=None
     ) -> None:
         """Back onto the sphere with the reduced norms; Adam step of the raw gains (queued on
         ``batch`` when given: one multi-tensor Adam for the gains of all matrices)."""
@@ -410,139 +373,3 @@ class SliceMD:
                 gg = gg * maps.phi_prime(raw, chain)
             adam_step_(raw, gg, st[name + "_exp_avg"], st[name + "_exp_avg_sq"], t, gain_hp)
             maps.after_step(raw, gain_map)
-
-
-class GainBatch:
-    """Gain Adam steps of many matrices, run as one multi-tensor Adam per (step, hyper-params),
-    with the chain rule's φ′(ĝ) multi-tensor too: on a GPU a handful of kernel launches instead
-    of ~10 per gain vector. ``work`` = (raw ĝ, ∂L/∂g partial sums, exp_avg, exp_avg_sq)."""
-
-    def __init__(self):
-        self.groups: dict[tuple, list[tuple]] = {}
-        self.after: list[tuple[torch.Tensor, str]] = []
-
-    def add(self, work: tuple, step: int, hp: AdamHParams, chain: str, after: str) -> None:
-        """``chain``: the map whose φ′ multiplies the sums; ``after``: ``maps.after_step``'s."""
-        key = (step, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay)
-        self.groups.setdefault(key, []).append((*work, chain))
-        self.after.append((work[0], after))
-
-    def run(self) -> None:
-        for (step, *hp), works in self.groups.items():
-            raws, sums, avgs, avg_sqs, chains = map(list, zip(*works))
-            grads = maps.chain_multi(raws, sums, chains)
-            adam_multi_(raws, grads, avgs, avg_sqs, step, AdamHParams(*hp))
-        for raw, gain_map in self.after:
-            maps.after_step(raw, gain_map)
-
-
-class DirAdamBatch:
-    """Adam steps of many directions Ŵ as one multi-tensor Adam per (step, hyper-params), in
-    chunks of about ``cap`` elements (each queued matrix keeps its G_Ŵ until its chunk runs);
-    after a chunk, each matrix's ``then`` (its norm partials) runs."""
-
-    def __init__(self, cap: int):
-        self.cap, self.size = cap, 0
-        self.groups: dict[tuple, list[tuple]] = {}
-        self.then: list[Callable[[], None]] = []
-
-    def add(self, work: tuple, step: int, hp: AdamHParams, then: Callable[[], None]) -> None:
-        key = (step, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay)
-        self.groups.setdefault(key, []).append(work)
-        self.then.append(then)
-        self.size += work[0].numel()
-        if self.size >= self.cap:
-            self.run()
-
-    def run(self) -> None:
-        for (step, *hp), works in self.groups.items():
-            adam_multi_(*map(list, zip(*works)), step, AdamHParams(*hp))
-        for then in self.then:
-            then()
-        self.groups, self.then, self.size = {}, [], 0
-
-
-#: Elements of Ŵ per multi-tensor Adam chunk (bounds the G_Ŵ and Adam temporaries held at once).
-DIR_BATCH_CAP = 1 << 26
-
-
-@dataclass
-class SliceItem:
-    """One matrix (slice) taking part in a batched MD step."""
-
-    md: SliceMD
-    direction: torch.Tensor
-    grad: torch.Tensor | None
-    state: dict
-    base_hp: AdamHParams | MuonHParams | None = None
-    gain_hp: AdamHParams | None = None
-    slot: int | None = None
-    """Position in a global layout shared by all ranks (None: the item's own position)."""
-
-
-def _segments(sizes: list[int]) -> list[slice]:
-    offs, out = 0, []
-    for n in sizes:
-        out.append(slice(offs, offs + n))
-        offs += n
-    return out
-
-
-def _layout(items, size_of, layout: list[int] | None):
-    """Segments of a partial buffer; with ``layout`` (sizes of every matrix of the optimizer,
-    in an order identical on all ranks) ranks owning different matrices still line up."""
-    if layout is None:
-        segs = _segments([size_of(it) for it in items])
-    else:
-        every = _segments(layout)
-        segs = [every[it.slot] for it in items]
-    total = sum(layout) if layout is not None else (segs[-1].stop if segs else 0)
-    return segs, total
-
-
-def _zeros(n, items):
-    d = items[0].direction if items else torch.empty(0)
-    return torch.zeros(n, dtype=d.dtype, device=d.device)
-
-
-def md_init_batched(items: list[SliceItem], reduce_fn: ReduceFn, layout=None) -> None:
-    """Set radii for many matrices with one reduction of their squared norms."""
-    segs, total = _layout(items, lambda it: it.md.n_norm, layout)
-    buf = _zeros(total, items)
-    for it, s in zip(items, segs):
-        it.md.norm_partials(it.direction, buf[s])
-    if total:  # the same on every rank (global layout), so skipping is collective-safe
-        reduce_fn(buf)
-    for it, s in zip(items, segs):
-        it.md.finish_init(it.direction, it.state, buf[s])
-
-
-def md_step_batched(
-    items: list[SliceItem], reduce_fn: ReduceFn, layout=None, pre_layout=None, cap=None
-) -> None:
-    """MD step for many matrices: ONE reduction of all partials (two with tangent projection).
-
-    ``layout``/``pre_layout``: per-matrix partial sizes in a global order (see ``_layout``).
-    Ŵ's Adam runs multi-tensor in chunks of ``cap`` elements (default ``DIR_BATCH_CAP``).
-    """
-    cap = DIR_BATCH_CAP if cap is None else cap
-    pre_segs, pre_total = _layout(items, lambda it: it.md.n_pre_partials(), pre_layout)
-    pre = None
-    if pre_total:
-        pre = _zeros(pre_total, items)
-        for it, s in zip(items, pre_segs):
-            it.md.pre_partials(it.direction, it.grad, it.state, pre[s])
-        reduce_fn(pre)
-    segs, total = _layout(items, lambda it: it.md.n_partials(), layout)
-    buf = _zeros(total, items)
-    dirs = DirAdamBatch(cap)
-    for it, s, ps in zip(items, segs, pre_segs):
-        pre_it = None if pre is None else pre[ps]
-        it.md.phase1(it.direction, it.grad, it.state, it.base_hp, buf[s], pre_it, dirs)
-    dirs.run()
-    if total:
-        reduce_fn(buf)
-    gains = GainBatch()
-    for it, s in zip(items, segs):
-        it.md.phase2(it.direction, it.state, it.gain_hp, buf[s], gains)
-    gains.run()

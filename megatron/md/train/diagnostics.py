@@ -126,7 +126,7 @@ class StepDiagnostics:
 
     def _out_change(self, mp, w: torch.Tensor, dw: torch.Tensor):
         """(‖X ΔWᵀ‖², ‖X Wᵀ‖²) over the rows of this rank's piece, or None."""
-        from megatron.md.sliced import slice_blocks
+        from megatron.md.blocks import slice_blocks
 
         x = self.inputs.get(mp.model)
         if x is None:
