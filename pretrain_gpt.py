@@ -116,11 +116,9 @@ def _single_process_env() -> None:
     """Run without torchrun as one process (a free local port for the rendezvous)."""
     if "RANK" in os.environ:
         return
-    import socket
+    from megatron.md.launch import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     os.environ.update({**env, "LOCAL_RANK": "0"})
 

@@ -2,18 +2,10 @@
 
 import json
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 DIST = Path(__file__).parent / "distributed"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(script: str, nproc: int, *args: str, expect_fail: bool = False):
@@ -22,15 +14,9 @@ def torchrun(script: str, nproc: int, *args: str, expect_fail: bool = False):
 
 
 def _launch(script, nproc, args, expect_fail, timeout, n_lines):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        f"--master-port={_free_port()}",
-        str(DIST / script),
-        *args,
-    ]
+    from megatron.md.launch import torchrun
+
+    cmd = torchrun(DIST / script, nproc, args)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if expect_fail:

@@ -9,7 +9,6 @@ The analysis tools read these runs' logs."""
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -51,14 +50,10 @@ def is_md(name: str) -> bool:
 
 
 def command(tmp: Path, name: str, *extra: str, nproc: int = 2) -> tuple[list[str], dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-        f"--master-port={port}", str(ROOT / "pretrain_gpt.py"), *COMMON, *extra,
-        f"--metrics-file={tmp / f'{name}.jsonl'}",
-    ]  # fmt: skip
+    from megatron.md.launch import torchrun
+
+    cmd = torchrun(ROOT / "pretrain_gpt.py", nproc,
+                   [*COMMON, *extra, f"--metrics-file={tmp / f'{name}.jsonl'}"])  # fmt: skip
     return cmd, {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_API_KEY": SECRET}
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's megatron.md
 from megatron.md import cpu_mode  # noqa: E402
+from megatron.md.launch import torchrun  # noqa: E402
 
 cpu_mode.maybe_activate()  # CPU mode when there is no GPU
 
@@ -446,12 +446,8 @@ def main(argv=None) -> None:
         args.dtype = args.dtype[:1]
     ladder = []
     for world in args.world or [args.nproc]:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}"]
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
         own = [a for a in (argv if argv is not None else sys.argv[1:])]
-        cmd += [f"--master-port={port}", __file__, *own]
+        cmd = torchrun(__file__, world, own)
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world))}
         if DEV == "cpu":  # huge pages for torch's large CPU buffers (docs/benchmarks.md: without
             env.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # them page faults dominate at 457M)

@@ -13,9 +13,7 @@ import csv
 import json
 import math
 import os
-import socket
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,12 +133,10 @@ def flag(flags: list[str], name: str) -> str | None:
 def run_pretrain(nproc: int, flags: list[str], log: Path, cwd: Path) -> int:
     """``pretrain_gpt.py FLAGS`` under torchrun on a free local port, output to ``log``; the
     CPU threads split between the ranks. Returns the exit status."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from megatron.md.launch import torchrun
+
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={port}", str(root / "pretrain_gpt.py"), *flags]  # fmt: skip
+    cmd = torchrun(root / "pretrain_gpt.py", nproc, flags)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // nproc)))
     with open(log, "w") as f:

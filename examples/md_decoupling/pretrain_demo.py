@@ -48,10 +48,10 @@ def run_one(name: str, extra: list[str], args, data: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     metrics = out / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
-        "--master-port", str(29500 + os.getpid() % 1000),
-        str(ROOT / "pretrain_gpt.py"), "--preset=tiny",
+    from megatron.md.launch import torchrun
+
+    cmd = torchrun(ROOT / "pretrain_gpt.py", args.nproc, [
+        "--preset=tiny",
         "--tokenizer-type=HuggingFaceTokenizer", f"--tokenizer-model={data / 'tokenizer'}",
         f"--data-path={data / 'sotu_text_document'}", "--split=98,2,0",
         f"--data-cache-path={data / 'cache'}",
@@ -62,7 +62,7 @@ def run_one(name: str, extra: list[str], args, data: Path) -> Path:
         "--eval-iters=8",
         "--use-distributed-optimizer", f"--metrics-file={metrics}", "--seed=1234",
         *extra,
-    ]  # fmt: skip
+    ])  # fmt: skip
     log = out / "train.log"
     print(
         f"[demo] training {name}: {args.iters} iterations on {args.nproc} CPU processes "
