@@ -212,6 +212,21 @@ def throughput_runs() -> list[Run]:
     return runs
 
 
+def smoke_runs() -> list[Run]:
+    """Two tiny runs on megatron's mock data (AdamW, AdamMD; 6 iterations): the front-end and
+    launcher end to end on any SLURM, CPU-only included (the tests' local SLURM)."""
+    flags = ["--preset=tiny", "--mock-data", "--tokenizer-type=NullTokenizer",
+             "--vocab-size=1024", "--seq-length=64", "--max-position-embeddings=64",
+             "--micro-batch-size=2", "--global-batch-size=4", "--train-iters=6",
+             "--eval-interval=6", "--eval-iters=1", "--log-interval=1", "--lr=1e-2"]  # fmt: skip
+    return [
+        Run("smoke-adamw", [*flags, "--optimizer=adam", "--weight-decay=0.1"],
+            {"size": "tiny", "method": "adamw", "matrix_lr": 1e-2}),
+        Run("smoke-adammd", [*flags, "--optimizer=adam", "--md-decoupling"],
+            {"size": "tiny", "method": "adammd", "matrix_lr": 1e-2}),
+    ]  # fmt: skip
+
+
 def experiment(name: str, lrs: list[float] | None = None) -> list[Run]:
     """Every run of a named experiment (see ``EXPERIMENTS``)."""
     lrs = lrs or lr_grid()
@@ -259,6 +274,8 @@ def experiment(name: str, lrs: list[float] | None = None) -> list[Run]:
         return moe_ladder()
     if name == "throughput":
         return throughput_runs()
+    if name == "smoke":
+        return smoke_runs()
     raise ValueError(f"experiment {name!r} is not one of {', '.join(EXPERIMENTS)}")
 
 
@@ -270,6 +287,7 @@ EXPERIMENTS = (
     "moe-batch-sweep",
     "moe-ladder",
     "throughput",
+    "smoke",
 )
 
 _LR = "python tools/lr_sweep.py runs/{e}/manifest.json --out runs/{e}/analysis"

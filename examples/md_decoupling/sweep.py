@@ -2,20 +2,29 @@
 
     python examples/md_decoupling/sweep.py dense-grid --dry-run
     python examples/md_decoupling/sweep.py ablation-sphere --nodes 2 --time 24:00:00
+    python examples/md_decoupling/sweep.py ablation-sphere --resume    # what is not done/queued
+    python examples/md_decoupling/sweep.py status --run-root runs/ablation-sphere
     python examples/md_decoupling/sweep.py moe-ladder --ep 4 --only 'moe-0.27B.*15B'
     python examples/md_decoupling/sweep.py --list
 
 Experiments live in ``experiments.py`` (next to this file); recipes and LR-transfer rules in
 ``megatron/md/train/recipes.py``, sizes in ``presets.py``. Each job runs ``launch.sbatch`` with
 RUN_NAME = the run's name (which encodes size, method, matrix LR and variant) and RUN_ROOT;
-site settings (data, container, NCCL, wandb) go through the launcher's environment knobs. The
+site settings (data, container, NCCL, wandb) go through the launcher's environment knobs.
+
+Before anything is submitted every distinct command is validated with ``pretrain_gpt.py``'s own
+parser on this (login) node, with the site's DATA_ARGS (megatron's mock data when unset). The
 manifest (JSON: experiment, git commit, and per run its name, job id, flags, metadata and run
-directory) is what the analysis tools read back.
+directory) is written after each submission, so a failing ``sbatch`` midway leaves every job
+already queued in it; the analysis tools read it back. ``--resume`` skips runs that finished
+(``<run>/finished``) or whose job is still queued or running.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import re
@@ -27,7 +36,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import experiments  # noqa: E402
 
@@ -52,8 +60,11 @@ def sbatch_command(run: experiments.Run, args, run_root: str, dependency: str | 
         f"--job-name={run.name}",
         f"--nodes={nodes}",
         f"--time={args.time}",
+        f"--output={run_root}/logs/%x-%j.out",
         f"--export=ALL,RUN_NAME={run.name},RUN_ROOT={run_root}",
     ]
+    if args.gpus_per_node:
+        cmd.append(f"--gpus-per-node={args.gpus_per_node}")
     if args.account:
         cmd.append(f"--account={args.account}")
     if args.partition:
@@ -63,11 +74,97 @@ def sbatch_command(run: experiments.Run, args, run_root: str, dependency: str | 
     return [*cmd, str(LAUNCHER), *run.flags]
 
 
+def queued_jobs() -> dict[str, str]:
+    """Job id -> state of this user's jobs that SLURM still holds (pending, running, …)."""
+    try:
+        out = subprocess.run(["squeue", "-h", "--me", "-o", "%i %T"], capture_output=True,
+                             text=True, timeout=60)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return dict(line.split() for line in out.stdout.splitlines() if len(line.split()) == 2)
+
+
+def read_manifest(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {"runs": []}
+
+
+def write_manifest(path: Path, data: dict) -> None:
+    """Atomically (a crash mid-write never leaves a torn manifest)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def run_state(entry: dict, jobs: dict[str, str]) -> str:
+    run_dir = Path(entry["run_dir"])
+    if (run_dir / "finished").is_file():
+        return "finished"
+    if entry.get("job_id") in jobs:
+        return jobs[entry["job_id"]].lower()
+    tracker = run_dir / "latest_checkpointed_iteration.txt"
+    if tracker.is_file():
+        return f"stopped at iteration {tracker.read_text().strip()}"
+    return "not started" if entry.get("job_id") else "not submitted"
+
+
+def validate(runs: list[experiments.Run]) -> None:
+    """Parse every distinct command (numeric values aside) as the job would, on this node."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pretrain_gpt", ROOT / "pretrain_gpt.py")
+    pg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pg)
+    import megatron.training.global_vars as gv
+
+    site = shlex.split(os.environ.get("DATA_ARGS", "")) or [
+        "--mock-data", "--tokenizer-type=NullTokenizer", "--vocab-size=131072"]  # fmt: skip
+    site += ["--save=/nonexistent-run-dir", "--load=/nonexistent-run-dir", "--save-interval=1"]
+    seen = set()
+    saved = dict(os.environ), list(sys.argv)
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    try:
+        for run in runs:
+            key = tuple(re.sub(r"=[0-9.e+-]+$", "=N", f) for f in run.flags)
+            if key in seen or any(f.startswith("--init-from") for f in run.flags):
+                continue  # (an --init-from source exists only once its job ran)
+            seen.add(key)
+            gv.unset_global_variables()
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):  # megatron prints every arg
+                    pg.parse(run.flags + site, on_cpu=True)
+            except SystemExit as e:
+                sys.exit(f"[sweep] {run.name}: its command does not validate: {e.code}\n"
+                         "[sweep] nothing was submitted")  # fmt: skip
+    finally:
+        gv.unset_global_variables()
+        os.environ.clear()
+        os.environ.update(saved[0])
+        sys.argv[:] = saved[1]
+
+
+def status(args) -> None:
+    manifest = args.manifest or Path(args.run_root or ".") / "manifest.json"
+    data = read_manifest(manifest)
+    if not data["runs"]:
+        sys.exit(f"[sweep] no runs in {manifest}")
+    jobs = queued_jobs()
+    counts: dict[str, int] = {}
+    for e in data["runs"]:
+        st = run_state(e, jobs)
+        counts[st.split(" at ")[0]] = counts.get(st.split(" at ")[0], 0) + 1
+        print(f"{e['name']:<60} {e.get('job_id') or '-':>8}  {st}")
+    print("[sweep] " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())), file=sys.stderr)
+
+
 def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("experiment", nargs="?", help="one of --list")
+    ap.add_argument("experiment", nargs="?", help="one of --list, or 'status'")
     ap.add_argument("--list", action="store_true", help="print the experiments and their sizes")
     ap.add_argument("--dry-run", action="store_true", help="print the sbatch commands only")
+    ap.add_argument("--resume", action="store_true", help="skip finished and queued runs")
+    ap.add_argument("--no-validate", action="store_true", help="skip the login-node validation")
     ap.add_argument(
         "--lrs",
         type=float,
@@ -80,6 +177,12 @@ def main(argv=None) -> None:
     ap.add_argument("--time", default=os.environ.get("TIME_LIMIT", "24:00:00"))
     ap.add_argument("--account", default=os.environ.get("SBATCH_ACCOUNT"))
     ap.add_argument("--partition", default=os.environ.get("SBATCH_PARTITION"))
+    ap.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=int(os.environ.get("GPUS_PER_NODE", 4)),
+        help="sbatch --gpus-per-node (0: none, e.g. a CPU-only cluster)",
+    )
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE ladder)")
     ap.add_argument("--micro-batch-size", type=int, default=4, help="per-GPU micro-batch")
     ap.add_argument(
@@ -91,58 +194,65 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.list:
         for name in experiments.EXPERIMENTS:
-            print(f"{name:<24} {len(experiments.experiment(name)):>4} runs")
+            print(f"{name:<26} {len(experiments.experiment(name)):>4} runs")
         return
+    if args.experiment == "status":
+        return status(args)
     if args.experiment not in experiments.EXPERIMENTS:
-        ap.error(
-            f"experiment {args.experiment!r} is not one of {', '.join(experiments.EXPERIMENTS)}"
-        )
+        known = ", ".join(experiments.EXPERIMENTS)
+        ap.error(f"experiment {args.experiment!r} is not one of {known}")
     run_root = os.path.abspath(args.run_root or ROOT / "runs" / args.experiment)
     runs = plan(args.experiment, args.lrs, run_root, args.ep, args.only, args.micro_batch_size)
     if not runs:
         ap.error(f"--only {args.only!r} matches no run of {args.experiment}")
-    job_ids: dict[str, str | None] = {}
-    entries = []
-    for run in runs:
-        cmd = sbatch_command(run, args, run_root, job_ids.get(run.meta.get("after")))
-        job = None
-        if args.dry_run:
-            print(shlex.join(cmd))
-        else:
-            out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-            m = re.search(r"Submitted batch job (\d+)", out.stdout)
-            if out.returncode != 0 or not m:
-                sys.exit(f"sbatch failed for {run.name}: {out.stderr.strip() or out.stdout}")
-            job = m.group(1)
-            print(f"{run.name}: job {job}")
-        job_ids[run.name] = job
-        entries.append(
-            {
-                "name": run.name,
-                "job_id": job,
-                "flags": run.flags,
-                "meta": run.meta,
-                "run_dir": f"{run_root}/{run.name}",
-            }
-        )
-    manifest = args.manifest or Path(run_root) / "manifest.json"
-    manifest.parent.mkdir(parents=True, exist_ok=True)
+    if not args.no_validate:
+        validate(runs)
+    manifest_path = args.manifest or Path(run_root) / "manifest.json"
+    old = {e["name"]: e for e in read_manifest(manifest_path)["runs"]} if args.resume else {}
+    jobs = queued_jobs() if args.resume else {}
     git = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
-    manifest.write_text(
-        json.dumps(
-            {
-                "experiment": args.experiment,
-                "created": time.time(),
-                "git": git,
-                "dry_run": args.dry_run,
-                "runs": entries,
-            },
-            indent=1,
-        )
-    )
-    print(f"[sweep] {len(entries)} runs; manifest: {manifest}", file=sys.stderr)
+    manifest = {"experiment": args.experiment, "created": time.time(), "git": git,
+                "dry_run": args.dry_run, "runs": []}  # fmt: skip
+    if not args.dry_run:
+        (Path(run_root) / "logs").mkdir(parents=True, exist_ok=True)
+    job_ids: dict[str, str | None] = {}
+    skipped = 0
+    for run in runs:
+        entry = {"name": run.name, "job_id": None, "flags": run.flags, "meta": run.meta,
+                 "run_dir": f"{run_root}/{run.name}"}  # fmt: skip
+        prev = old.get(run.name)
+        state = run_state(prev, jobs) if prev else None
+        if prev and (state == "finished" or prev.get("job_id") in jobs):
+            entry["job_id"] = prev.get("job_id")
+            job_ids[run.name] = entry["job_id"] if state != "finished" else None
+            print(f"{run.name}: {state}, not submitted again")
+            skipped += 1
+        else:
+            cmd = sbatch_command(run, args, run_root, job_ids.get(run.meta.get("after")))
+            if args.dry_run:
+                print(shlex.join(cmd))
+            else:
+                out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+                m = re.search(r"Submitted batch job (\d+)", out.stdout)
+                if out.returncode != 0 or not m:
+                    manifest["runs"].append(entry)
+                    write_manifest(manifest_path, manifest)
+                    why = out.stderr.strip() or out.stdout
+                    sys.exit(f"sbatch failed for {run.name}: {why}\n[sweep] the jobs "
+                             f"submitted so far are in {manifest_path}")  # fmt: skip
+                entry["job_id"] = m.group(1)
+                print(f"{run.name}: job {entry['job_id']}")
+            job_ids[run.name] = entry["job_id"]
+        manifest["runs"].append(entry)
+        if not args.dry_run:
+            write_manifest(manifest_path, manifest)
+    if args.dry_run:
+        write_manifest(manifest_path, manifest)
+    done = len(runs) - skipped
+    print(f"[sweep] {done} submitted, {skipped} skipped; manifest: {manifest_path}",
+          file=sys.stderr)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,0 +1,157 @@
+"""The launcher and the sweep front-end on a real SLURM: slurmctld and slurmd on this machine
+(examples/md_decoupling/slurm_local.sh installs Debian's slurm-wlm where it is missing and the
+test runs as root; skipped, with the reason, only where SLURM cannot be installed). Jobs run
+pretrain_gpt.py on 2 CPU processes through ``launch.sbatch`` exactly as on a cluster."""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+ROOT = Path(__file__).resolve().parents[1]
+EX = ROOT / "examples" / "md_decoupling"
+TINY = ["--preset=tiny", "--mock-data", "--tokenizer-type=NullTokenizer", "--vocab-size=1024",
+        "--seq-length=64", "--max-position-embeddings=64", "--micro-batch-size=2",
+        "--global-batch-size=4", "--log-interval=1", "--eval-iters=0", "--lr=1e-3",
+        "--optimizer=adam", "--md-decoupling"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    d = tmp_path_factory.mktemp("slurm")
+    out = subprocess.run(["bash", str(EX / "slurm_local.sh"), "start", str(d)],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    if out.returncode == 3:
+        pytest.skip(out.stderr.strip())
+    assert out.returncode == 0, out.stderr
+    env = {**os.environ, "SLURM_CONF": str(d / "slurm.conf"), "PYTHON": sys.executable,
+           "GPUS_PER_NODE": "0", "NPROC_PER_NODE": "2", "PRECISION_ARGS": "",
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_JOB_ID"):
+        env.pop(k, None)
+    yield env, d
+    subprocess.run(["scancel", "--user=root"], env=env, capture_output=True)
+    subprocess.run(["bash", str(EX / "slurm_local.sh"), "stop", str(d)], capture_output=True)
+
+
+def sbatch(env, *args) -> str:
+    out = subprocess.run(["sbatch", *args], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()[-1]
+
+
+def job(env, job_id: str) -> dict:
+    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True,
+                         env=env).stdout  # fmt: skip
+    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+
+def wait_done(env, job_id: str, timeout: float) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        info = job(env, job_id)
+        if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+            return info
+        time.sleep(2)
+    raise AssertionError(f"job {job_id} still {job(env, job_id).get('JobState')}")
+
+
+def train_rows(metrics: Path) -> list[dict]:
+    return [json.loads(ln) for ln in metrics.open() if '"train"' in ln]
+
+
+def test_sweep_submits_each_run_once(slurm, tmp_path):
+    """sweep.py on SLURM: both smoke runs complete (checkpoint, metrics, finished marker,
+    the manifest written); submitting the same experiment again with --resume while they are
+    queued or after they finished submits nothing; `status` reports them."""
+    env, _ = slurm
+    root = tmp_path / "sweep"
+    cmd = [sys.executable, str(EX / "sweep.py"), "smoke", f"--run-root={root}",
+           "--gpus-per-node=0", "--time=10"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    again = subprocess.run([*cmd, "--resume", "--no-validate"], capture_output=True, text=True,
+                           env=env, timeout=120)  # fmt: skip
+    assert "0 submitted, 2 skipped" in again.stderr, again.stdout + again.stderr
+    manifest = json.loads((root / "manifest.json").read_text())
+    for e in manifest["runs"]:
+        info = wait_done(env, e["job_id"], 300)
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", info
+        run = Path(e["run_dir"])
+        assert (run / "finished").is_file() and (run / "iter_0000006" / ".metadata").is_file()
+        assert [r["iteration"] for r in train_rows(run / "metrics.jsonl")] == list(range(1, 7))
+        assert (root / "logs" / f"{e['name']}-{e['job_id']}.out").is_file()
+    again = subprocess.run([*cmd, "--resume", "--no-validate"], capture_output=True, text=True,
+                           env=env, timeout=120)  # fmt: skip
+    assert "0 submitted, 2 skipped" in again.stderr
+    status = subprocess.run([sys.executable, str(EX / "sweep.py"), "status", f"--run-root={root}"],
+                            capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert "2 finished" in status.stderr, status.stdout + status.stderr
+    # calibration for the time-limit test: seconds per iteration on this machine now
+    steps = [r["step_s"] for e in manifest["runs"] for r in
+             train_rows(Path(e["run_dir"]) / "metrics.jsonl")[2:] if "step_s" in r]  # fmt: skip
+    slurm[1].joinpath("step_s").write_text(str(statistics.median(steps)))
+
+
+def test_time_limit_stops_cleanly_and_the_requeued_job_finishes(slurm, tmp_path):
+    """A 2-minute job stops itself a minute in (--exit-duration-in-mins: the time left less
+    EXIT_MARGIN_MIN), saves, exits 0, is requeued by the launcher and resumes from its
+    checkpoint to the end, all in one log (appended). The early-warning signal is moved to 20 s
+    before the end (the script's 300 s would come at once in a 2-minute job)."""
+    env, d = slurm
+    step = float(d.joinpath("step_s").read_text()) if d.joinpath("step_s").exists() else 0.15
+    iters = int(1.5 * 35 / step)  # ~35 s of training per attempt: about 2/3 of the run
+    env = {**env, "RUN_ROOT": str(tmp_path), "REQUEUE": "1", "MAX_REQUEUES": "4",
+           "EXIT_MARGIN_MIN": "1", "SAVE_INTERVAL": "100000"}  # fmt: skip
+    log = tmp_path / "tl.out"
+    job_id = sbatch(env, "--job-name=tl", "--time=2", "--signal=TERM@20", f"--output={log}",
+                    str(EX / "launch.sbatch"), *TINY, f"--train-iters={iters}")  # fmt: skip
+    deadline = time.time() + 600
+    # SLURM holds a requeued batch job back (here ~150 s) before it may start again: release it
+    while (info := job(env, job_id)).get("JobState") != "COMPLETED":
+        assert time.time() < deadline and info.get("JobState") in ("PENDING", "RUNNING"), info
+        if info.get("JobState") == "PENDING" and int(info.get("Restarts", 0)):
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env)
+        time.sleep(2)
+    text = log.read_text()
+    assert info["JobState"] == "COMPLETED", (info, text[-3000:])
+    assert int(info.get("Restarts", 0)) >= 1 and "requeueing job" in text, text[-3000:]
+    run = tmp_path / "tl"
+    assert (run / "finished").is_file()
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").open()]
+    attempts = int(info["Restarts"]) + 1
+    assert sum(r["type"] == "run" for r in rows) == attempts  # one run row per attempt
+    # each resumed from the checkpoint its predecessor saved: no iteration twice, none missing
+    assert [r["iteration"] for r in rows if r["type"] == "train"] == list(range(1, iters + 1))
+    assert text.count("[launch] git ") == attempts  # every attempt in one log
+    assert text.count("run not finished (exit 0): requeueing") == attempts - 1  # clean stops
+
+
+def test_scancel_term_saves_and_exits_zero(slurm, tmp_path):
+    """`scancel --signal=TERM` (what a preemption sends): the run saves the iteration it
+    reached and the job ends COMPLETED with exit code 0, not finished."""
+    env, _ = slurm
+    env = {**env, "RUN_ROOT": str(tmp_path), "SAVE_INTERVAL": "100000"}
+    job_id = sbatch(env, "--job-name=sig", "--time=10", "--signal=TERM@20",
+                    f"--output={tmp_path / 'sig.out'}",
+                    str(EX / "launch.sbatch"), *TINY, "--train-iters=100000")  # fmt: skip
+    metrics = tmp_path / "sig" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not metrics.exists() or len(train_rows(metrics)) < 3:
+        assert time.time() < deadline, (tmp_path / "sig.out").read_text()[-3000:]
+        time.sleep(1)
+    subprocess.run(["scancel", "--signal=TERM", job_id], env=env, check=True)
+    info = wait_done(env, job_id, 180)
+    text = (tmp_path / "sig.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-3000:])
+    run = tmp_path / "sig"
+    saved = int((run / "latest_checkpointed_iteration.txt").read_text())
+    assert saved >= 3 and (run / f"iter_{saved:07d}" / ".metadata").is_file()
+    assert (run / "exited_on_signal").read_text().strip() == str(saved)
+    assert not (run / "finished").exists() and "stopped by a signal" in text
