@@ -21,7 +21,10 @@ import traceback
 
 from megatron.md import cpu_mode
 
-cpu_mode.maybe_activate()  # without CUDA: first, before megatron.training is imported
+if cpu_mode.maybe_activate():  # without CUDA: first, before megatron.training is imported
+    # the compiled MD step (--md-fused-step auto on CPU): one compile worker per rank keeps
+    # two 457M ranks compiling at once within 24 GB
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 from megatron.md.train import args as md_args  # noqa: E402
 from megatron.md.train import patches, presets, startup  # noqa: E402
 

@@ -184,10 +184,11 @@ def test_bench_md_step_smoke(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     (world,) = json.loads((tmp_path / "b.json").read_text())
     row = world["results"]["smoke fp32"]
-    pairs = {"adam_md/adam", "adam_md_fused/adam", "muon_md/muon", "adam_md layer-wise/zero1"}
+    pairs = {"adam_md/adam", "adam_md_eager/adam", "adam_md_fused/adam", "muon_md/muon",
+             "adam_md layer-wise/zero1"}  # fmt: skip
     assert world["world"] == 2 and set(row["pairs"]) == pairs
     ratios = row["ratios"]
-    assert all(v > 0 for v in ratios.values()) and len(ratios) == 12
+    assert all(v > 0 for v in ratios.values()) and len(ratios) == 15
     # 2 layers × (qkv 384×128, proj 128×128, fc1 512×128, fc2 128×256): d_out + d_in + 1 each,
     # plus one norm per row of the 512-row embedding and LM head; fp32
     matrices = 2 * ((384 + 128 + 1) + (128 + 128 + 1) + (512 + 128 + 1) + (128 + 256 + 1))

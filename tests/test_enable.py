@@ -102,3 +102,30 @@ def test_nonfinite_gradients_skip_the_step():
     ok, grad_norm, _ = opt.step()
     assert ok and grad_norm > 0
     assert not all(torch.equal(a, p) for a, p in zip(before, dmodel.parameters()))
+
+
+def test_fused_step_auto_rule():
+    """--md-fused-step auto (the default): the compiled step for a CPU optimizer instance with
+    at least 2^24 MD elements on the rank (181M's hidden matrices: ~4.7e7), the eager one on a
+    GPU and for small models; on/off force it; the former boolean still reads."""
+    from megatron.md.config import FUSED_MIN_ELEMENTS
+
+    auto = MDConfig()
+    assert auto.fused_step == "auto" and auto.use_fused("cpu", FUSED_MIN_ELEMENTS)
+    assert not auto.use_fused("cpu", FUSED_MIN_ELEMENTS - 1) and not auto.use_fused("cuda", 1 << 30)
+    assert MDConfig(fused_step="on").use_fused("cuda", 1) and not MDConfig(
+        fused_step=False
+    ).use_fused("cpu", 1 << 30)
+    with pytest.raises(ValueError, match="--md-fused-step"):
+        MDConfig(fused_step="sometimes")
+
+
+@pytest.mark.parametrize("mode,fused", [("auto", False), ("on", True)])
+def test_fused_step_reaches_the_slices(mode, fused):
+    """A tiny model (under the threshold) runs eager under auto, compiled when forced."""
+    from megatron.md.enable import enable_md
+
+    dmodel, opt = _build()
+    enable_md(opt, [dmodel], MDConfig(fused_step=mode))
+    slots = opt.optimizer.slots.values()
+    assert {s.md.fused for s in slots if s.md.spec.gains != "none"} == {fused}

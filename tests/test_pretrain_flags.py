@@ -343,3 +343,13 @@ def test_md_flags_come_from_the_config_fields(capsys):
     assert "works with --optimizer adam or muon" in fails(
         capsys, "--md-decoupling", "--optimizer=sgd"
     )
+
+
+def test_fused_step_flag_forms():
+    for extra, expect in (
+        ((), "auto"),
+        (("--md-fused-step",), "on"),
+        (("--md-fused-step=off",), "off"),
+    ):
+        _, md = parse("--md-decoupling", *extra)
+        assert md.fused_step == expect

@@ -5,9 +5,10 @@ with fp32 main params (megatron's default ``muon_fp32_matmul_prec='medium'``).
 On the real matrix shapes of the paper's dense models (``SHAPES``: d, 12 layers, vocab 131072),
 with megatron-core's own optimizers and ``enable_md``:
 
-- AdamMD / Adam under ZeRO-1 (``DistributedOptimizer``), AdamMD with the eager step and with
-  its compiled kernels (``adam_md_fused``: ``--md-fused-step``; the first, untimed round
-  compiles);
+- AdamMD / Adam under ZeRO-1 (``DistributedOptimizer``): AdamMD as a user gets it
+  (``adam_md``: ``--md-fused-step auto``, the compiled kernels on a CPU at these sizes, the eager
+  step on a GPU), with the eager step (``adam_md_eager``) and with the compiled kernels
+  (``adam_md_fused``); the first, untimed round compiles;
 - MuonMD / Muon layer-wise (``LayerWiseDistributedOptimizer``, Adam for embeddings/LM head);
 - AdamMD layer-wise (``--md-adam-layer-wise``) / AdamMD ZeRO-1: the two sharding strategies;
 - optimizer-state bytes with MD / without, bf16 params (fp32 main params held by megatron).
@@ -88,7 +89,7 @@ def shape_model(name: str, vocab: int) -> torch.nn.Module:
     return root
 
 
-def build(name: str, optimizer: str, md_on: bool, dtype: str, vocab: int, fused: bool = False):
+def build(name: str, optimizer: str, md_on: bool, dtype: str, vocab: int, fused: str = "auto"):
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -371,12 +372,14 @@ JSON_TAG = "BENCH_JSON "
 PAIRS = {
     "adam_md/adam": ("adam", "adam_md"),
     "muon_md/muon": ("muon", "muon_md"),
+    "adam_md_eager/adam": ("adam", "adam_md_eager"),
     "adam_md_fused/adam": ("adam", "adam_md_fused"),
     "adam_md layer-wise/zero1": ("adam_md", "adam_lw_md"),
 }
-#: adam/muon as megatron builds them, ``_md``: with MD (eager step); adam_md_fused: AdamMD with
-#: its compiled kernels (--md-fused-step); adam_lw_md = AdamMD layer-wise
-RUNS = ["adam", "adam_md", "adam_md_fused", "muon", "muon_md", "adam_lw_md"]
+#: adam/muon as megatron builds them, ``_md``: with MD as a user gets it (--md-fused-step auto);
+#: adam_md_eager / adam_md_fused: the eager step / the compiled kernels; adam_lw_md = AdamMD
+#: layer-wise
+RUNS = ["adam", "adam_md", "adam_md_eager", "adam_md_fused", "muon", "muon_md", "adam_lw_md"]
 
 
 def measure(name: str, dtype: str, args, rank: int) -> dict:
@@ -390,7 +393,7 @@ def measure(name: str, dtype: str, args, rank: int) -> dict:
         opts, models = {}, []
         for run in pair:
             opt_name, md_on = run.split("_md")[0], "_md" in run
-            fused = run.endswith("_fused")
+            fused = {"fused": "on", "eager": "off"}.get(run.rsplit("_", 1)[-1], "auto")
             t0 = time.perf_counter()
             dmodel, opts[run] = build(name, opt_name, md_on, dtype, args.vocab, fused)
             models.append(dmodel)

@@ -15,6 +15,11 @@ GAINS = ("none", "scalar", "row", "col", "rowcol", "lowrank")
 GAIN_MAPS = ("softplus", "exp", "direct", "direct-floor")
 ROW_NORMS = ("row", "none")
 MUON_SCALES = ("unit_rms_norm", "shape_scaling", "rms_match", "shape_up", "sphere_rms", "none")
+FUSED_STEPS = ("auto", "on", "off")
+#: ``fused_step='auto'`` compiles a CPU optimizer instance's MD step from this many elements of
+#: MD matrices on the rank up: the paper's 181M model has ~4.7e7 in its hidden matrices, the
+#: test suite's models under 1e6 (compiling costs tens of seconds, more than their whole run)
+FUSED_MIN_ELEMENTS = 1 << 24
 #: MDConfig fields that only choose how the step is executed (a checkpoint ignores them)
 EXECUTION_FIELDS = ("fused_step",)
 
@@ -104,14 +109,18 @@ class MDConfig:
     slices: the optimizer is built as megatron's layer-wise Muon (megatron-core shards
     layer-wise only for emerging optimizers) and the matrices' base step is Adam."""
 
-    fused_step: bool = False
-    """AdamMD's per-block work as compiled kernels (``torch.compile``, megatron/md/fused.py).
-    Execution only: the results agree with the eager step to fp32 rounding, it is never used
-    with MD off, and checkpoints are interchangeable. Off by default: it pays on CPU at scale
-    (457M: docs/benchmarks.md), costs tens of seconds of compiling, and on an H100 it was
-    slower than the eager multi-tensor step (per-call overhead of ~100 small blocks)."""
+    fused_step: str = "auto"
+    """AdamMD's per-block work as compiled kernels (``torch.compile``, megatron/md/fused.py): on,
+    off, or auto: on for a CPU optimizer whose MD matrices hold at least 2^24 elements on the
+    rank (there AdamMD's step is then as fast as megatron's AdamW or faster:
+    docs/benchmarks.md), off on GPUs (slower there: per-call overhead of ~100 small blocks) and
+    for small models (compiling takes tens of seconds). Execution only: the results agree with
+    the eager step to fp32 rounding, it is never used with MD off, checkpoints are
+    interchangeable."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.fused_step, bool):  # the former on/off switch
+            self.fused_step = "on" if self.fused_step else "off"
         self.validate()
 
     def validate(self) -> None:
@@ -124,6 +133,7 @@ class MDConfig:
         _check_choice("--md-output-norm", self.output_norm, ROW_NORMS)
         _check_choice("--md-router-norm", self.router_norm, ROW_NORMS)
         _check_choice("--muon-scale-mode", self.muon_scale, MUON_SCALES)
+        _check_choice("--md-fused-step", self.fused_step, FUSED_STEPS)
         if self.gains == "lowrank":
             if not isinstance(self.gain_rank, int) or self.gain_rank < 1:
                 raise ValueError(f"--md-gain-rank={self.gain_rank!r} must be an integer >= 1")
@@ -164,6 +174,13 @@ class MDConfig:
                     out[node.target.id] = " ".join(nxt.value.value.split())
         return out
 
+    def use_fused(self, device_type: str, elements: int) -> bool:
+        """Whether an optimizer instance on ``device_type`` whose MD matrices hold ``elements``
+        elements on this rank takes the compiled step (the rule of ``fused_step``)."""
+        if self.fused_step == "auto":
+            return device_type == "cpu" and elements >= FUSED_MIN_ELEMENTS
+        return self.fused_step == "on"
+
     def gain_lr_for(self, group: dict) -> float:
         """The gain LR of a parameter group at its current LR.
 
@@ -191,7 +208,10 @@ CHOICES = {
     "embedding_norm": ROW_NORMS,
     "output_norm": ROW_NORMS,
     "router_norm": ROW_NORMS,
+    "fused_step": FUSED_STEPS,
 }
+#: choice flags that may be given bare: ``--md-fused-step`` alone means on
+BARE = {"fused_step": "on"}
 #: MDConfig fields set from megatron's own flags, not from an --md-* flag of their own
 FROM_MEGATRON_FLAGS = {
     "gain_betas": "--adam-beta1/--adam-beta2",

@@ -87,16 +87,17 @@ def setup_whole(opt, roles: dict, names: dict, md: MDConfig, layer_wise: bool) -
         raise ValueError(f"MD supports --optimizer adam or muon, got {type(opt.optimizer)}")
     inner = MDInner(opt.optimizer.param_groups, md, muon)
     inner.timers = getattr(opt.config, "timers", None)
-    for mp in main_params(opt):
+    mains = [mp for mp in main_params(opt) if roles[mp.model] != "vector"]
+    elements = sum(mp.main.numel() for mp in mains)
+    fused = bool(mains) and md.use_fused(mains[0].main.device.type, elements)
+    for mp in mains:
         role = roles[mp.model]
-        if role == "vector":
-            continue
         shape = tuple(mp.model.shape)
         # Embeddings and LM head always use Adam (paper); matrices and router the chosen base;
         # a fused QKV matrix under Muon is split as megatron's Muon splits it (its tags)
         blocks = qkv_blocks(mp.model) if base == "muon" else ()
         spec = spec_for(role, md, residual_write(names[mp.model]), blocks)
-        sm = SliceMD(shape, 0, shape[0] * shape[1], spec, base, fused=md.fused_step)
+        sm = SliceMD(shape, 0, shape[0] * shape[1], spec, base, fused=fused)
         slot = MDSlot(sm, mp.is_model_weight, None, names[mp.model], mp.model)
         # LayerWise: one owner per matrix; replicated: every DP rank holds a copy.
         slot.replica = slot.dir_replica = 0 if layer_wise else _dp_rank(mp.model)

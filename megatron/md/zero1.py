@@ -89,14 +89,15 @@ def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
                 inner.layout.append(empty.n_partials())
                 inner.norm_layout.append(empty.n_norm)
                 inner.pre_layout.append(empty.n_pre_partials())
-    for mp in main_params(opt):
+    mains = [mp for mp in main_params(opt) if roles[mp.model] != "vector"]
+    elements = sum(mp.main.numel() for mp in mains)
+    fused = bool(mains) and md.use_fused(mains[0].main.device.type, elements)
+    for mp in mains:
         role = roles[mp.model]
-        if role == "vector":
-            continue
         shape = tuple(mp.model.shape)
         spec = spec_for(role, md, residual_write(names[mp.model]))
         end = mp.start + mp.main.numel()
-        sm = SliceMD(shape, mp.start, end, spec, "adam", fused=md.fused_step)
+        sm = SliceMD(shape, mp.start, end, spec, "adam", fused=fused)
         slot = MDSlot(sm, mp.is_model_weight, index[mp.model], names[mp.model], mp.model)
         # gains/radius are replicated over the ranks owning a slice of this matrix;
         # the first of them writes them to checkpoints (replica 0)

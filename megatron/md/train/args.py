@@ -8,7 +8,7 @@ import dataclasses
 import math
 import os
 
-from megatron.md.config import CHOICES, FROM_MEGATRON_FLAGS, MUON_SCALES, MDConfig
+from megatron.md.config import BARE, CHOICES, FROM_MEGATRON_FLAGS, MUON_SCALES, MDConfig
 from megatron.md.train import datacheck
 
 #: --muon-scale-mode values megatron-core's Muon knows; the rest are ours (see patches.py).
@@ -132,7 +132,10 @@ def add_md_config_flags(group) -> None:
         if kind == "bool":
             group.add_argument(flag, action="store_true", help=docs[f.name])
         elif f.name in CHOICES:
-            group.add_argument(flag, choices=CHOICES[f.name], default=f.default, help=docs[f.name])
+            bare = {"nargs": "?", "const": BARE[f.name]} if f.name in BARE else {}
+            group.add_argument(
+                flag, choices=CHOICES[f.name], default=f.default, help=docs[f.name], **bare
+            )
         else:
             typ = int if kind == "int" else float
             group.add_argument(flag, type=typ, default=f.default, help=docs[f.name])
