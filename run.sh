@@ -32,7 +32,9 @@ if [ ! -f "$stamp" ] || ! here_installed; then
   echo "[run.sh] installing megatron-md and its dependencies into $VENV (first time: several minutes)"
   # this machine's pip config may name local package folders that do not exist: pip warns
   # about each one on every call; nothing to act on
-  "$VENV/bin/pip" install -q -e ".[torch,dev]" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+  # (and setuptools' notice about editable installs: PYTHONWARNINGS reaches pip's build step)
+  PYTHONWARNINGS=ignore "$VENV/bin/pip" install -q -e ".[torch,dev]" 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; }
   touch "$stamp"
 fi
 PY="$VENV/bin/python"
