@@ -153,6 +153,12 @@ def test_loss_decreases_and_diagnostics_are_logged(runs, name):
     assert set(diag[-1]["rel_update"]) == classes
     assert all(v > 0 for v in diag[-1]["rel_update"].values())
     assert len(diag[-1]["act_rms"]) == 4
+    # the diagnostics carry the LRs of the step they measured: a train row's own "lr" is the
+    # next step's (megatron logs after the scheduler), so they equal the previous row's
+    by_it = {r["iteration"]: r for r in train}
+    for r in train[1:]:
+        if "md" in r:
+            assert r["md"]["lr"] == by_it[r["iteration"] - 1]["lr"], r["iteration"]
     if is_md(name):
         assert run["md_config"] is not None
         drift = diag[-1]["sphere_drift"]

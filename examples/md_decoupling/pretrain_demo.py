@@ -88,7 +88,9 @@ def read(metrics: Path) -> dict:
     speeds = [r["tokens_per_s"] for r in train if "tokens_per_s" in r]
     diag = []  # (iteration, mean relative update of the hidden matrices, matrix LR, drift)
     for r in train:
-        md, lr = r.get("md"), next((v for k, v in r["lr"].items() if "matrix" in k), None)
+        md = r.get("md") or {}
+        lrs = md.get("lr", r["lr"])  # the LRs of the step measured (the row's are the next one's)
+        lr = next((v for k, v in lrs.items() if "matrix" in k), None)
         if md and lr:
             rel = [md["rel_update"][c] for c in HIDDEN if c in md["rel_update"]]
             drift = max(md.get("sphere_drift", {}).values(), default=None)

@@ -189,8 +189,10 @@ def dynamics(run_dir: str) -> dict:
     log = read_log(Path(run_dir))
     pts = []
     for it, row in sorted(log.train.items()):
-        lrs = row.get("lr") or {}  # groups sharing a peak LR share a label, e.g. "matrix/output"
         md = row.get("md")
+        # groups sharing a peak LR share a label, e.g. "matrix/output"; the LRs of the step
+        # measured (the row's own "lr" is the next step's: megatron logs after the scheduler)
+        lrs = (md or {}).get("lr") or row.get("lr") or {}
         lr = next((v for k, v in lrs.items() if "matrix" in k.split("/")), None)
         if md and lr:
             rel = [md["rel_update"][c] for c in HIDDEN if c in md["rel_update"]]

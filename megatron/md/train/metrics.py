@@ -116,9 +116,10 @@ def attach(optimizer, model_chunks) -> None:
     def step(*a, **k):
         it = _S["args"].curr_iteration + 1
         before = diag.before_step() if _due(_S["args"], it) else None
+        lrs = _lrs(optimizer) if before is not None else None  # the LRs this step uses
         out = orig(*a, **k)
-        if before is not None:
-            _S["diag"] = (it, diag.after_step(before))
+        if before is not None:  # (a train row's "lr" is the next step's: megatron logs it
+            _S["diag"] = (it, {**diag.after_step(before), "lr": lrs})  # after the scheduler)
         return out
 
     optimizer.step = step
