@@ -260,6 +260,18 @@ def test_bad_datasets_are_named(capsys, tmp_path):
     assert "holds token id 5000 but the tokenizer has 1025 tokens" in msg(big)
 
 
+def test_token_scan_runs_once_per_node(capsys, tmp_path, monkeypatch):
+    """Only local rank 0 of a node scans the tokens (the other ranks check headers and sizes):
+    at local rank 1 the out-of-vocabulary id passes, a truncated pair still stops."""
+    base = [a for a in BASE if a != "--mock-data"]
+    big = build_dataset(tmp_path / "big", [[1, 2, 5000, 3]])
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    args, _ = parse(f"--data-path={big}", base=base)
+    assert args.data_path == [str(big)]
+    (tmp_path / "big.bin").write_bytes((tmp_path / "big.bin").read_bytes()[:4])
+    assert "big.bin is 4 bytes but its index says" in fails(capsys, f"--data-path={big}", base=base)
+
+
 def test_scaled_output_init_lowers_shape_up_and_qkv_split_follows_megatron():
     """MoE appendix: --scaled-output-init (σ/sqrt(2L) output projections) reaches the MD config
     as their init scale; MuonMD splits Q/K/V unless --muon-no-split-qkv (upstream's default)."""
