@@ -550,3 +550,16 @@ def test_plain_install_brings_tensorboard():
     assert "tensorboard" in kw["install_requires"]
     assert not any(r.startswith("torch") for r in kw["install_requires"])
     assert kw["extras_require"]["torch"] == ["torch>=2.15,<2.16"]
+
+
+def test_tensor_parallel_runs_on_cpu_without_md(tmp_path):
+    """CPU mode answers megatron's device-architecture query (training/arguments.py:1414), so a
+    TP=2 run starts and trains on gloo; MD with TP > 1 is still refused at start-up."""
+    flags = ["--train-iters=4", "--preset=tiny", "--optimizer=adam", "--lr=1e-3",
+             "--tensor-model-parallel-size=2", "--micro-batch-size=8"]  # fmt: skip
+    rows, _ = pretrain(tmp_path, "tp2", *flags)
+    losses = [r["lm loss"] for r in train_rows(rows).values()]
+    assert len(losses) == 4 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    cmd, env = command(tmp_path, "tp2md", *flags, "--md-decoupling")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert out.returncode != 0 and "--tensor-model-parallel-size 1" in out.stdout + out.stderr

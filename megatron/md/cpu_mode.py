@@ -106,6 +106,10 @@ def _set_cpu_rng_state(state, *a, **k):
     torch.default_generator.set_state(state)
 
 
+class _CpuDeviceProperties:
+    name, major, minor, total_memory, multi_processor_count = "cpu", 10, 0, 0, 1
+
+
 def _patch_cuda() -> None:
     c = torch.cuda
     c.current_device = lambda: 0
@@ -114,6 +118,11 @@ def _patch_cuda() -> None:
         setattr(c, name, lambda *a, **k: None)
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved"):
         setattr(c, name, lambda *a, **k: 0)
+    # megatron reads the device architecture while validating flags (training/arguments.py:1414,
+    # TP/CP > 1: CUDA_DEVICE_MAX_CONNECTIONS rules that end with Blackwell, major 10): a CPU has
+    # none of those constraints, so it reads as one without them
+    c.get_device_capability = lambda *a, **k: (10, 0)
+    c.get_device_properties = lambda *a, **k: _CpuDeviceProperties()
     c.Stream = c.Event = _Dummy
     c.current_stream = c.default_stream = lambda *a, **k: _Dummy()
     c.stream = c.device = lambda *a, **k: contextlib.nullcontext()
