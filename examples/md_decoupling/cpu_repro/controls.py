@@ -107,36 +107,51 @@ def score(runs: list[dict], lr: float) -> tuple[float, list]:
     return (statistics.mean(ok) if len(ok) == len(vals) else float("inf")), vals
 
 
+#: one colour per method in every panel; a control is dashed in its method's colour
+COLOURS = {"adamw": "tab:blue", "adammd": "tab:green", "muon": "tab:orange", "muonmd": "tab:red"}
+
+
+def _style(arm: str) -> dict:
+    base = arm.split("-")[0]
+    return {"color": COLOURS[base], "ls": "-" if arm == base else "--",
+            "marker": {"nowarmup": "s", "gainlr1e": "^", "nogains": "v"}.get(
+                arm.split("-")[1] if "-" in arm else "", "o")}  # fmt: skip
+
+
 def plot(table: dict, long: list[dict], path: Path) -> None:
-    """Left: final validation loss (mean of two seeds) vs matrix LR per arm; right: the long
-    runs' validation loss over iterations."""
+    """Left: final validation loss vs matrix LR per arm, the mean of two seeds with their range;
+    right: the long runs' validation loss over iterations."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from runlog import read_log
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
     for arm, t in table.items():
         xs = sorted(t["curve"], key=float)
-        style = "--" if arm not in LONG else "-"
-        a.plot([float(x) for x in xs], [t["curve"][x] for x in xs], style, marker="o", ms=3,
-               label=arm)  # fmt: skip
+        lo = [t["range"][x][0] for x in xs]
+        hi = [t["range"][x][1] for x in xs]
+        mean = [t["curve"][x] for x in xs]
+        err = [[m - low for m, low in zip(mean, lo)], [h - m for m, h in zip(mean, hi)]]
+        a.errorbar([float(x) for x in xs], mean, yerr=err, ms=4, capsize=2, label=arm,
+                   **_style(arm))  # fmt: skip
     a.set_xscale("log", base=2)
     a.set_xlabel("matrix LR")
-    a.set_ylabel("final valid loss (mean of 2 seeds)")
-    a.set_title("d = 128, 160 iterations: four methods and controls (dashed)")
+    a.set_ylabel("final validation loss (2 seeds: mean, range)")
+    a.set_title("d = 128, 160 iterations: methods (solid) and controls (dashed)")
     for r in long:
         try:
             log = read_log(Path(r["run_dir"]))
         except ValueError:
             continue
         its = sorted(log.valid)
-        b.plot(its, [log.valid[i]["lm loss"] for i in its], marker="o", ms=3,
-               label=f"{r['meta']['method']} (lr {r['meta']['matrix_lr']:.3g})")  # fmt: skip
+        m = r["meta"]["method"]
+        label = f"{m} (lr {r['meta']['matrix_lr']:.3g})"
+        b.plot(its, [log.valid[i]["lm loss"] for i in its], label=label, **_style(m))
     b.set_xlabel("iteration")
-    b.set_ylabel("valid loss")
-    b.set_title("at the optima, longer")
+    b.set_ylabel("validation loss")
+    b.set_title("at the optima, 1200 iterations (prose corpus)")
     for ax in (a, b):
         ax.grid(alpha=0.3)
         if ax.lines:
@@ -178,7 +193,9 @@ def main(argv=None) -> dict:
             spread = max(abs(a - b) for a, b in (p[1] for p in done.values()))
             table[arm] = {"grid": lrs, "best_lr": best, "mean_valid": done[best][0],
                           "valid_by_seed": done[best][1], "max_seed_difference": spread,
-                          "curve": {f"{lr:.4g}": p[0] for lr, p in done.items()}}  # fmt: skip
+                          "curve": {f"{lr:.4g}": p[0] for lr, p in done.items()},
+                          "range": {f"{lr:.4g}": [min(p[1]), max(p[1])]
+                                    for lr, p in done.items()}}  # fmt: skip
     long = {}
     if "long" in args.parts:
         todo = [spec(args, "long", m, table[m]["best_lr"], SEEDS[0], args.long_iters)
