@@ -51,8 +51,25 @@ def _value(argv: list[str], flag: str) -> str | None:
     return found
 
 
+def muown(argv: list[str]) -> list[str]:
+    """``--optimizer muown`` (the Muown baseline: MDConfig.variant) is MuonMD's machinery with
+    Muown's per-row treatment: ``--optimizer=muon --md-decoupling --md-variant=muown`` in its
+    place (a later ``--md-variant muown-angular`` wins)."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--optimizer=muown" or (a == "--optimizer" and argv[i + 1 : i + 2] == ["muown"]):
+            out += ["--optimizer=muon", "--md-decoupling", "--md-variant=muown"]
+            i += 1 if "=" in a else 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
 def expand_argv(argv: list[str], on_cpu: bool) -> list[str]:
     """Preset, CPU and MD-recipe flags placed before the user's own (later flags win)."""
+    argv = muown(argv)
     front: list[str] = []
     preset = _value(argv, "--preset")
     if preset is not None:

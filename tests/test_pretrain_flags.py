@@ -365,3 +365,13 @@ def test_fused_step_flag_forms():
     ):
         _, md = parse("--md-decoupling", *extra)
         assert md.fused_step == expect
+
+
+def test_optimizer_muown(capsys):
+    """--optimizer muown is Muon with MD's machinery in Muown's per-row form; the angular variant
+    by --md-variant; a Muown variant with Adam is refused."""
+    args, md = parse("--optimizer=muown")
+    assert args.optimizer == "muon" and args.md_decoupling and md.variant == "muown"
+    _, md = parse("--optimizer", "muown", "--md-variant=muown-angular")
+    assert md.variant == "muown-angular"
+    assert "is a Muon variant" in fails(capsys, "--md-decoupling", "--md-variant=muown")

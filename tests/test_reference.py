@@ -258,3 +258,34 @@ def test_shape_up_follows_a_scaled_init():
                           init_scale=0.25)  # fmt: skip
         got = reference.muon_scales(st, spec)
         assert got == [muon_scale_factor("shape_up", 8, 32) * expect]
+
+
+@pytest.mark.parametrize("variant", ["muown", "muown-angular"])
+def test_muown_baseline(variant):
+    """Muown (the MoE figure's baseline, from its description): W = diag(m) D with D at unit
+    rows and m the row norms at creation (W unchanged); the direction's Muon step is projected
+    onto each row's tangent space, so the rows grow (muown: ‖d − ηu‖² = 1 + η²‖u‖²) or go back
+    to unit norm (angular); W = diag(m) D throughout."""
+    spec = spec_for("matrix", MDConfig(variant=variant, muon_scale="shape_scaling"))
+    assert (spec.sphere, spec.gains, spec.gain_map) == ("row", "row", "direct")
+    assert spec.tangent_update and spec.project == (variant == "muown-angular")
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(12, 20, generator=gen) / 20**0.5
+    w0 = w.clone()
+    st = reference.init_state(w, spec, "muon")
+    torch.testing.assert_close(reference.fused_weight(st, spec), w0, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(st["gain_row"], w0.norm(dim=1))
+    torch.testing.assert_close(st["direction"].norm(dim=1), torch.ones(12))
+    for _ in range(3):
+        reference.md_step(w, torch.randn(12, 20, generator=gen), st, spec, MuonHParams(5e-2),
+                          AdamHParams(1e-2))  # fmt: skip
+    rows = st["direction"].norm(dim=1)
+    if variant == "muown":
+        assert float(rows.min()) > 1 + 1e-4  # the norm grows: an implicit LR decay
+    else:
+        torch.testing.assert_close(rows, torch.ones(12), rtol=1e-6, atol=0)
+    torch.testing.assert_close(w, reference.fused_weight(st, spec), rtol=0, atol=0)
+    assert (
+        MDConfig(variant=variant).variant == variant
+        and spec_for("embedding", MDConfig(variant=variant)).sphere == "none"
+    )

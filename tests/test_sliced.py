@@ -291,3 +291,13 @@ def test_qkv_split_refuses_a_slice():
     spec = MatrixSpec("frobenius", "init", "rowcol", "softplus", row_blocks=(4, 2, 2))
     with pytest.raises(ValueError, match="whole matrix"):
         sliced.SliceMD((16, 11), 0, 100, spec, "adam")
+
+
+@pytest.mark.parametrize("variant", ["muown", "muown-angular"])
+def test_muown_whole_matrix_matches_reference(variant):
+    from megatron.md.config import MDConfig, spec_for
+
+    spec = spec_for("matrix", MDConfig(variant=variant, muon_scale="shape_scaling"))
+    w, w_ref, parts, st_ref = _run(spec, [], base="muon", dtype=torch.float32)
+    torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(parts[0][2]["gain_row"], st_ref["gain_row"], rtol=1e-6, atol=1e-7)

@@ -146,10 +146,11 @@ def moe_ladder() -> list[Run]:
 
 def moe_base_sweep(lrs: list[float]) -> list[Run]:
     """Fig. moe (left) and moe-wsd: the 270M-active base, 15B tokens, matrix-LR grid, with the
-    paper's linear decay and a WSD arm."""
+    paper's linear decay and a WSD arm; Muown too (the figure shows it with WSD, its better
+    schedule)."""
     return [
         _moe_run(MOE_RUNGS[0], m, lr, 15e9, extra=extra, tag=f"lr{fmt(lr)}-{arm}", variant=arm)
-        for m in MOE_METHODS
+        for m in (*MOE_METHODS, "muown")
         for arm, extra in (("linear", []), ("wsd", MOE_WSD))
         for lr in lrs
     ]

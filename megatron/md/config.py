@@ -16,6 +16,7 @@ GAIN_MAPS = ("softplus", "exp", "direct", "direct-floor")
 ROW_NORMS = ("row", "none")
 MUON_SCALES = ("unit_rms_norm", "shape_scaling", "rms_match", "shape_up", "sphere_rms", "none")
 FUSED_STEPS = ("auto", "on", "off")
+VARIANTS = ("md", "muown", "muown-angular")
 #: ``fused_step='auto'`` compiles a CPU optimizer instance's MD step from this many elements of
 #: MD matrices on the rank up: the paper's 181M model has ~4.7e7 in its hidden matrices, the
 #: test suite's models under 1e6 (compiling costs tens of seconds, more than their whole run)
@@ -109,6 +110,13 @@ class MDConfig:
     slices: the optimizer is built as megatron's layer-wise Muon (megatron-core shards
     layer-wise only for emerging optimizers) and the matrices' base step is Adam."""
 
+    variant: str = "md"
+    """md: the paper's MD step. muown: the Muown baseline (``--optimizer muown``; its published
+    description, no code): every Muon matrix as a per-row magnitude (the row norms, Adam, direct
+    map) times a unit-row direction, the direction's Muon step tangent-projected per row and not
+    projected back (the rows grow); muown-angular: projected back onto the unit rows. The
+    embeddings and LM head stay free (plain Adam)."""
+
     fused_step: str = "auto"
     """AdamMD's per-block work as compiled kernels (``torch.compile``, megatron/md/fused.py): on,
     off, or auto: on for a CPU optimizer whose MD matrices hold at least 2^24 elements on the
@@ -134,6 +142,7 @@ class MDConfig:
         _check_choice("--md-router-norm", self.router_norm, ROW_NORMS)
         _check_choice("--muon-scale-mode", self.muon_scale, MUON_SCALES)
         _check_choice("--md-fused-step", self.fused_step, FUSED_STEPS)
+        _check_choice("--md-variant", self.variant, VARIANTS)
         if self.gains == "lowrank":
             if not isinstance(self.gain_rank, int) or self.gain_rank < 1:
                 raise ValueError(f"--md-gain-rank={self.gain_rank!r} must be an integer >= 1")
@@ -209,6 +218,7 @@ CHOICES = {
     "output_norm": ROW_NORMS,
     "router_norm": ROW_NORMS,
     "fused_step": FUSED_STEPS,
+    "variant": VARIANTS,
 }
 #: choice flags that may be given bare: ``--md-fused-step`` alone means on
 BARE = {"fused_step": "on"}
@@ -258,6 +268,16 @@ class MatrixSpec:
     row_blocks: tuple[int, ...] = ()
     """Rows of one query group of a fused QKV matrix, per block (q, k, v), when Muon splits it
     (``MDConfig.split_qkv``): each block has its own sphere and Muon call. Empty: one block."""
+    gain_init: str = "one"
+    """one: gains start at 1 (the direction is the weight); norm (Muown): the row gains start at
+    the weight's row norms and the direction at its unit rows (needs row gains, a unit row
+    sphere and the direct map), so W is unchanged either way."""
+    project: bool = True
+    """Put Ŵ back on its sphere after the base step (Algorithm 2, line 8); False (Muown): the
+    sphere only defines the tangent projection and the rows grow."""
+    tangent_update: bool = False
+    """Project the Muon update (not the gradient) onto the sphere's tangent space (Muown's
+    "tangent-projected Muon step")."""
 
 
 def spec_for(
@@ -266,6 +286,14 @@ def spec_for(
     """Resolve the per-role treatment of the paper (recipe table "Special parameters").
     ``residual``: a residual-write projection (``residual_write``); ``row_blocks``: the QKV
     split of a Muon-stepped fused QKV matrix (``qkv_blocks``)."""
+    if cfg.variant != "md":  # Muown: every Muon matrix (router too); embeddings, LM head free
+        if role in ("embedding", "output"):
+            return MatrixSpec("none", "unit", "none", "direct", muon_scale="none")
+        scale = "shape_scaling" if cfg.muon_scale == "sphere_rms" else cfg.muon_scale
+        return MatrixSpec("row", "unit", "row", "direct", muon_scale=scale,
+                          row_blocks=tuple(row_blocks) if cfg.split_qkv else (),
+                          gain_init="norm", project=cfg.variant == "muown-angular",
+                          tangent_update=True)  # fmt: skip
     if role == "matrix":
         return MatrixSpec(
             cfg.sphere,

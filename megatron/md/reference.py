@@ -157,10 +157,13 @@ def init_state(w: torch.Tensor, spec: MatrixSpec, base: str, seed: int = 0) -> d
         direction = direction.float()  # the fp32 master direction
     radius = init_radius(direction, spec)
     ids = row_block_ids(d_out, spec.row_blocks)
+    row_norms = norms(direction, "row")  # Muown's magnitudes (gain_init="norm")
     if radius is not None and spec.radius != "init":
         direction.mul_(_bcast(radius / norms(direction, spec.sphere, ids), spec.sphere, ids))
     st: dict = {"step": 0, "direction": direction, "radius": radius}
     st.update(init_gain_state(spec, (d_out, d_in), seed, like=direction))
+    if spec.gain_init == "norm":  # W = diag(‖w_i‖) · (unit rows): unchanged
+        st["gain_row"] = row_norms.clone()
     if base == "adam":
         st["exp_avg"] = torch.zeros_like(direction)
         st["exp_avg_sq"] = torch.zeros_like(direction)
@@ -273,10 +276,14 @@ def md_step(
         upd = muon_update(
             g_dir, st["momentum_buffer"], base_hp, muon_scales(st, spec), spec.row_blocks
         )
+        if spec.tangent_update:  # Muown: the step itself on the tangent space
+            ids = row_block_ids(wh.shape[0], spec.row_blocks)
+            inner = axis_sum(upd * wh, spec.sphere, ids) / sq_norms(wh, spec.sphere, ids)
+            upd = upd - _bcast(inner, spec.sphere, ids) * wh
         wh.add_(upd, alpha=-base_hp.lr)
 
-    # 8. back onto the sphere of radius c (each block's own)
-    if spec.sphere != "none":
+    # 8. back onto the sphere of radius c (each block's own); Muown leaves the rows to grow
+    if spec.sphere != "none" and spec.project:
         ids = row_block_ids(wh.shape[0], spec.row_blocks)
         wh.mul_(_bcast(st["radius"] / norms(wh, spec.sphere, ids), spec.sphere, ids))
 

@@ -159,6 +159,8 @@ class SliceMD:
         elif spec.sphere == "col" and self.ids is not None:
             r = r.view(len(spec.row_blocks), d_in)  # as reference.init_radius shapes it
         st["radius"] = r
+        if spec.gain_init == "norm":  # Muown: magnitudes = the row norms, directions unit rows
+            st["gain_row"].copy_(cur.view(-1))
         if spec.radius != "init":
             scale = st["radius"] / cur.view(st["radius"].shape)
             for blk in self.blocks:
@@ -341,6 +343,11 @@ class SliceMD:
             scales = reference.muon_scales(whole, self.spec)  # no host sync (0-d tensors)
             mom = st["momentum_buffer"].view(self.shape)
             upd = muon_update(g_dir.view(self.shape), mom, base_hp, scales, self.spec.row_blocks)
+            if self.spec.tangent_update:  # Muown: the step on the tangent space (whole matrix)
+                ids = self.ids
+                inner = reference.axis_sum(upd * w2, self.spec.sphere, ids)
+                inner = inner / reference.sq_norms(w2, self.spec.sphere, ids)
+                upd = upd - reference._bcast(inner, self.spec.sphere, ids) * w2
             w2.add_(upd, alpha=-base_hp.lr)
         if self.n_norm:
             self.norm_partials(direction, norm_out)
@@ -351,7 +358,7 @@ class SliceMD:
         """Back onto the sphere with the reduced norms; Adam step of the raw gains (queued on
         ``batch`` when given: one multi-tensor Adam for the gains of all matrices)."""
         gain_tot, norm_tot = out[: self.n_gain], out[self.n_gain :]
-        if self.n_norm:
+        if self.n_norm and self.spec.project:  # (Muown leaves the rows to grow)
             scale = st["radius"] / norm_tot.sqrt().view(st["radius"].shape)
             if self.fused:  # done by the fuse, in the same pass that writes W
                 self._pending = scale

@@ -180,6 +180,8 @@ def validate(args) -> MDConfig | None:
             _fail(str(e))
         if args.optimizer not in ("adam", "muon"):
             _fail(f"--md-decoupling works with --optimizer adam or muon, not {args.optimizer!r}")
+        if args.md_variant != "md" and args.optimizer != "muon":
+            _fail(f"--md-variant {args.md_variant} is a Muon variant (use --optimizer muown)")
         if args.weight_decay != 0:
             _fail(
                 f"--md-decoupling keeps matrices on a sphere: --weight-decay must be 0 "

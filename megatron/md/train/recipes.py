@@ -65,6 +65,8 @@ def moe_recipe(method: str, matrix_lr: float, lr_scale: float = 1.0, wd: float =
     flags = common + _method_flags(method, moe=True, wd=wd)
     if method == "muonmd":
         flags += ["--scaled-output-init", f"--md-gain-lr={side}"]
+    if method == "muown":  # its magnitudes are Adam gains: the side LR, as MuonMD's gains
+        flags += [f"--md-gain-lr={side}"]
     return flags
 
 
@@ -84,6 +86,10 @@ def _method_flags(method: str, moe: bool, wd: float = 0.1) -> list[str]:
         ]
     if method == "adammd":
         return ["--optimizer=adam", "--md-decoupling"]
+    if method == "muown":  # the MoE figure's baseline; warmup as the Muon baseline's (assumed)
+        warm = ["--lr-warmup-iters=1000"] if moe else []
+        return ["--optimizer=muown", "--muon-momentum=0.95", "--muon-nesterov",
+                "--muon-scale-mode=shape_scaling", *warm]  # fmt: skip
     if method == "muonmd":
         return ["--optimizer=muon", "--md-decoupling", "--muon-scale-mode=shape_up"]
     raise ValueError(f"method {method!r} is not one of {', '.join(METHODS)}")
