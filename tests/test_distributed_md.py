@@ -153,3 +153,51 @@ def test_adam_md_zero1_fused_kernels(nproc):
     assert res["cut_inside_row"] or nproc == 2
     assert res["collectives_per_step"] == (1.0 if nproc > 1 else 0.0)
     assert res["payload"] == res["expected_payload"]
+
+
+# Tensor parallelism (megatron/md/tensor_parallel.py): AdamMD on TP2 and TP2 × DP2 against the
+# reference on the full matrices (tests/distributed/md_tp_check.py). Not on CPU: TP4 with this
+# model (megatron's backward all-gather allocates on torch.cuda.current_device() inside
+# autograd, tensor_parallel/mappings.py:185, out of the CPU mode's reach), sequence parallelism
+# (core/transformer/torch_norm.py:50 refuses it with torch norms) and so MoE under TP; the
+# arithmetic of TP4, of SwiGLU's strided fc1 and of the TP-replicated router is
+# tests/test_tensor_parallel.py's.
+TP_JOBS = {
+    "zero1": ("--dist", "zero1"),
+    "zero1-bf16": ("--dist", "zero1", "--dtype", "bf16"),
+    "layerwise": ("--dist", "layerwise"),
+    "replicated": ("--dist", "replicated"),
+}
+TP_SPHERES = [(2, "--dist", "zero1", "--sphere", s) for s in ("row", "col")]
+md_tp_check = Batches(
+    "md_tp_check.py",
+    [(n, "--tp", "2", *a) for n in (2, 4) for a in TP_JOBS.values()]
+    + [(n, "--tp", "2", *a) for n, *a in TP_SPHERES],
+)
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("job", TP_JOBS)
+def test_adam_md_tensor_parallel(nproc, job):
+    res = md_tp_check(nproc, "--tp", "2", *TP_JOBS[job])
+    assert (res["tp"], res["dp"]) == (2, nproc // 2)
+    check(res, nproc, "bf16" if "bf16" in job else "fp32")
+    if "bf16" in job:
+        assert res["worst_rel"] < 1e-2  # bf16 weights against the fp32 reference
+    assert res["dp_replicas_differ_by"] == 0.0 and res["dp_grads_differ_by"] == 0.0
+    # megatron splits every hidden matrix here: SwiGLU fc1 (stride 2), row-parallel proj/fc2
+    assert res["tp_split_matrices"] >= 5 and res["stride2_matrices"] >= 1
+    assert res["row_parallel_matrices"] >= 2 and res["replicas_dropped"] == 0
+    # the TP reduction folded into MD's one all-reduce (TP × DP for ZeRO-1, TP otherwise);
+    # layer-wise: one per leaf optimizer (its own matrices; the embedding/head, ZeRO-1 sharded)
+    assert res["missing_collectives"] == []
+    n = 2 if job == "layerwise" else 1
+    assert res["collectives_per_step"] == n and len(res["extra_collectives"]) == n
+    assert res["payload"] == res["expected_payload"]
+    assert sum(k[1] for k in res["extra_collectives"]) == res["payload"]
+
+
+@pytest.mark.parametrize("sphere", ["row", "col"])
+def test_adam_md_tensor_parallel_row_col_spheres(sphere):
+    res = md_tp_check(2, "--tp", "2", "--dist", "zero1", "--sphere", sphere)
+    check(res, 2)

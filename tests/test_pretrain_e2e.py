@@ -552,37 +552,60 @@ def test_plain_install_brings_tensorboard():
     assert kw["extras_require"]["torch"] == ["torch>=2.15,<2.16"]
 
 
+TP_FLAGS = [
+    "--preset=tiny", "--optimizer=adam", "--lr=1e-2", "--lr-decay-style=constant",
+    "--micro-batch-size=8", "--make-vocab-size-divisible-by=64", "--md-log-interval=2",
+]  # fmt: skip
+
+
+def tp_run(tmp: Path, name: str, nproc: int, *extra: str) -> list[dict]:
+    """A run on ``nproc`` ranks; its train rows. Megatron's distributed optimizer
+    cannot reshard TP (dp_reshardable), so these use the replicated one unless asked."""
+    cmd, env = command(tmp, name, *TP_FLAGS, *extra, nproc=nproc)
+    if "--use-distributed-optimizer" not in extra:
+        cmd = [c for c in cmd if c != "--use-distributed-optimizer"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return [r for r in map(json.loads, (tmp / f"{name}.jsonl").open()) if r["type"] == "train"]
+
+
 def test_tensor_parallel_follows_the_single_rank_run_on_cpu(tmp_path):
     """CPU mode answers megatron's device-architecture query (training/arguments.py:1414), so
-    TP = 2 runs on gloo: from the same checkpoint (1 rank, iteration 1; same padded vocabulary)
-    TP = 2 repeats the single-rank run's iterations 2-3 (seen within 1e-6: the matmuls split).
-    A fresh TP = 2 run initializes other weights than TP = 1 (megatron's init). Megatron's
-    distributed optimizer cannot reshard TP (dp_reshardable): replicated Adam here. MD with
-    TP > 1 is still refused at start-up."""
-    flags = ["--preset=tiny", "--optimizer=adam", "--lr=1e-3", "--lr-decay-style=constant",
-             "--micro-batch-size=8", "--make-vocab-size-divisible-by=64"]  # fmt: skip
+    TP = 2 runs on gloo. From the same checkpoint (1 rank, iteration 1, same padded vocabulary;
+    a fresh TP = 2 run initializes other weights) AdamMD at TP = 2, its state built from the
+    loaded weights (ZeRO-1, the TP reduction folded into MD's one all-reduce), repeats the
+    single-rank run: losses and MD diagnostics (seen equal to 1e-6)."""
     ck = tmp_path / "ck"
+    save = tp_run(tmp_path, "tp1-save", 1, "--train-iters=1", f"--save={ck}", "--save-interval=1")
+    assert len(save) == 1
+    md = ["--train-iters=3", f"--load={ck}", "--override-opt_param-scheduler", "--md-decoupling",
+          "--use-distributed-optimizer", "--no-load-optim"]  # fmt: skip
+    one = tp_run(tmp_path, "md1", 1, *md)
+    two = tp_run(tmp_path, "md2", 2, *md, "--tensor-model-parallel-size=2")
+    assert [r["iteration"] for r in two] == [2, 3]
+    assert [r["lm loss"] for r in two] == pytest.approx([r["lm loss"] for r in one], rel=1e-5)
+    one, two = one[0]["md"], two[0]["md"]  # iteration 2's diagnostics (--md-log-interval=2)
+    for key in ("rel_update", "out_change", "raw_gain_norm"):
+        assert set(one[key]) == set(two[key]) and one[key]
+        for cls, v in one[key].items():
+            assert two[key][cls] == pytest.approx(v, rel=1e-4), (key, cls)
+    assert max(two["sphere_drift"].values()) < 1e-6
 
-    def run(name, nproc, *extra):
-        cmd, env = command(tmp_path, name, *flags, *extra, nproc=nproc)
-        cmd = [c for c in cmd if c != "--use-distributed-optimizer"]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env,
-                             cwd=tmp_path)  # fmt: skip
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        return [json.loads(ln)["lm loss"] for ln in (tmp_path / f"{name}.jsonl").open()
-                if '"train"' in ln]  # fmt: skip
 
-    assert len(run("tp1-save", 1, "--train-iters=1", f"--save={ck}",
-                             "--save-interval=1")) == 1  # fmt: skip
-    resume = ["--train-iters=3", f"--load={ck}", "--override-opt_param-scheduler"]
-    tp1 = run("tp1", 1, *resume)
-    tp2 = run("tp2", 2, *resume, "--tensor-model-parallel-size=2")
-    assert len(tp1) == len(tp2) == 2
-    assert tp2 == pytest.approx(tp1, rel=1e-5)
-    cmd, env = command(tmp_path, "tp2md", *flags, "--train-iters=3",
-                       "--tensor-model-parallel-size=2", "--md-decoupling")  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
-    assert out.returncode != 0 and "--tensor-model-parallel-size 1" in out.stdout + out.stderr
+def test_tensor_parallel_md_resumes_exactly_and_reshards(tmp_path):
+    """AdamMD bf16 at TP = 2 saved at iteration 2: resumed at TP = 2 it repeats iterations 3-4
+    exactly; at TP = 1 (gains are the full matrix's, Ŵ is megatron's main param) it follows
+    within bf16's TP1-vs-TP2 arithmetic (seen 6e-6 and 8e-5 relative)."""
+    ck = tmp_path / "ck"
+    flags = ["--md-decoupling", "--bf16", "--train-iters=4"]
+    full = tp_run(tmp_path, "full", 2, *flags, "--tensor-model-parallel-size=2", f"--save={ck}",
+                  "--save-interval=2")  # fmt: skip
+    again = [f"--load={ck}", "--ckpt-step=2"]
+    tp2 = tp_run(tmp_path, "res2", 2, *flags, *again, "--tensor-model-parallel-size=2")
+    tp1 = tp_run(tmp_path, "res1", 1, *flags, *again)
+    assert [r["iteration"] for r in tp2] == [r["iteration"] for r in tp1] == [3, 4]
+    assert [r["lm loss"] for r in tp2] == [r["lm loss"] for r in full[2:]]
+    assert [r["lm loss"] for r in tp1] == pytest.approx([r["lm loss"] for r in full[2:]], rel=1e-3)
 
 
 def test_muown_trains_in_megatrons_layer_wise_optimizer(tmp_path):

@@ -60,7 +60,8 @@ RUNS = (
 
 def build_model(seed: int, hidden: int, layers: int, seq: int, experts: int = 0):
     """Paper-style GPT on the local spec; ``experts > 0``: DeepSeekMoE-style layers after the
-    first (top-2 sigmoid router with expert bias, one shared expert at half width)."""
+    first (top-2 sigmoid router with expert bias, one shared expert at half width). Under
+    megatron's tensor parallelism (initialized by the caller) experts are not TP-split."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -96,6 +97,7 @@ def build_model(seed: int, hidden: int, layers: int, seq: int, experts: int = 0)
             moe_router_dtype="fp32",
             moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=False,
+            expert_tensor_parallel_size=1,
         )
     cfg = TransformerConfig(
         num_layers=layers,
@@ -114,6 +116,7 @@ def build_model(seed: int, hidden: int, layers: int, seq: int, experts: int = 0)
         attention_dropout=0.0,
         init_method_std=1 / math.sqrt(hidden),
         use_cpu_initialization=True,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         **moe,
     )
     if experts:

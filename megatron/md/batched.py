@@ -114,12 +114,20 @@ def _zeros(n, items):
     return torch.zeros(n, dtype=d.dtype, device=d.device)
 
 
+def _drop_replicas(items, segs, buf) -> None:
+    """Zero the partials of replicas that another rank of the reduction group adds."""
+    for it, s in zip(items, segs):
+        if not it.md.counts:
+            buf[s].zero_()
+
+
 def md_init_batched(items: list[SliceItem], reduce_fn: ReduceFn, layout=None) -> None:
     """Set radii for many matrices with one reduction of their squared norms."""
     segs, total = _layout(items, lambda it: it.md.n_norm, layout)
     buf = _zeros(total, items)
     for it, s in zip(items, segs):
         it.md.norm_partials(it.direction, buf[s])
+    _drop_replicas(items, segs, buf)
     if total:  # the same on every rank (global layout), so skipping is collective-safe
         reduce_fn(buf)
     for it, s in zip(items, segs):
@@ -141,6 +149,7 @@ def md_step_batched(
         pre = _zeros(pre_total, items)
         for it, s in zip(items, pre_segs):
             it.md.pre_partials(it.direction, it.grad, it.state, pre[s])
+        _drop_replicas(items, pre_segs, pre)
         reduce_fn(pre)
     segs, total = _layout(items, lambda it: it.md.n_partials(), layout)
     buf = _zeros(total, items)
@@ -149,6 +158,7 @@ def md_step_batched(
         pre_it = None if pre is None else pre[ps]
         it.md.step_direction(it.direction, it.grad, it.state, it.base_hp, buf[s], pre_it, dirs)
     dirs.run()
+    _drop_replicas(items, segs, buf)
     if total:
         reduce_fn(buf)
     gains = GainBatch()

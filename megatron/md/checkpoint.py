@@ -6,7 +6,8 @@ are added by ``wrapper_class`` under ``optimizer[...]["md"]`` as ShardedTensors 
 model parameter's global checkpoint key:
 
 - raw gains, their Adam moments and the radius: full tensors, replicated over data-parallel
-  ranks (replica id = the rank's data-parallel rank, so one copy is written);
+  ranks (replica id = the rank's data-parallel rank, so one copy is written) and, under tensor
+  parallelism, over TP ranks (they are the full matrix's: any TP size loads them);
 - the fp32 direction (fp32 params only): a 1-D ShardedTensor over the flattened matrix at the
   rank's offset — a ZeRO-1 slice or the whole matrix — so any DP size can load it.
 
@@ -65,7 +66,7 @@ def prepare_md_load(optimizer, ckpt_dir: str) -> bool:
     return present
 
 
-def _replicated(key: str, t: torch.Tensor, replica: int):
+def _replicated(key: str, t: torch.Tensor, replica):
     from megatron.core.dist_checkpointing import ShardedTensor
 
     return ShardedTensor.from_rank_offsets(key, t.reshape(-1), replica_id=replica)
@@ -142,6 +143,11 @@ def md_entry(self, model_sharded_state_dict) -> dict:
                 continue
             full = f"{MD_KEY_PREFIX}{key}.{name}"
             if name == "direction":
+                if slot.md.tp is not None:  # refused at start-up (train/args.py)
+                    raise ValueError(
+                        f"{slot.name}: fp32 MD state under tensor parallelism cannot be saved "
+                        "yet; use --bf16"
+                    )
                 numel = slot.md.shape[0] * slot.md.shape[1]
                 fields[name] = _flat_slice(full, t, slot.md.start, numel, slot.dir_replica)
             else:

@@ -54,6 +54,11 @@ SEAMS: tuple[tuple[str, str, str, str], ...] = (
      "core/optimizer/emerging_optimizers.py:160", "MuonMD replaces its step"),
     ("megatron.core.optimizer", "_get_qkv_split_shapes", "core/optimizer/__init__.py:777-791",
      "megatron tags fused QKV weights (is_qkv) for Muon's Q/K/V split; MD follows the tags"),
+    ("megatron.core.tensor_parallel.layers", "_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS",
+     "core/tensor_parallel/layers.py:63-70", "tensor_model_parallel, partition_dim, "
+     "partition_stride: where a TP rank's piece lies (tensor_parallel.py)"),
+    ("megatron.core.parallel_state", "get_tensor_and_data_parallel_group",
+     "core/parallel_state.py:1903", "ZeRO-1 under TP: MD's one all-reduce over TP × DP"),
     ("megatron.core.dist_checkpointing.optimizer", "get_param_id_to_sharded_param_map",
      "core/dist_checkpointing/optimizer.py", "MD state keyed by the model's checkpoint keys"),
 )  # fmt: skip

@@ -46,7 +46,6 @@ def check_config(config, ddp_config=None) -> None:
 
 def enable_md(optimizer, model_chunks, md: MDConfig):
     """Give every leaf optimizer of ``optimizer`` the MD step; returns ``optimizer``."""
-    from megatron.core import parallel_state as ps
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
     from megatron.core.optimizer.optimizer import (
@@ -57,8 +56,6 @@ def enable_md(optimizer, model_chunks, md: MDConfig):
 
     md.validate()
     compat.check()
-    if ps.get_tensor_model_parallel_world_size() > 1:
-        raise ValueError("MD with tensor parallelism > 1 is not supported yet: use TP=1")
     names, roles = {}, {}
     for i, chunk in enumerate(model_chunks):
         for n, p in chunk.named_parameters():

@@ -44,8 +44,9 @@ class MDSlot:
     """Parameter name, for messages."""
     model_param: torch.Tensor | None = None
     """The model's parameter (its checkpoint key names the MD state)."""
-    replica: int = 0
-    """Checkpoint replica id of this rank's replicated MD state (gains, radius)."""
+    replica: int | tuple[int, int] = 0
+    """Checkpoint replica id of this rank's replicated MD state (gains, radius); (TP rank,
+    DP replica) under tensor parallelism."""
     dir_replica: int = 0
     """Checkpoint replica id of this rank's direction (0 when no other rank holds it)."""
 

@@ -19,7 +19,7 @@ import torch
 from megatron.md import fused as fused_k
 from megatron.md import maps, reference
 from megatron.md.base_steps import AdamHParams, adam_step_, muon_update
-from megatron.md.blocks import Block, slice_blocks
+from megatron.md.blocks import Block, TPShard, place_blocks, slice_blocks
 from megatron.md.config import MatrixSpec, check_radius
 from megatron.md.reference import GAIN_NAMES, init_gain_state
 
@@ -28,15 +28,35 @@ class SliceMD:
     """MD bookkeeping for one matrix (or one rank's slice of it)."""
 
     def __init__(
-        self, shape, start: int, end: int, spec: MatrixSpec, base: str, fused: bool = False
+        self,
+        shape,
+        start: int,
+        end: int,
+        spec: MatrixSpec,
+        base: str,
+        fused: bool = False,
+        tp: TPShard | None = None,
+        counts: bool = True,
     ):
+        """``shape``: the local matrix; ``[start, end)``: the flat range of it this rank steps;
+        ``tp``: where the local matrix lies in the full one (gains, radius and norms are the
+        full matrix's); ``counts=False``: a replica whose partials another rank of the
+        reduction group already adds (a TP-replicated matrix on TP ranks > 0)."""
         if len(shape) != 2:
             raise ValueError(f"MD needs a 2-D weight matrix; got shape {tuple(shape)}")
-        self.shape = (int(shape[0]), int(shape[1]))
+        self.local_shape = (int(shape[0]), int(shape[1]))
+        self.shape = self.local_shape if tp is None else tp.full_shape(self.local_shape)
         self.start, self.end = start, end
-        self.spec, self.base = spec, base
-        self.blocks = slice_blocks(self.shape, start, end)
-        self.whole = start == 0 and end == self.shape[0] * self.shape[1]
+        self.spec, self.base, self.tp, self.counts = spec, base, tp, counts
+        local = slice_blocks(self.local_shape, start, end)
+        self.blocks = place_blocks(local, self.local_shape, tp)
+        self.whole = tp is None and start == 0 and end == self.shape[0] * self.shape[1]
+        if tp is not None and (base == "muon" or spec.row_blocks):
+            raise ValueError("MuonMD under tensor parallelism is not supported: use TP=1")
+        if tp is not None and (
+            tp.axis == 1 and tp.stride != 1 or self.local_shape[tp.axis] % tp.stride
+        ):
+            raise ValueError(f"unsupported tensor-parallel layout {tp} of a {shape} matrix")
         if base == "muon" and not self.whole:
             raise ValueError("Muon needs whole matrices; use the layer-wise distributed optimizer")
         if spec.row_blocks and not self.whole:

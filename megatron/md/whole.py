@@ -1,6 +1,7 @@
 """MD on whole matrices: megatron-core's replicated optimizers (``FP32Optimizer``,
 ``Float16OptimizerWithFloat16Params``) and the children of ``LayerWiseDistributedOptimizer``
-(each rank owns whole matrices, so the MD step needs no collective at all).
+(each rank owns whole matrices, so the MD step needs no collective at all; under tensor
+parallelism one all-reduce over the TP group: ``tensor_parallel.py``).
 
 bf16 params: the fp32 main param is the direction Ŵ and the fused W = Γ ⊙ Ŵ is written into the
 bf16 model param. fp32 params: the model param is W; the direction is an extra fp32 copy.
@@ -11,7 +12,9 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 
+from megatron.md import tensor_parallel
 from megatron.md.base_steps import MuonHParams
 from megatron.md.config import MDConfig, spec_for
 from megatron.md.inner import MDInner, MDSlot
@@ -88,6 +91,10 @@ def setup_whole(opt, roles: dict, names: dict, md: MDConfig, layer_wise: bool) -
     inner = MDInner(opt.optimizer.param_groups, md, muon)
     inner.timers = getattr(opt.config, "timers", None)
     mains = [mp for mp in main_params(opt) if roles[mp.model] != "vector"]
+    expert = any(not getattr(mp.model, "allreduce", True) for mp in mains)
+    group = tensor_parallel.reduce_group(None, expert)  # under TP: the TP group
+    if group is not None and dist.get_world_size(group) > 1:
+        inner.reduce = lambda buf: dist.all_reduce(buf, group=group)
     elements = sum(mp.main.numel() for mp in mains)
     fused = bool(mains) and md.use_fused(mains[0].main.device.type, elements)
     for mp in mains:
@@ -97,10 +104,12 @@ def setup_whole(opt, roles: dict, names: dict, md: MDConfig, layer_wise: bool) -
         # a fused QKV matrix under Muon is split as megatron's Muon splits it (its tags)
         blocks = qkv_blocks(mp.model) if base == "muon" else ()
         spec = spec_for(role, md, residual_write(names[mp.model]), blocks)
-        sm = SliceMD(shape, 0, shape[0] * shape[1], spec, base, fused=fused)
+        tp, counts = tensor_parallel.placement(mp.model)
+        sm = SliceMD(shape, 0, shape[0] * shape[1], spec, base, fused=fused, tp=tp, counts=counts)
         slot = MDSlot(sm, mp.is_model_weight, None, names[mp.model], mp.model)
         # LayerWise: one owner per matrix; replicated: every DP rank holds a copy.
         slot.replica = slot.dir_replica = 0 if layer_wise else _dp_rank(mp.model)
+        slot.replica = tensor_parallel.replica_id(slot.replica, expert)
         inner.bind(mp.main, slot)
     opt.optimizer = inner
     opt.init_state_fn = lambda *a, **k: None  # MDInner creates all its state up front

@@ -3,7 +3,8 @@
 Each data-parallel rank's inner optimizer sees a contiguous 1-D slice of every parameter
 (``_get_model_param_range_map(param)["param"]``); ``MDInner`` steps MD matrices on that slice
 with ONE all-reduce of all their partials per step over the optimizer's data-parallel group
-(the expert-data-parallel group for the expert instance).
+(the expert-data-parallel group for the expert instance), times the TP group under tensor
+parallelism (``tensor_parallel.py``).
 
 bf16 params: the fp32 main shard *is* the direction Ŵ; the subclass writes the fused
 W = Γ ⊙ Ŵ into the model's param buffer instead of copying (no division, no extra copy).
@@ -18,6 +19,7 @@ import functools
 import torch
 import torch.distributed as dist
 
+from megatron.md import tensor_parallel
 from megatron.md.config import MDConfig, spec_for
 from megatron.md.inner import MDInner, MDSlot
 from megatron.md.mains import main_params
@@ -72,11 +74,13 @@ def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
             f"MD under --use-distributed-optimizer needs Adam there, got {type(opt.optimizer)}"
         )
     inner = MDInner(opt.optimizer.param_groups, md, None)
-    group = opt.data_parallel_group
+    dp_group = opt.data_parallel_group
+    expert = any(not getattr(p, "allreduce", True) for buf in opt.buffers for p in buf.params)
+    group = tensor_parallel.reduce_group(dp_group, expert)  # under TP: TP × DP, one collective
     if group is not None and dist.get_world_size(group) > 1:
         inner.reduce = lambda buf: dist.all_reduce(buf, group=group)
     inner.timers = getattr(opt.config, "timers", None)
-    dp_rank = group.rank() if group is not None else 0
+    dp_rank = dp_group.rank() if dp_group is not None else 0
     # Every rank lays out partials for ALL MD matrices of the instance in buffer order, so one
     # all-reduce lines up even though ranks own different slices.
     index = {}
@@ -84,7 +88,8 @@ def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
     for buf in opt.buffers:
         for p in buf.params:
             if roles[p] != "vector":
-                empty = SliceMD(tuple(p.shape), 0, 0, spec_for(roles[p], md), "adam")
+                tp, _ = tensor_parallel.placement(p)
+                empty = SliceMD(tuple(p.shape), 0, 0, spec_for(roles[p], md), "adam", tp=tp)
                 index[p] = len(inner.layout)
                 inner.layout.append(empty.n_partials())
                 inner.norm_layout.append(empty.n_norm)
@@ -97,11 +102,13 @@ def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
         shape = tuple(mp.model.shape)
         spec = spec_for(role, md, residual_write(names[mp.model]))
         end = mp.start + mp.main.numel()
-        sm = SliceMD(shape, mp.start, end, spec, "adam", fused=fused)
+        tp, counts = tensor_parallel.placement(mp.model)
+        sm = SliceMD(shape, mp.start, end, spec, "adam", fused=fused, tp=tp, counts=counts)
         slot = MDSlot(sm, mp.is_model_weight, index[mp.model], names[mp.model], mp.model)
         # gains/radius are replicated over the ranks owning a slice of this matrix;
         # the first of them writes them to checkpoints (replica 0)
         slot.replica, slot.dir_replica = dp_rank - _first_owner(opt, mp.model), 0
+        slot.replica = tensor_parallel.replica_id(slot.replica, expert)
         inner.bind(mp.main, slot)
     opt.optimizer = inner
     opt.__class__ = md_class(DistributedOptimizer)

@@ -142,13 +142,15 @@ def build(args, world):
     return model, dmodel, get_megatron_optimizer(cfg, [dmodel])
 
 
-def oracle_for(model, md, base):
-    """fp32 copies of the model's params in the reference optimizer, grouped by role."""
+def oracle_for(model, md, base, full=None):
+    """fp32 copies of the model's params in the reference optimizer, grouped by role
+    (``full``: the full tensors of a TP-split model's params, in the same order)."""
     from megatron.md.optimizer import MDOptimizer
     from megatron.md.roles import param_role
 
     named = [(n, p) for n, p in model.named_parameters()]
-    copies = [torch.nn.Parameter(p.detach().float().clone()) for _, p in named]
+    full = full or [p.detach().float() for _, p in named]
+    copies = [torch.nn.Parameter(f.clone()) for f in full]
     groups = {}
     for (n, p), c in zip(named, copies):
         role = param_role(n, p)
@@ -190,12 +192,17 @@ def counted_collectives():
             setattr(dist, name, fn)
 
 
-def step(dmodel, opt, x, y, calls: list | None = None):
-    """One training step; ``calls``: filled with the collectives of ``opt.step()``."""
+def step(dmodel, opt, x, y, calls: list | None = None, grad_of=None, after_backward=None):
+    """One training step; returns each parameter's gradient before the DP reduction
+    (``grad_of(p)``, default its main_grad); ``calls``: filled with the collectives of
+    ``opt.step()``; ``after_backward(dmodel)``: runs right after the backward pass."""
     dmodel.zero_grad_buffer()
     opt.zero_grad()
     cpu_demo.lm_loss(dmodel, x, y).backward()
-    local = [p.main_grad.detach().clone() for p in dmodel.module.parameters()]
+    if after_backward is not None:
+        after_backward(dmodel)
+    grad_of = grad_of or (lambda p: p.main_grad.detach().clone())
+    local = [grad_of(p) for p in dmodel.module.parameters()]
     dmodel.finish_grad_sync()
     with counted_collectives() as got:
         ok, _, _ = opt.step()
@@ -248,15 +255,20 @@ def init_distributed(device: str) -> None:
     dist.init_process_group("nccl" if DEV == "cuda" else "gloo")
 
 
-def main():
-    jobs = [parse(a) for a in split_jobs(sys.argv[1:])]
-    init_distributed(jobs[0].device)
+def run_jobs(parse_fn, check_fn) -> None:
+    """Each ``A + B`` job of the command line in turn; rank 0 prints each result."""
+    jobs = [parse_fn(a) for a in split_jobs(sys.argv[1:])]
+    init_distributed(getattr(jobs[0], "device", "cpu"))
     for args in jobs:
-        res = check(args)
+        res = check_fn(args)
         if dist.get_rank() == 0:
             print(json.dumps(res), flush=True)
         gc.collect()
     dist.destroy_process_group()
+
+
+def main():
+    run_jobs(parse, check)
 
 
 def check(args) -> dict:

@@ -161,6 +161,23 @@ def md_config_from_args(args) -> MDConfig:
     )
 
 
+def _check_tensor_parallel(args) -> None:
+    """What MD runs under TP > 1 (megatron/md/tensor_parallel.py): AdamMD; not yet MuonMD,
+    TP-split experts, or checkpoints of fp32 MD state."""
+    if args.optimizer == "muon" and not args.md_adam_layer_wise:
+        _fail("MuonMD with --tensor-model-parallel-size > 1 is not supported yet (AdamMD is)")
+    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    if args.num_experts and etp > 1:
+        _fail("--md-decoupling with TP > 1 needs --expert-tensor-parallel-size 1")
+    loads_md_state = args.load and not (args.no_load_optim or args.finetune)
+    if not args.bf16 and (args.save or loads_md_state):
+        _fail(
+            "--md-decoupling with TP > 1 checkpoints only bf16 runs (the fp32 direction "
+            "has no TP-resharding layout yet): add --bf16, or run without --save and "
+            "load weights only (--no-load-optim)"
+        )
+
+
 def _fail(msg: str):
     raise SystemExit(f"pretrain_gpt.py: error: {msg}")
 
@@ -192,7 +209,7 @@ def validate(args) -> MDConfig | None:
         if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
             _fail("--md-decoupling does not support FSDP (use --use-distributed-optimizer)")
         if args.tensor_model_parallel_size > 1:
-            _fail("--md-decoupling needs --tensor-model-parallel-size 1 (TP>1 is not supported)")
+            _check_tensor_parallel(args)
         if args.md_adam_layer_wise:
             if args.optimizer != "adam" or not (
                 args.use_distributed_optimizer or args.use_layer_wise_distributed_optimizer

@@ -8,7 +8,8 @@ Per matrix class (``matrix_class``; mean over its matrices unless said otherwise
   paper's transfer-dynamics figure). X: the first 512 tokens of each rank's first micro-batch
   into the layer (attention and MLP linears outside routed experts, whose inputs depend on the
   routing); each rank measures the rows it owns on its own X (a ZeRO-1 cut row counts as two
-  pieces), the sums are added over ranks;
+  pieces), the sums are added over ranks; under tensor parallelism a row-parallel layer's
+  partial outputs are first summed over its TP group (one all-reduce per such layer);
 - ``act_rms``: per-layer RMS of block outputs (first micro-batch);
 - MD runs: ``sphere_drift`` max |‖Ŵ‖−c|/c, gain spread (``raw_gain_norm``, ``gain_min``,
   ``gain_max``), and ``gains_by_layer``: per ``<class>/<layer>/<row|col>`` the raw-gain norm
@@ -24,6 +25,7 @@ import re
 
 import torch
 
+from megatron.md import tensor_parallel
 from megatron.md.roles import matrix_class
 
 #: tokens of X kept per layer for the output change
@@ -104,7 +106,7 @@ class StepDiagnostics:
         """The fp32 weights this rank steps (ZeRO-1 slices / whole matrices)."""
         from megatron.md.mains import fp32_weight
 
-        return {(n, mp.start): fp32_weight(o, mp).clone() for o, mp, n, _ in self._owned()}
+        return {(n, _piece(mp)): fp32_weight(o, mp).clone() for o, mp, n, _ in self._owned()}
 
     @torch.no_grad()
     def after_step(self, before: dict) -> dict:
@@ -113,9 +115,9 @@ class StepDiagnostics:
         parts = []
         for opt, mp, name, cls in self._owned():
             w = fp32_weight(opt, mp)
-            dw = w - before[(name, mp.start)]
+            dw = w - before[(name, _piece(mp))]
             out = self._out_change(mp, w, dw)
-            parts.append((name, cls, mp.start, _sq(dw), _sq(w), out))
+            parts.append((name, cls, _piece(mp), _sq(dw), _sq(w), out))
         gathered = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(gathered, (parts, _md_local(self.opt)))
         result = _merge_updates([p for p, _ in gathered])
@@ -131,12 +133,21 @@ class StepDiagnostics:
         x = self.inputs.get(mp.model)
         if x is None:
             return None
-        num = den = 0.0
+        outs = []  # X ΔWᵀ and X Wᵀ on the rows of each block
         for blk in slice_blocks(tuple(mp.model.shape), mp.start, mp.start + w.numel()):
             xs = x[:, blk.c0 : blk.c0 + blk.nc].to(w.device)
-            num += _sq(xs @ blk.view(dw).T)
-            den += _sq(xs @ blk.view(w).T)
-        return num, den
+            outs += [xs @ blk.view(dw).T, xs @ blk.view(w).T]
+        group = tensor_parallel.row_parallel_group(mp.model)
+        if group is not None:  # this rank's columns give a partial output: sum over TP first
+            flat = torch.cat([o.reshape(-1) for o in outs])
+            torch.distributed.all_reduce(flat, group=group)
+            outs = list(flat.split([o.numel() for o in outs]))
+        return sum(map(_sq, outs[0::2])), sum(map(_sq, outs[1::2]))
+
+
+def _piece(mp) -> tuple[int, int]:
+    """A main param's piece of its matrix: (TP piece, ZeRO-1 offset); replicas share it."""
+    return tensor_parallel.piece_rank(mp.model), mp.start
 
 
 def _sq(t: torch.Tensor) -> float:
@@ -145,7 +156,7 @@ def _sq(t: torch.Tensor) -> float:
 
 def _merge_updates(gathered: list[list]) -> dict:
     """Relative update and output change per class from every rank's pieces (replicas of one
-    piece, same start, counted once)."""
+    piece counted once)."""
     pieces: dict[tuple, dict] = {}
     for rank_parts in gathered:
         for name, cls, start, dw2, w2, out in rank_parts:
@@ -193,7 +204,7 @@ def _md_local(optimizer) -> list[dict]:
             local.append(
                 {
                     "name": slot.name,
-                    "start": md.start,
+                    "start": (md.tp.rank if md.tp else 0, md.start),
                     "partial": part,
                     "radius": None if radius is None else radius.detach().double().cpu(),
                     "axes": axes,

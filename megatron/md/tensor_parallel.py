@@ -1,0 +1,96 @@
+"""MD under megatron's tensor parallelism (TP): where each rank's piece of a matrix lies, and the
+group that reduces MD's partials.
+
+A TP-split matrix is MD's *full* matrix: gains, radius and norms are the full matrix's, held
+whole on every rank; each rank adds the partials of its own rows/columns (``TPShard``), and the
+sum over the TP group is folded into the one all-reduce MD makes per step: over TP × DP for
+ZeRO-1, over TP for whole-matrix optimizers. A matrix megatron keeps whole on every TP rank
+(the MoE router) is added once, by TP rank 0. Experts must not be TP-split
+(``--expert-tensor-parallel-size 1``): their optimizer reduces over the expert-DP group only.
+
+Reads megatron's parameter attributes ``tensor_model_parallel``, ``partition_dim``,
+``partition_stride`` (core/tensor_parallel/layers.py:136, set_tensor_model_parallel_attributes)
+and ``allreduce`` (False on experts, core/transformer/moe/experts.py).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from megatron.md.blocks import TPShard
+
+
+def tp_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_world_size()
+
+
+def placement(param) -> tuple[TPShard | None, bool]:
+    """(where ``param``'s local piece lies, whether this rank adds its partials)."""
+    from megatron.core import parallel_state as ps
+
+    if not getattr(param, "allreduce", True):  # an expert
+        if ps.get_expert_tensor_parallel_world_size() > 1:
+            raise ValueError(
+                "MD with tensor-parallel experts is not supported: "
+                "use --expert-tensor-parallel-size 1"
+            )
+        return None, True
+    size = tp_size()
+    if size == 1:
+        return None, True
+    rank = ps.get_tensor_model_parallel_rank()
+    if getattr(param, "tensor_model_parallel", False):
+        stride = getattr(param, "partition_stride", 1)
+        return TPShard(int(param.partition_dim), rank, size, int(stride)), True
+    return None, rank == 0
+
+
+def reduce_group(dp_group, expert: bool):
+    """The group MD's partials are summed over: ``dp_group`` (the optimizer's data-parallel
+    group, None for whole matrices) times the TP group for non-expert matrices under TP."""
+    from megatron.core import parallel_state as ps
+
+    if expert or tp_size() == 1:
+        return dp_group
+    tp = ps.get_tensor_model_parallel_group()
+    if dp_group is None or dist.get_world_size(dp_group) == 1:
+        return tp
+    # megatron's TP × DP(× CP) group; it must be exactly the product of the two
+    both = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    ranks = set(dist.get_process_group_ranks(both))
+    want = tp_size() * dist.get_world_size(dp_group)
+    inside = set(dist.get_process_group_ranks(tp)) | set(dist.get_process_group_ranks(dp_group))
+    if len(ranks) != want or not inside <= ranks:
+        raise RuntimeError(
+            "megatron's tensor-and-data-parallel group is not TP × the optimizer's DP group "
+            f"({len(ranks)} ranks, want {want}): MD cannot fold its TP reduction into it"
+        )
+    return both
+
+
+def replica_id(dp_replica: int, expert: bool):
+    """Checkpoint replica id of MD's replicated state (gains, radius): the same full tensors on
+    every TP rank, so only TP rank 0 of the DP replica 0 writes them."""
+    from megatron.core import parallel_state as ps
+
+    if expert or tp_size() == 1:
+        return dp_replica
+    return (ps.get_tensor_model_parallel_rank(), dp_replica)
+
+
+def piece_rank(param) -> int:
+    """Which TP piece of ``param`` this rank holds (0 when megatron does not split it): the
+    diagnostics tell pieces from replicas by it."""
+    shard, _ = placement(param) if tp_size() > 1 else (None, True)
+    return 0 if shard is None else shard.rank
+
+
+def row_parallel_group(param):
+    """The TP group when ``param`` is split along its columns (a row-parallel linear, whose
+    output is the sum over the group), else None."""
+    from megatron.core import parallel_state as ps
+
+    shard, _ = placement(param) if tp_size() > 1 else (None, True)
+    return ps.get_tensor_model_parallel_group() if shard and shard.axis == 1 else None

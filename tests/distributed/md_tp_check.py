@@ -1,0 +1,234 @@
+"""torchrun check: AdamMD under megatron's tensor parallelism vs. the single-process reference on
+the full matrices.
+
+    torchrun --nproc-per-node W md_tp_check.py --tp 2 --dist zero1|replicated|layerwise
+        [--dtype fp32|bf16] [--sphere frobenius|row|col]
+
+TP × DP = W; every rank feeds the same batch. The model is megatron's GPT built under TP with
+CPU initialization (each rank's piece is its chunk of the same full weights); the oracle is the
+reference ``MDOptimizer`` on the full matrices gathered from the TP ranks, fed the gathered
+gradients megatron computed. Not here: sequence parallelism (megatron-core refuses it with
+torch norms, core/transformer/torch_norm.py:50) and so MoE under TP (megatron requires sequence
+parallelism there); tests/test_tensor_parallel.py covers the TP-replicated router's arithmetic.
+After the steps: gathered model weights vs. the oracle's, every rank's direction slice vs. the
+oracle's, the sphere invariant from the reduced norms, and the collectives MD adds to megatron's
+own optimizer step. One JSON line per job on rank 0 (``A + B`` runs several jobs).
+"""
+
+import argparse
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron.md import cpu_mode
+
+cpu_mode.maybe_activate()
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import md_check  # noqa: E402
+from md_check import bf16_excess, cpu_demo  # noqa: E402
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--dist", default="zero1", choices=["zero1", "layerwise", "replicated"])
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--sphere", default="frobenius")
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args(argv)
+    args.optimizer, args.vs, args.fused_step, args.split_qkv = "adam", "reference", False, False
+    args.experts = 0
+    return args
+
+
+def tp_split(p) -> bool:
+    """A non-expert parameter megatron splits over the TP group."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    return tp > 1 and getattr(p, "allreduce", True) and getattr(p, "tensor_model_parallel", False)
+
+
+def gather(t: torch.Tensor, p) -> torch.Tensor:
+    """The full tensor of ``t``, a TP rank's piece shaped like parameter ``p`` (megatron's
+    layout: ``size * stride`` chunks along ``partition_dim``, rank r holds r, r + size, ...)."""
+    from megatron.core import parallel_state as ps
+
+    if not tp_split(p):
+        return t
+    size, dim, s = ps.get_tensor_model_parallel_world_size(), p.partition_dim, p.partition_stride
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+    chunks = [pt.chunk(s, dim) for pt in parts]
+    return torch.cat([chunks[r][k] for k in range(s) for r in range(size)], dim)
+
+
+def local_piece(full: torch.Tensor, p) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    if not tp_split(p):
+        return full
+    size, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    chunks = full.chunk(size * p.partition_stride, p.partition_dim)
+    return torch.cat([chunks[k * size + rank] for k in range(p.partition_stride)], p.partition_dim)
+
+
+def build(args, world):
+    """md_check.build under TP (the model is built after model-parallel init)."""
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(args.tp, 1, expert_tensor_parallel_size=1)
+    return md_check.build(args, world // args.tp)
+
+
+def step(dmodel, opt, x, y, calls=None):
+    """md_check.step with the TP sum of Q/K-norm gradients that finalize_model_grads makes
+    (each rank has its own heads; the sum commutes with the DP mean megatron takes first),
+    returning the full gradients (gathered over TP, before the DP reduction)."""
+    from megatron.core.distributed.finalize_model_grads import (
+        _allreduce_non_tensor_model_parallel_grads,
+    )
+
+    tp_sum = lambda m: _allreduce_non_tensor_model_parallel_grads([m], m.config)
+    full = lambda p: gather(p.main_grad.detach().clone(), p)
+    return md_check.step(dmodel, opt, x, y, calls, grad_of=full, after_backward=tp_sum)
+
+
+def sphere_err(inner) -> float:
+    """max |‖Ŵ‖ / radius − 1| over every sphere of every matrix, from norm partials reduced the
+    way the optimizer reduces them (its layout, its group, replicas dropped)."""
+    slots = list(inner.slots.items())
+    sizes = inner.norm_layout or [s.md.n_norm for _, s in slots]
+    offs = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    buf = torch.zeros(offs[-1])
+    for k, (main, slot) in enumerate(slots):
+        i = slot.index if slot.index is not None else k
+        if slot.md.counts:
+            slot.md.norm_partials(inner._flat_dir(main).float(), buf[offs[i] : offs[i + 1]])
+    inner.reduce(buf)
+    worst = 0.0
+    for k, (main, slot) in enumerate(slots):
+        i = slot.index if slot.index is not None else k
+        r = inner.md_state[main]["radius"]
+        if r is not None:
+            cur = buf[offs[i] : offs[i + 1]].sqrt()
+            worst = max(worst, float((cur / r.reshape(-1) - 1).abs().max()))
+    return worst
+
+
+def expected_payload(named, copies, inners) -> int:
+    """Default MD, by formula on the full shapes: row+column gains and one Frobenius norm per
+    hidden matrix, one norm per row of the embedding/LM head. Whole-matrix optimizers: the
+    rank's own matrices; ZeRO-1 (also the embedding/head's under layer-wise sharding): every
+    MD matrix it holds a slice of on any rank."""
+    from megatron.md.roles import param_role
+
+    shapes = [(s.md.shape, s.md.spec.gains != "none")
+              for i in inners if i.layout is None for s in i.slots.values()]  # fmt: skip
+    if any(i.layout is not None for i in inners):
+        shapes += [(c.shape, param_role(n, p) == "matrix") for (n, p), c in zip(named, copies)
+                   if param_role(n, p) != "vector"
+                   and not getattr(p, "is_managed_by_layer_wise_optimizer", False)]  # fmt: skip
+    return sum(d_out + d_in + 1 if hidden else d_out for (d_out, d_in), hidden in shapes)
+
+
+def check(args) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from megatron.md.enable import enable_md
+    from megatron.md.wrappers import leaf_optimizers
+
+    world = dist.get_world_size()
+    md = md_check.md_config(args)
+    model, dmodel, opt = build(args, world)
+    enable_md(opt, [dmodel], md)
+    inners = [o.optimizer for o in leaf_optimizers(opt) if hasattr(o.optimizer, "slots")]
+    full = [gather(p.detach().float(), p) for p in model.parameters()]
+    named, copies, ref = md_check.oracle_for(model, md, "adam", full=full)
+
+    data = torch.tensor(list(cpu_demo.TEXT.encode()), dtype=torch.long)
+    md_calls, grad_dp_diff = [], 0.0
+    dp_group = ps.get_data_parallel_group()
+    for x, y in cpu_demo.batches(data, args.steps, 4, 16, 0):
+        grads = step(dmodel, opt, x, y, md_calls)
+        for g in grads:  # every rank fed the same batch: the same gradient
+            first = g.clone()
+            dist.broadcast(first, dist.get_process_group_ranks(dp_group)[0], group=dp_group)
+            grad_dp_diff = max(grad_dp_diff, float((first - g).abs().max()))
+        for c, g in zip(copies, grads):
+            c.grad = g.float().clone()
+        gn = torch.stack([c.grad.norm() for c in copies]).norm()
+        coeff = md_check.CLIP / (gn + 1e-6)
+        if coeff < 1:
+            for c in copies:
+                c.grad.mul_(coeff)
+        ref.step()
+        ref.zero_grad()
+    worst, excess, same, n = 0.0, 0.0, 0, 0
+    for (_, p), c in zip(named, copies):
+        w, q = gather(p.detach(), p), c.detach()
+        worst = max(worst, float((w.float() - q).norm() / q.norm()))
+        if args.dtype == "bf16":
+            excess, n = max(excess, bf16_excess(w, q)), n + w.numel()
+            same += int((w == q.to(torch.bfloat16)).sum())
+    by_model = {id(p): c for (_, p), c in zip(named, copies)}
+    worst_dir, worst_dir_name = 0.0, ""
+    for inner in inners:
+        for main, slot in inner.slots.items():
+            rd = ref.state[by_model[id(slot.model_param)]]["direction"]
+            rd = local_piece(rd, slot.model_param).reshape(-1)[slot.md.start : slot.md.end]
+            if rd.numel():
+                d = inner._flat_dir(main).float()
+                err = float((d - rd).norm() / rd.norm())
+                if err > worst_dir:
+                    worst_dir, worst_dir_name = err, slot.name
+    sph = max([sphere_err(i) for i in inners] + [0.0])
+    # the DP replicas of each TP rank hold the same weights
+    dp_diff = 0.0
+    for p in model.parameters():
+        first = p.detach().clone()
+        dist.broadcast(first, dist.get_process_group_ranks(dp_group)[0], group=dp_group)
+        dp_diff = max(dp_diff, float((first.float() - p.detach().float()).abs().max()))
+    facts = torch.tensor([worst_dir, sph, worst, excess, dp_diff, grad_dp_diff])
+    dist.all_reduce(facts, op=dist.ReduceOp.MAX)
+    worst, excess = float(facts[2]), float(facts[3])
+    # MD's collectives: those of megatron's own optimizer on the same steps, plus MD's
+    base_calls = []
+    _, dmodel3, opt3 = build(args, world)
+    for x, y in cpu_demo.batches(data, args.steps, 4, 16, 0):
+        step(dmodel3, opt3, x, y, base_calls)
+    extra, missing = Counter(md_calls), Counter(base_calls)
+    extra.subtract(base_calls)
+    missing.subtract(md_calls)
+    tp_slots = [s for i in inners for s in i.slots.values() if s.md.tp is not None]
+    return {
+        "world": world,
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+        "worst_rel": worst,
+        "bf16_excess": excess,
+        "bf16_same_frac": same / max(n, 1),
+        "worst_dir_rel": float(facts[0]),
+        "worst_dir_param_rank0": worst_dir_name,
+        "sphere_err": float(facts[1]),
+        "dp_replicas_differ_by": float(facts[4]),
+        "dp_grads_differ_by": float(facts[5]),
+        "tp_split_matrices": len(tp_slots),
+        "stride2_matrices": sum(s.md.tp.stride == 2 for s in tp_slots),
+        "row_parallel_matrices": sum(s.md.tp.axis == 1 for s in tp_slots),
+        "replicas_dropped": sum(not s.md.counts for i in inners for s in i.slots.values()),
+        "collectives_per_step": sum(i.n_collectives for i in inners) / args.steps,
+        "payload": sum(i.last_payload for i in inners),
+        "expected_payload": expected_payload(named, copies, inners),
+        "extra_collectives": sorted(k for k, c in extra.items() for _ in range(max(c, 0))),
+        "missing_collectives": sorted(k for k, c in missing.items() for _ in range(max(c, 0))),
+    }
+
+
+if __name__ == "__main__":
+    md_check.run_jobs(parse, check)

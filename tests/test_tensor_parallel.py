@@ -1,0 +1,126 @@
+"""MD's step on tensor-parallel pieces (each cut again into ZeRO-1 slices) against the
+whole-matrix reference, in one process: the pieces' partials are summed as the TP × DP
+all-reduce sums them (megatron/md/tensor_parallel.py). The distributed runs under megatron's
+TP are tests/test_distributed_md.py::test_adam_md_tensor_parallel."""
+
+import pytest
+import torch
+
+from megatron.md import reference, sliced
+from megatron.md.base_steps import AdamHParams
+from megatron.md.blocks import TPShard
+from megatron.md.config import MatrixSpec
+
+SHAPE = (16, 12)
+SPEC = MatrixSpec("frobenius", "init", "rowcol", "softplus")
+
+
+def local_piece(full: torch.Tensor, tp: TPShard) -> torch.Tensor:
+    """megatron's layout: ``size * stride`` chunks along the axis, rank r holds r, r + size, …"""
+    chunks = full.chunk(tp.size * tp.stride, tp.axis)
+    return torch.cat([chunks[k * tp.size + tp.rank] for k in range(tp.stride)], tp.axis)
+
+
+def run(spec, pieces, steps=5, dtype=torch.float64):
+    """``pieces``: (tp or None, counts, ZeRO-1 cuts of the local flat matrix) per TP rank.
+    Returns the reference's final W and each piece's (its W, the reference's W there)."""
+    gen = torch.Generator().manual_seed(5)
+    w0 = torch.randn(SHAPE, generator=gen, dtype=dtype) / SHAPE[1] ** 0.5
+    grads = [torch.randn(SHAPE, generator=gen, dtype=dtype) for _ in range(steps)]
+    hp, ghp = AdamHParams(2e-2), AdamHParams(1e-2)
+    w_ref = w0.clone()
+    st_ref = reference.init_state(w_ref, spec, "adam")
+    for g in grads:
+        reference.md_step(w_ref, g, st_ref, spec, hp, ghp)
+
+    local = lambda t, tp: t if tp is None else local_piece(t, tp)
+    slices = []  # (SliceMD, its direction slice, state, its TP piece)
+    for tp, counts, cuts in pieces:
+        piece = local(w0, tp)
+        bounds = [0, *cuts, piece.numel()]
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            md = sliced.SliceMD(tuple(piece.shape), lo, hi, spec, "adam", tp=tp, counts=counts)
+            d = piece.reshape(-1)[lo:hi].clone()
+            slices.append((md, d, md.init_state(d), tp))
+
+    def reduced(n, fill):
+        bufs = []
+        for md, d, st, tp in slices:
+            bufs.append(torch.zeros(n, dtype=dtype))
+            fill(md, d, st, tp, bufs[-1])
+            if not md.counts:
+                bufs[-1].zero_()  # as batched._drop_replicas
+        return torch.stack(bufs).sum(0)
+
+    tot = reduced(slices[0][0].n_norm, lambda md, d, st, tp, b: md.norm_partials(d, b))
+    for md, d, st, _ in slices:
+        md.finish_init(d, st, tot)
+    for g in grads:
+        step = lambda md, d, st, tp, b: md.step_direction(
+            d, local(g, tp).reshape(-1)[md.start : md.end], st, hp, b
+        )
+        total = reduced(slices[0][0].n_partials(), step)
+        for md, d, st, _ in slices:
+            md.project_and_step_gains(d, st, ghp, total)
+    out = []
+    for md, d, st, tp in slices:
+        w = torch.empty_like(d)
+        md.fuse(d, st, w)
+        out.append((w, local(w_ref, tp).reshape(-1)[md.start : md.end], st))
+    return w_ref, st_ref, out
+
+
+def split(size: int, axis: int = 0, stride: int = 1, cuts=()):
+    return [(TPShard(axis, r, size, stride), True, list(cuts)) for r in range(size)]
+
+
+LAYOUTS = {
+    "column-parallel tp2": split(2),
+    "column-parallel tp4, ZeRO-1 cuts inside rows": split(4, cuts=(7, 30)),
+    "SwiGLU fc1 (stride 2) tp2, cuts": split(2, stride=2, cuts=(13, 50)),
+    "SwiGLU fc1 (stride 2) tp4": split(4, stride=2),
+    "row-parallel tp2, cuts": split(2, axis=1, cuts=(5, 41, 70)),
+    "row-parallel tp4": split(4, axis=1),
+    "TP-replicated (router), tp2": [(None, r == 0, [37]) for r in range(2)],
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    "sphere,gains", [("frobenius", "rowcol"), ("row", "none"), ("col", "row"), ("row", "col")]
+)
+def test_tensor_parallel_pieces_equal_whole_matrix(layout, sphere, gains):
+    spec = MatrixSpec(sphere, "init", gains, "softplus")
+    _, st_ref, out = run(spec, LAYOUTS[layout])
+    for w, w_ref, st in out:
+        torch.testing.assert_close(w, w_ref, rtol=1e-12, atol=1e-13)
+        for name in reference.GAIN_NAMES[gains]:  # full gains on every rank, as the reference's
+            torch.testing.assert_close(st[name], st_ref[name], rtol=1e-12, atol=1e-13)
+
+
+def test_a_replica_counted_twice_is_wrong():
+    """The replicated matrix's partials must be added once: counted on both ranks, its squared
+    row norms double and unit rows end at 1/√2 (what ``counts`` prevents; gain gradients
+    doubled alone would hide behind Adam's scale invariance)."""
+    spec = MatrixSpec("row", "unit", "none", "softplus")
+    _, _, out = run(spec, [(None, True, []), (None, True, [])])
+    w, w_ref, _ = out[0]
+    rows = w.view(SHAPE).norm(dim=1)
+    torch.testing.assert_close(rows, torch.full_like(rows, 0.5**0.5))
+    assert w_ref.view(SHAPE).norm(dim=1).sub(1).abs().max() < 1e-12
+
+
+def test_shard_addresses_the_full_matrix():
+    """A rank's blocks are addressed in the full matrix: rows (or columns) of its chunks."""
+    md = sliced.SliceMD((8, 12), 0, 96, SPEC, "adam", tp=TPShard(0, 1, 2, stride=2))
+    assert md.shape == SHAPE
+    assert [(b.r0, b.nr, b.lo) for b in md.blocks] == [(4, 4, 0), (12, 4, 48)]
+    md = sliced.SliceMD((16, 3), 5, 40, SPEC, "adam", tp=TPShard(1, 3, 4))
+    assert md.shape == SHAPE and {(b.c0, b.nc) for b in md.blocks} == {(11, 1), (9, 3), (9, 1)}
+
+
+def test_unsupported_layouts_are_refused():
+    with pytest.raises(ValueError, match="MuonMD under tensor parallelism"):
+        sliced.SliceMD((8, 12), 0, 96, SPEC, "muon", tp=TPShard(0, 0, 2))
+    with pytest.raises(ValueError, match="unsupported tensor-parallel layout"):
+        sliced.SliceMD((16, 6), 0, 96, SPEC, "adam", tp=TPShard(1, 0, 2, stride=2))
