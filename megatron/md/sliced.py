@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron.md import block_gains as bg
 from megatron.md import fused as fused_k
 from megatron.md import maps, reference
 from megatron.md.base_steps import AdamHParams, adam_step_, muon_update
@@ -201,34 +202,9 @@ class SliceMD:
             out[n] = hit[2]
         return out
 
-    def _apply_into(self, blk: Block, x: torch.Tensor, g: dict, out: torch.Tensor) -> None:
-        """``out`` = Γ ⊙ x on one block, the same products as reference.apply_gains
-        (x·a == a·x exactly), with no temporaries for scalar/row/col gains. ``out`` may have a
-        lower precision than ``x`` (bf16 model param): one rounding of the fp32 product."""
-        gains = self.spec.gains
-        if gains == "none":
-            out.copy_(x)
-        elif gains == "lowrank":
-            a = g["gain_a"][blk.r0 : blk.r0 + blk.nr]
-            b = g["gain_b"][blk.c0 : blk.c0 + blk.nc]
-            torch.mul(1 + a @ b.T, x, out=out)
-        elif gains == "scalar":
-            torch.mul(x, g["gain_scalar"], out=out)
-        elif "gain_row" in g:
-            row = g["gain_row"][blk.r0 : blk.r0 + blk.nr, None]
-            if "gain_col" not in g:
-                torch.mul(x, row, out=out)
-            elif out.dtype == x.dtype:
-                torch.mul(x, row, out=out)
-                out.mul_(g["gain_col"][None, blk.c0 : blk.c0 + blk.nc])
-            else:  # round once, from the fp32 product, with no extra pass
-                torch.mul(x * row, g["gain_col"][None, blk.c0 : blk.c0 + blk.nc], out=out)
-        else:
-            torch.mul(x, g["gain_col"][None, blk.c0 : blk.c0 + blk.nc], out=out)
-
     def _apply(self, blk: Block, x: torch.Tensor, g: dict) -> torch.Tensor:
         out = torch.empty_like(x)
-        self._apply_into(blk, x, g, out)
+        bg.apply_into(self.spec.gains, blk, x, g, out)
         return out
 
     def fuse(self, direction: torch.Tensor, st: dict, out: torch.Tensor) -> None:
@@ -236,13 +212,15 @@ class SliceMD:
         g = self._gains(st)
         if self.fused and (self.spec.gains != "none" or self._pending is not None):
             for blk in self.blocks:  # rescale Ŵ (if pending) and write W in one pass
-                row, col = self._row_col(blk, g, direction)
+                row, col = bg.row_col(blk, g, direction)
                 s = None if self._pending is None else self._axis_bcast(blk, self._pending)
                 fused_k.fuse(blk.view(direction), s, row, col, blk.view(out))
             self._pending = None
             return
-        for blk in self.blocks:  # written straight into ``out``, rounded once (_apply_into)
-            self._apply_into(blk, blk.view(direction), g, blk.view(out))
+        for (
+            blk
+        ) in self.blocks:  # written straight into ``out``, rounded once (block_gains.apply_into)
+            bg.apply_into(self.spec.gains, blk, blk.view(direction), g, blk.view(out))
 
     def apply_pending_rescale(self, direction: torch.Tensor) -> None:
         """Apply a sphere rescale left pending by ``project_and_step_gains`` (fused path) if no
@@ -251,13 +229,6 @@ class SliceMD:
             for blk in self.blocks:
                 blk.view(direction).mul_(self._axis_bcast(blk, self._pending))
             self._pending = None
-
-    def _row_col(self, blk: Block, g: dict, like: torch.Tensor):
-        """This block's row gains (nr, 1) and column gains (1, nc); a 0-d one if absent."""
-        one = like.new_ones(())
-        row = g["gain_row"][blk.r0 : blk.r0 + blk.nr, None] if "gain_row" in g else one
-        col = g["gain_col"][None, blk.c0 : blk.c0 + blk.nc] if "gain_col" in g else one
-        return row, col
 
     def _gain_views(self, out: torch.Tensor) -> dict[str, torch.Tensor]:
         views, off = {}, 0
@@ -274,7 +245,7 @@ class SliceMD:
         need_row, need_col = "gain_row" in views, "gain_col" in views
         sphere = fused_k.kernel_sphere(self.spec.sphere, need_row, need_col)
         for blk in self.blocks:
-            row, col = self._row_col(blk, g, direction)
+            row, col = bg.row_col(blk, g, direction)
             gr, gc, sq = fused_k.phase1(
                 blk.view(direction), blk.view(grad), blk.view(m), blk.view(v),
                 row, col, hp, need_row, need_col, sphere,
@@ -287,23 +258,6 @@ class SliceMD:
                 self._axis_add(blk, sq, norm_out)
         if sphere != self.spec.sphere:  # norm partials the kernel leaves to us
             self.norm_partials(direction, norm_out)
-
-    def _gain_partials(self, blk: Block, p: torch.Tensor, g: dict, out: torch.Tensor) -> None:
-        # ``view[r].add_(x)``, not ``view[r] += x``: the latter also copies the slice onto itself
-        views = self._gain_views(out)
-        r, c = slice(blk.r0, blk.r0 + blk.nr), slice(blk.c0, blk.c0 + blk.nc)
-        gains = self.spec.gains
-        if gains == "lowrank":
-            k = self.spec.gain_rank
-            views["gain_a"].view(-1, k)[r].add_(p @ g["gain_b"][c])
-            views["gain_b"].view(-1, k)[c].add_(p.T @ g["gain_a"][r])
-        elif gains == "scalar":
-            views["gain_scalar"] += p.sum()
-        else:
-            if "gain_row" in views:  # mat-vecs: no temporaries of the block's size
-                views["gain_row"][r].add_(p @ g["gain_col"][c] if "gain_col" in g else p.sum(1))
-            if "gain_col" in views:
-                views["gain_col"][c].add_(g["gain_row"][r] @ p if "gain_row" in g else p.sum(0))
 
     # ---- the step, in phases around the caller's reductions ----
     def pre_partials(self, direction, grad, st, out: torch.Tensor) -> None:
@@ -338,8 +292,10 @@ class SliceMD:
             w, gb = blk.view(direction), blk.view(grad).to(direction.dtype)
             if self.n_gain:
                 gd = w * gb
-                self._gain_partials(blk, gd, g, gain_out)
-                self._apply_into(blk, gb, g, gd)  # reuse the Ŵ⊙G buffer for G_Ŵ
+                bg.add_gain_partials(
+                    self.spec.gains, self.spec.gain_rank, blk, gd, g, self._gain_views(gain_out)
+                )
+                bg.apply_into(self.spec.gains, blk, gb, g, gd)  # reuse the Ŵ⊙G buffer for G_Ŵ
             elif self.spec.gains == "none" and pre is None:
                 gd = gb  # G_Ŵ = G (embeddings, LM head): read in place, no copy
             else:

@@ -172,16 +172,24 @@ COLLECTIVES = (
 )  # fmt: skip
 
 
+def _elements(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel()
+    if isinstance(x, list | tuple) and x and all(isinstance(t, torch.Tensor) for t in x):
+        return sum(t.numel() for t in x)
+    return 0
+
+
 @contextlib.contextmanager
 def counted_collectives():
-    """Every call of a ``torch.distributed`` collective made meanwhile, as (name, numel of its
-    first tensor argument). Callers that bound a collective at import time bypass the count."""
+    """Every call of a ``torch.distributed`` collective made meanwhile, as (name, elements of
+    its largest tensor argument: the whole buffer of a reduce-scatter or all-gather, a list of
+    tensors counted together). Callers that bound a collective at import time bypass it."""
     calls, saved = [], {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
     for name, fn in saved.items():
 
         def counted(*a, _fn=fn, _name=name, **k):
-            first = next((x for x in a if isinstance(x, torch.Tensor)), None)
-            calls.append((_name, 0 if first is None else first.numel()))
+            calls.append((_name, max(map(_elements, a), default=0)))
             return _fn(*a, **k)
 
         setattr(dist, name, counted)

@@ -99,6 +99,24 @@ def step(dmodel, opt, x, y, calls=None):
     return md_check.step(dmodel, opt, x, y, calls, grad_of=full, after_backward=tp_sum)
 
 
+def megatron_step_elements(dmodel, opt, x, y) -> int:
+    """Elements megatron's own training step moves through collectives (forward and backward
+    TP collectives, the Q/K-norm TP sum, the DP gradient reduction, the optimizer's), counted
+    as ``counted_collectives`` counts MD's payload (each call's whole buffer)."""
+    from megatron.core.distributed.finalize_model_grads import (
+        _allreduce_non_tensor_model_parallel_grads,
+    )
+
+    dmodel.zero_grad_buffer()
+    opt.zero_grad()
+    with md_check.counted_collectives() as calls:
+        cpu_demo.lm_loss(dmodel, x, y).backward()
+        _allreduce_non_tensor_model_parallel_grads([dmodel], dmodel.config)
+        dmodel.finish_grad_sync()
+        opt.step()
+    return sum(n for _, n in calls)
+
+
 def sphere_err(inner) -> float:
     """max |‖Ŵ‖ / radius − 1| over every sphere of every matrix, from norm partials reduced the
     way the optimizer reduces them (its layout, its group, replicas dropped)."""
@@ -202,6 +220,7 @@ def check(args) -> dict:
     _, dmodel3, opt3 = build(args, world)
     for x, y in cpu_demo.batches(data, args.steps, 4, 16, 0):
         step(dmodel3, opt3, x, y, base_calls)
+    traffic = megatron_step_elements(dmodel3, opt3, x, y)
     extra, missing = Counter(md_calls), Counter(base_calls)
     extra.subtract(base_calls)
     missing.subtract(md_calls)
@@ -225,6 +244,7 @@ def check(args) -> dict:
         "collectives_per_step": sum(i.n_collectives for i in inners) / args.steps,
         "payload": sum(i.last_payload for i in inners),
         "expected_payload": expected_payload(named, copies, inners),
+        "megatron_step_elements": traffic,
         "extra_collectives": sorted(k for k, c in extra.items() for _ in range(max(c, 0))),
         "missing_collectives": sorted(k for k, c in missing.items() for _ in range(max(c, 0))),
     }
