@@ -129,3 +129,18 @@ def test_fused_step_reaches_the_slices(mode, fused):
     enable_md(opt, [dmodel], MDConfig(fused_step=mode))
     slots = opt.optimizer.slots.values()
     assert {s.md.fused for s in slots if s.md.spec.gains != "none"} == {fused}
+
+
+def test_one_matrix_for_all_experts_is_refused():
+    """megatron-core's legacy GroupedMLP keeps every local expert in one ``weight1``/``weight2``
+    matrix; MD needs a sphere and gains per expert, so enable_md refuses it (TE's grouped
+    experts are one parameter per expert: ``weight{i}``)."""
+    from megatron.md.config import MDConfig
+    from megatron.md.enable import enable_md
+
+    experts = torch.nn.Module()
+    experts.weight1 = torch.nn.Parameter(torch.zeros(8, 32))
+    mlp = torch.nn.Module()
+    mlp.experts = experts
+    with pytest.raises(ValueError, match="one matrix per\\s+expert|every local expert"):
+        enable_md(None, [mlp], MDConfig())

@@ -593,16 +593,16 @@ def test_tensor_parallel_follows_the_single_rank_run_on_cpu(tmp_path):
 
 
 def test_tensor_parallel_md_resumes_exactly_and_reshards(tmp_path):
-    """AdamMD bf16 at TP = 2 saved at iteration 2: resumed at TP = 2 it repeats iterations 3-4
-    exactly; at TP = 1 (gains are the full matrix's, Ŵ is megatron's main param) it follows
-    within bf16's TP1-vs-TP2 arithmetic (seen 6e-6 and 8e-5 relative)."""
+    """AdamMD bf16 at TP2·DP1 saved at iteration 2: resumed at TP2·DP1 it repeats iterations
+    3-4 exactly; at TP1·DP2 (gains are the full matrix's, Ŵ is megatron's main param, sharded
+    like the weight) it follows within bf16's TP1-vs-TP2 arithmetic (seen 6e-6, 1.3e-4 relative)."""
     ck = tmp_path / "ck"
     flags = ["--md-decoupling", "--bf16", "--train-iters=4"]
     full = tp_run(tmp_path, "full", 2, *flags, "--tensor-model-parallel-size=2", f"--save={ck}",
                   "--save-interval=2")  # fmt: skip
     again = [f"--load={ck}", "--ckpt-step=2"]
     tp2 = tp_run(tmp_path, "res2", 2, *flags, *again, "--tensor-model-parallel-size=2")
-    tp1 = tp_run(tmp_path, "res1", 1, *flags, *again)
+    tp1 = tp_run(tmp_path, "res1", 2, *flags, *again, "--micro-batch-size=4")  # DP = 2
     assert [r["iteration"] for r in tp2] == [r["iteration"] for r in tp1] == [3, 4]
     assert [r["lm loss"] for r in tp2] == [r["lm loss"] for r in full[2:]]
     assert [r["lm loss"] for r in tp1] == pytest.approx([r["lm loss"] for r in full[2:]], rel=1e-3)
@@ -619,3 +619,25 @@ def test_muown_trains_in_megatrons_layer_wise_optimizer(tmp_path):
     assert train[10]["lm loss"] < 0.9 * train[1]["lm loss"]
     sd = read_checkpoint(save / "iter_0000010")
     assert any("linear_fc1" in k and k.endswith(".gain_row") for k in sd)
+
+
+def test_pipeline_parallel_md_resumes_on_one_stage_exactly(tmp_path):
+    """AdamMD (fp32, replicated optimizer) on 2 pipeline stages with 2 virtual stages each:
+    embeddings on the first stage, the LM head on the last, MD matrices on every stage (the
+    diagnostics name the 4 layers globally). Saved at iteration 2 and resumed on ONE stage, it
+    repeats iterations 3-4 bit for bit, diagnostics included: checkpoint keys are global
+    across stages. Metrics come from the last rank (the last stage has the losses)."""
+    ck = tmp_path / "ck"
+    flags = ["--md-decoupling", "--train-iters=4", "--micro-batch-size=4"]
+    full = tp_run(tmp_path, "pp2", 2, *flags, "--pipeline-model-parallel-size=2",
+                  "--num-layers-per-virtual-pipeline-stage=1", f"--save={ck}",
+                  "--save-interval=2")  # fmt: skip
+    one = tp_run(tmp_path, "pp1", 1, *flags, f"--load={ck}", "--ckpt-step=2")
+    assert [r["iteration"] for r in full] == [1, 2, 3, 4] and [r["iteration"] for r in one] == [
+        3,
+        4,
+    ]
+    assert [r["lm loss"] for r in one] == [r["lm loss"] for r in full[2:]]
+    assert one[-1]["md"]["rel_update"] == full[-1]["md"]["rel_update"]
+    layers = {int(k.split("/")[1]) for k in full[-1]["md"]["gains_by_layer"]}
+    assert layers == {0, 1, 2, 3} and max(full[-1]["md"]["sphere_drift"].values()) < 1e-6

@@ -59,6 +59,12 @@ def enable_md(optimizer, model_chunks, md: MDConfig):
     names, roles = {}, {}
     for i, chunk in enumerate(model_chunks):
         for n, p in chunk.named_parameters():
+            if n.endswith(("experts.weight1", "experts.weight2")):  # legacy GroupedMLP
+                raise ValueError(
+                    f"{n} holds every local expert in one matrix: MD needs one matrix per "
+                    "expert (megatron-core's legacy GroupedMLP; TE's grouped experts are one "
+                    "parameter per expert)"
+                )
             names[p] = n if len(model_chunks) == 1 else f"chunk{i}.{n}"
             roles[p] = param_role(n, p)
 

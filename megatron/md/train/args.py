@@ -210,6 +210,7 @@ def validate(args) -> MDConfig | None:
             _fail("--md-decoupling does not support FSDP (use --use-distributed-optimizer)")
         if args.tensor_model_parallel_size > 1:
             _check_tensor_parallel(args)
+
         if args.md_adam_layer_wise:
             if args.optimizer != "adam" or not (
                 args.use_distributed_optimizer or args.use_layer_wise_distributed_optimizer

@@ -15,7 +15,7 @@ Per matrix class (``matrix_class``; mean over its matrices unless said otherwise
   ``gain_max``), and ``gains_by_layer``: per ``<class>/<layer>/<row|col>`` the raw-gain norm
   and the min and max effective gain (the paper's gain-dynamics figure).
 
-One ``all_gather_object`` per diagnostic step (global rank 0 writes the merged result).
+One ``all_gather_object`` per diagnostic step (the last rank writes the merged result).
 """
 
 from __future__ import annotations
@@ -42,6 +42,25 @@ def unwrap(m):
     while hasattr(m, "module"):
         m = m.module
     return m
+
+
+def global_param_names(model_chunks) -> dict:
+    """Parameter -> name with megatron's global layer index (``TransformerLayer.layer_number``,
+    1-based) in place of the chunk's local one: under pipeline parallelism every stage has a
+    ``decoder.layers.0``, and the ranks' pieces are merged by name."""
+    out = {}
+    for chunk in model_chunks:
+        module = unwrap(chunk)
+        prefixes = {}
+        for mname, mod in module.named_modules():
+            m = re.fullmatch(r"(.*layers)\.(\d+)", mname)
+            num = getattr(mod, "layer_number", None)
+            if m and isinstance(num, int):
+                prefixes[mname + "."] = f"{m.group(1)}.{num - 1}."
+        for name, p in module.named_parameters():
+            old = next((o for o in prefixes if name.startswith(o)), None)
+            out[p] = name if old is None else prefixes[old] + name[len(old) :]
+    return out
 
 
 class StepDiagnostics:
@@ -83,11 +102,10 @@ class StepDiagnostics:
     # ---- around the step ----
     def _names(self) -> dict:
         out = {}
-        for chunk in self.chunks:
-            for name, p in unwrap(chunk).named_parameters():
-                cls = matrix_class(name) if p.ndim == 2 else None
-                if cls is not None:
-                    out[p] = (name, cls)
+        for p, name in global_param_names(self.chunks).items():
+            cls = matrix_class(name) if p.ndim == 2 else None
+            if cls is not None:
+                out[p] = (name, cls)
         return out
 
     def _owned(self):
@@ -119,7 +137,8 @@ class StepDiagnostics:
             out = self._out_change(mp, w, dw)
             parts.append((name, cls, _piece(mp), _sq(dw), _sq(w), out))
         gathered = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, (parts, _md_local(self.opt)))
+        local = _md_local(self.opt, global_param_names(self.chunks))
+        torch.distributed.all_gather_object(gathered, (parts, local))
         result = _merge_updates([p for p, _ in gathered])
         result.update(_md_merge([m for _, m in gathered]))
         result["act_rms"] = [self.acts[i] for i in sorted(self.acts)]
@@ -177,8 +196,9 @@ def _merge_updates(gathered: list[list]) -> dict:
     return out
 
 
-def _md_local(optimizer) -> list[dict]:
-    """This rank's sphere-norm partials and gain statistics of every MD matrix it steps."""
+def _md_local(optimizer, names: dict) -> list[dict]:
+    """This rank's sphere-norm partials and gain statistics of every MD matrix it steps
+    (``names``: global parameter names, ``global_param_names``)."""
     from megatron.md import maps
     from megatron.md.wrappers import leaf_optimizers
 
@@ -203,7 +223,7 @@ def _md_local(optimizer) -> list[dict]:
             radius = st.get("radius")
             local.append(
                 {
-                    "name": slot.name,
+                    "name": names.get(slot.model_param, slot.name),
                     "start": (md.tp.rank if md.tp else 0, md.start),
                     "partial": part,
                     "radius": None if radius is None else radius.detach().double().cpu(),

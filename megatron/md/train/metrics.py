@@ -1,11 +1,12 @@
 """Our JSONL metrics file (read by the analysis tools) and the MD diagnostics.
 
-Rows, one JSON object per line, written by global rank 0:
+Rows, one JSON object per line, written by the last global rank (on the last pipeline stage,
+which has the losses):
 
 - ``{"type": "run", ...}``: resolved config (megatron args and MD config), git commit, argv;
 - ``{"type": "train", "iteration", "consumed_samples", "lm loss", "lr": {group: lr},
   "grad_norm", "tokens_per_s", "step_s", "flops_per_iter"[, "timers_ms": {...}][, "md": {...}]}``
-  every ``--log-interval`` iterations; ``timers_ms``: rank 0's megatron timers
+  every ``--log-interval`` iterations; ``timers_ms``: the writing rank's megatron timers
   (``--timing-log-level`` ≥ 1) and ours (``md-step`` ⊃ ``md-reduce``, ``md-fuse``; level 2),
   milliseconds per iteration;
 - ``{"type": "valid" | "test", "iteration", "lm loss"}`` after each evaluation.
@@ -50,25 +51,27 @@ def git_commit() -> str:
     return "unknown"
 
 
-def _rank0() -> bool:
+def _writer() -> bool:
+    """The last rank writes, as megatron's own loggers: it is on the last pipeline stage,
+    which alone knows the losses (megatron's rank order puts PP outermost)."""
     if torch.distributed.is_initialized():
-        return torch.distributed.get_rank() == 0
-    return int(os.environ.get("RANK", "0")) == 0
+        return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+    return int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1
 
 
 def _write(row: dict) -> None:
-    if _S["file"] is None or not _rank0():
+    if _S["file"] is None or not _writer():
         return
     with open(_S["file"], "a") as f:
         f.write(json.dumps(row, default=str) + "\n")
 
 
 def start_run(args, md) -> str:
-    """Pick the metrics file, write the run row (rank 0); returns the path."""
+    """Pick the metrics file, write the run row (the last rank); returns the path."""
     path = args.metrics_file or os.path.join(args.save or "runs", "metrics.jsonl")
     _S["file"] = path
     _S["args"], _S["md"] = args, md
-    if _rank0():
+    if _writer():
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         config = {k: v for k, v in sorted(vars(args).items()) if _jsonable(v)}
         _write(
@@ -225,7 +228,7 @@ TIMERS = (
 
 
 def _timers_ms(n_iters: int) -> dict:
-    """Rank 0's timers in ms per iteration since the last log. Megatron resets its own in
+    """The writing rank's timers in ms per iteration since the last log. Megatron resets its own in
     training_log (called after this); ours (``md-*``) are not in its list, so we reset them."""
     from megatron.training.global_vars import get_timers
 
