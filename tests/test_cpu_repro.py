@@ -86,3 +86,15 @@ def test_grid_extends_past_an_edge_optimum(monkeypatch, tmp_path, best, expected
     monkeypatch.setattr(run, "done", lambda r, iters: r["run_dir"] in loss)
     made.clear()
     assert len(run.extend(grid, args)) == len(expected) and made == []
+
+
+def test_run_loop_prints_a_progress_line_per_run(capsys):
+    """After each run: ``[label] i/n (pct) · elapsed · ETA · name: status, seconds``."""
+    sys.path.insert(0, str(ROOT / "examples" / "md_decoupling" / "cpu_repro"))
+    import run
+
+    todo = [{"name": "a"}, {"name": "b"}]
+    run.run_all(todo, "repro", lambda r: ("ok", 1.0))
+    lines = capsys.readouterr().err.splitlines()
+    assert [ln.split(" (")[0] for ln in lines] == ["[repro] 1/2", "[repro] 2/2"]
+    assert lines[0].endswith("a: ok, 1 s") and "ETA" in lines[0]

@@ -85,3 +85,37 @@ def test_gpt_dataset_windows_come_from_the_documents(corpus):
         # the documents are shuffled between epochs, so check each in-document run
         runs = " ".join(map(str, sample[:8])) + " "
         assert runs in text or tok.eod in sample[:8]
+
+
+def test_progress_lines_have_total_elapsed_and_eta():
+    """Whole lines (a SLURM log stays readable), at most one per ``every`` seconds, and the
+    last one at the end; the ETA extrapolates the elapsed time."""
+    import io
+
+    from megatron.md.progress import Progress
+
+    now, out = [0.0], io.StringIO()
+    bar = Progress("job", 4, every=30, out=out, clock=lambda: now[0])
+    for t in (10, 20, 40, 90):  # the first prints; the second is inside the 30 s window
+        now[0] = t
+        bar.update(note=f"at {t}")
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue() and len(lines) == 3
+    assert lines[0] == "[job] 1/4 (25 %) · 0m10s · ETA 0m30s · at 10"
+    assert lines[1].startswith("[job] 3/4 (75 %) · 0m40s · ETA 0m13s")
+    assert lines[2].startswith("[job] 4/4 (100 %) · 1m30s · ETA 0m00s")
+
+
+def test_preprocess_progress_counts_input_bytes(tmp_path, capsys):
+    """The progress line counts the input's bytes (blank JSONL lines are not documents; the
+    trailing one is counted at the end): its last line reads the whole file, 100 %."""
+    src = tmp_path / "docs.jsonl"
+    src.write_text("\n".join(json.dumps({"text": t}) for t in DOCS) + "\n\n")
+    train_tokenizer.main(["--input", str(src), "--vocab-size", "300", "--output", str(tmp_path)])
+    capsys.readouterr()
+    _, n_docs, _ = preprocess_data.preprocess([src], tmp_path, str(tmp_path / "c"))
+    err = capsys.readouterr().err
+    assert n_docs == len(DOCS) and "\r" not in err
+    last = [ln for ln in err.splitlines() if ln.startswith("[preprocess]")][-1]
+    mib = f"{src.stat().st_size / 2**20:,.1f} MiB"
+    assert last.startswith(f"[preprocess] {mib}/{mib} (100 %)")

@@ -10,15 +10,17 @@ Each document ends with the end-of-document token (``<|endoftext|>``) unless --n
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_tokenizer import EOD, input_files, iter_texts  # noqa: E402
+from train_tokenizer import EOD, input_files  # noqa: E402
+
+from megatron.md.progress import Progress  # noqa: E402
 
 _tok = None
 
@@ -30,8 +32,25 @@ def _init(tokenizer_dir: str) -> None:
     _tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
 
 
-def _encode(text: str) -> list[int]:
-    return _tok.encode(text, add_special_tokens=False).ids
+def _encode(item: tuple[str, int]) -> tuple[list[int], int]:
+    text, nbytes = item
+    return _tok.encode(text, add_special_tokens=False).ids, nbytes
+
+
+def _texts_and_bytes(files, json_key: str):
+    """(document, bytes of input read for it, blank lines before it included): what the
+    progress line counts."""
+    for path in files:
+        if path.suffix == ".jsonl":
+            pending = 0
+            with path.open("rb") as f:
+                for raw in f:
+                    pending += len(raw)
+                    if raw.strip():
+                        yield json.loads(raw)[json_key], pending
+                        pending = 0
+        else:
+            yield path.read_text(encoding="utf-8"), path.stat().st_size
 
 
 def preprocess(
@@ -57,22 +76,18 @@ def preprocess(
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     builder = IndexedDatasetBuilder(out + ".bin", dtype=np.uint16 if vocab < 65500 else np.int32)
     n_docs = n_tok = 0
-    t0 = last = time.time()
-    tty = sys.stderr.isatty()  # a log file (SLURM) gets whole lines, a terminal one updated line
+    total = sum(f.stat().st_size for f in files)
+    bar = Progress("preprocess", total, every=10, unit_fmt=lambda b: f"{b / 2**20:,.1f} MiB")
     with mp.Pool(workers, initializer=_init, initargs=(str(tokenizer_dir),)) as pool:
-        for ids in pool.imap(_encode, iter_texts(files, json_key), chunksize=16):
+        for ids, nbytes in pool.imap(_encode, _texts_and_bytes(files, json_key), chunksize=16):
             if eod:
                 ids.append(eod_id)
             builder.add_document(np.array(ids, dtype=np.int64), [len(ids)])
             n_docs, n_tok = n_docs + 1, n_tok + len(ids)
-            if time.time() - last > 2:
-                last = time.time()
-                rate = n_tok / (last - t0)
-                msg = f"{n_docs} documents, {n_tok} tokens ({rate:,.0f} tok/s)"
-                print("\r" + msg if tty else msg, end="" if tty else "\n", file=sys.stderr)
+            bar.update(nbytes, note=f"{n_docs} documents, {n_tok:,} tokens")
+    bar.finish(note=f"{n_docs} documents, {n_tok:,} tokens")
     builder.finalize(out + ".idx")
-    end = "\r" if tty else ""
-    print(f"{end}wrote {n_docs} documents, {n_tok} tokens to {out}.bin/.idx", file=sys.stderr)
+    print(f"wrote {n_docs} documents, {n_tok} tokens to {out}.bin/.idx", file=sys.stderr)
     return out, n_docs, n_tok
 
 

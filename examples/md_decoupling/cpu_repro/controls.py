@@ -75,10 +75,7 @@ def spec(args, part: str, arm: str, lr: float, seed: int, iters: int) -> dict:
 def execute(runs: list[dict], args) -> None:
     todo = [r for r in runs if not repro.done(r, int(_flag(r, "train-iters")))]
     print(f"[controls] {len(runs)} runs, {len(runs) - len(todo)} finished", file=sys.stderr)
-    for i, r in enumerate(todo, 1):
-        status, took = repro.run_one(r, 2, args.out)
-        print(f"[controls] {i}/{len(todo)} {r['name']}: {status}, {took:.0f} s",
-              file=sys.stderr, flush=True)  # fmt: skip
+    repro.run_all(todo, "controls", lambda r: repro.run_one(r, 2, args.out))
 
 
 def _flag(run: dict, name: str) -> str:

@@ -45,6 +45,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 import lr_sweep  # noqa: E402
 from runlog import read_log, run_pretrain  # noqa: E402
 
+from megatron.md.progress import Progress  # noqa: E402
+
 METHODS = ("adamw", "muon", "adammd", "muonmd")
 # ×2 steps, 5 points (+ --extend past an edge optimum), placed where 6-7-point sweeps from one
 # step lower found the optima (docs/cpu_repro.md); 5 points keep the full run within ~90 min
@@ -169,10 +171,15 @@ def execute(runs: list[dict], args) -> None:
     if not runs:
         return
     print(f"[repro] {len(runs)} runs, {len(runs) - len(todo)} already finished", file=sys.stderr)
-    for i, r in enumerate(todo, 1):
-        status, took = run_one(r, args.nproc, args.out)
-        print(f"[repro] {i}/{len(todo)} {r['name']}: {status}, {took:.0f} s",
-              file=sys.stderr, flush=True)  # fmt: skip
+    run_all(todo, "repro", lambda r: run_one(r, args.nproc, args.out))
+
+
+def run_all(todo: list[dict], label: str, run) -> None:
+    """Run each of ``todo`` (``run(r)`` -> (status, seconds)), a progress line after each."""
+    bar = Progress(label, len(todo), every=0)
+    for r in todo:
+        status, took = run(r)
+        bar.update(note=f"{r['name']}: {status}, {took:.0f} s")
 
 
 def final_valid(run_dir: str) -> float | None:
