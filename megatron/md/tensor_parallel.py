@@ -26,25 +26,29 @@ def tp_size() -> int:
     return ps.get_tensor_model_parallel_world_size()
 
 
-def placement(param) -> tuple[TPShard | None, bool]:
-    """(where ``param``'s local piece lies, whether this rank adds its partials)."""
+def shard(param) -> TPShard | None:
+    """Where ``param``'s local piece lies in the full matrix (None: held whole; experts)."""
     from megatron.core import parallel_state as ps
 
-    if not getattr(param, "allreduce", True):  # an expert
-        if ps.get_expert_tensor_parallel_world_size() > 1:
-            raise ValueError(
-                "MD with tensor-parallel experts is not supported: "
-                "use --expert-tensor-parallel-size 1"
-            )
-        return None, True
-    size = tp_size()
-    if size == 1:
-        return None, True
-    rank = ps.get_tensor_model_parallel_rank()
-    if getattr(param, "tensor_model_parallel", False):
-        stride = getattr(param, "partition_stride", 1)
-        return TPShard(int(param.partition_dim), rank, size, int(stride)), True
-    return None, rank == 0
+    if not getattr(param, "allreduce", True) or tp_size() == 1:
+        return None
+    if not getattr(param, "tensor_model_parallel", False):
+        return None
+    rank, stride = ps.get_tensor_model_parallel_rank(), getattr(param, "partition_stride", 1)
+    return TPShard(int(param.partition_dim), rank, tp_size(), int(stride))
+
+
+def placement(param) -> tuple[TPShard | None, bool]:
+    """MD's view of ``param``: (its ``shard``, whether this rank adds its partials)."""
+    from megatron.core import parallel_state as ps
+
+    if not getattr(param, "allreduce", True) and ps.get_expert_tensor_parallel_world_size() > 1:
+        raise ValueError(
+            "MD with tensor-parallel experts is not supported: use --expert-tensor-parallel-size 1"
+        )
+    piece = shard(param)
+    held_whole_by_all = piece is None and getattr(param, "allreduce", True) and tp_size() > 1
+    return piece, not (held_whole_by_all and ps.get_tensor_model_parallel_rank() != 0)
 
 
 def reduce_group(dp_group, expert: bool):
@@ -82,9 +86,9 @@ def replica_id(dp_replica: int, expert: bool):
 
 def piece_rank(param) -> int:
     """Which TP piece of ``param`` this rank holds (0 when megatron does not split it): the
-    diagnostics tell pieces from replicas by it."""
-    shard, _ = placement(param) if tp_size() > 1 else (None, True)
-    return 0 if shard is None else shard.rank
+    diagnostics (on every run, MD or not) tell pieces from replicas by it."""
+    piece = shard(param)
+    return 0 if piece is None else piece.rank
 
 
 def row_parallel_group(param):
@@ -92,5 +96,5 @@ def row_parallel_group(param):
     output is the sum over the group), else None."""
     from megatron.core import parallel_state as ps
 
-    shard, _ = placement(param) if tp_size() > 1 else (None, True)
-    return ps.get_tensor_model_parallel_group() if shard and shard.axis == 1 else None
+    piece = shard(param)
+    return ps.get_tensor_model_parallel_group() if piece and piece.axis == 1 else None

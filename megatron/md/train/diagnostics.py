@@ -69,6 +69,7 @@ class StepDiagnostics:
 
     def __init__(self, optimizer, model_chunks, due):
         self.opt, self.chunks, self.due = optimizer, model_chunks, due
+        self.global_names = global_param_names(model_chunks)  # fixed for the run
         self.acts: dict[int, float] = {}
         self.inputs: dict[torch.Tensor, torch.Tensor] = {}  # weight -> X (first micro-batch)
         for chunk in model_chunks:
@@ -102,7 +103,7 @@ class StepDiagnostics:
     # ---- around the step ----
     def _names(self) -> dict:
         out = {}
-        for p, name in global_param_names(self.chunks).items():
+        for p, name in self.global_names.items():
             cls = matrix_class(name) if p.ndim == 2 else None
             if cls is not None:
                 out[p] = (name, cls)
@@ -137,7 +138,7 @@ class StepDiagnostics:
             out = self._out_change(mp, w, dw)
             parts.append((name, cls, _piece(mp), _sq(dw), _sq(w), out))
         gathered = [None] * torch.distributed.get_world_size()
-        local = _md_local(self.opt, global_param_names(self.chunks))
+        local = _md_local(self.opt, self.global_names)
         torch.distributed.all_gather_object(gathered, (parts, local))
         result = _merge_updates([p for p, _ in gathered])
         result.update(_md_merge([m for _, m in gathered]))
