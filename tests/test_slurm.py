@@ -93,44 +93,6 @@ def test_sweep_submits_each_run_once(slurm, tmp_path):
     status = subprocess.run([sys.executable, str(EX / "sweep.py"), "status", f"--run-root={root}"],
                             capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
     assert "2 finished" in status.stderr, status.stdout + status.stderr
-    # calibration for the time-limit test: seconds per iteration on this machine now
-    steps = [r["step_s"] for e in manifest["runs"] for r in
-             train_rows(Path(e["run_dir"]) / "metrics.jsonl")[2:] if "step_s" in r]  # fmt: skip
-    slurm[1].joinpath("step_s").write_text(str(statistics.median(steps)))
-
-
-def test_time_limit_stops_cleanly_and_the_requeued_job_finishes(slurm, tmp_path):
-    """A 2-minute job stops itself a minute in (--exit-duration-in-mins: the time left less
-    EXIT_MARGIN_MIN), saves, exits 0, is requeued by the launcher and resumes from its
-    checkpoint to the end, all in one log (appended). The early-warning signal is moved to 20 s
-    before the end (the script's 300 s would come at once in a 2-minute job)."""
-    env, d = slurm
-    step = float(d.joinpath("step_s").read_text()) if d.joinpath("step_s").exists() else 0.15
-    iters = int(1.5 * 35 / step)  # ~35 s of training per attempt: about 2/3 of the run
-    env = {**env, "RUN_ROOT": str(tmp_path), "REQUEUE": "1", "MAX_REQUEUES": "4",
-           "EXIT_MARGIN_MIN": "1", "SAVE_INTERVAL": "100000"}  # fmt: skip
-    log = tmp_path / "tl.out"
-    job_id = sbatch(env, "--job-name=tl", "--time=2", "--signal=TERM@20", f"--output={log}",
-                    str(EX / "launch.sbatch"), *TINY, f"--train-iters={iters}")  # fmt: skip
-    deadline = time.time() + 600
-    # SLURM holds a requeued batch job back (here ~150 s) before it may start again: release it
-    while (info := job(env, job_id)).get("JobState") != "COMPLETED":
-        assert time.time() < deadline and info.get("JobState") in ("PENDING", "RUNNING"), info
-        if info.get("JobState") == "PENDING" and int(info.get("Restarts", 0)):
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env)
-        time.sleep(2)
-    text = log.read_text()
-    assert info["JobState"] == "COMPLETED", (info, text[-3000:])
-    assert int(info.get("Restarts", 0)) >= 1 and "requeueing job" in text, text[-3000:]
-    run = tmp_path / "tl"
-    assert (run / "finished").is_file()
-    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").open()]
-    attempts = int(info["Restarts"]) + 1
-    assert sum(r["type"] == "run" for r in rows) == attempts  # one run row per attempt
-    # each resumed from the checkpoint its predecessor saved: no iteration twice, none missing
-    assert [r["iteration"] for r in rows if r["type"] == "train"] == list(range(1, iters + 1))
-    assert text.count("[launch] git ") == attempts  # every attempt in one log
-    assert text.count("run not finished (exit 0): requeueing") == attempts - 1  # clean stops
 
 
 def test_scancel_term_saves_and_exits_zero(slurm, tmp_path):
@@ -155,3 +117,50 @@ def test_scancel_term_saves_and_exits_zero(slurm, tmp_path):
     assert saved >= 3 and (run / f"iter_{saved:07d}" / ".metadata").is_file()
     assert (run / "exited_on_signal").read_text().strip() == str(saved)
     assert not (run / "finished").exists() and "stopped by a signal" in text
+    # calibration for the time-limit test (the same run, alone on the node as that one will be)
+    steps = [r["step_s"] for r in train_rows(metrics)[2:] if "step_s" in r]
+    slurm[1].joinpath("step_s").write_text(str(statistics.median(steps)))
+
+
+def test_time_limit_stops_cleanly_and_the_requeued_job_finishes(slurm, tmp_path):
+    """A 2-minute job stops itself a minute in (--exit-duration-in-mins: the time left less
+    EXIT_MARGIN_MIN), saves, exits 0, is requeued by the launcher and resumes from its
+    checkpoint to the end, all in one log (appended). The early-warning signal is moved to 20 s
+    before the end (the script's 300 s would come at once in a 2-minute job)."""
+    env, d = slurm
+    step = float(d.joinpath("step_s").read_text()) if d.joinpath("step_s").exists() else 0.1
+    # ~100 s of training at the step measured on the scancel job: the first attempt trains for
+    # under 60 s (its minute counts from megatron's start), so even at a 30 % faster step at least
+    # one requeue happens; at a slower one MAX_REQUEUES leaves room for a third attempt
+    iters = int(100 / step)
+    env = {**env, "RUN_ROOT": str(tmp_path), "REQUEUE": "1", "MAX_REQUEUES": "4",
+           "EXIT_MARGIN_MIN": "1", "SAVE_INTERVAL": "100000"}  # fmt: skip
+    log = tmp_path / "tl.out"
+    job_id = sbatch(env, "--job-name=tl", "--time=2", "--signal=TERM@20", f"--output={log}",
+                    str(EX / "launch.sbatch"), *TINY, f"--train-iters={iters}")  # fmt: skip
+    deadline = time.time() + 600
+    # SLURM holds a requeued batch job back (here ~150 s) before it may start again: release it,
+    # but only 15 s after it is pending again (released at once, slurmd may still hold the revoked
+    # credential of the attempt just ended and kill the new one: "Job credential revoked")
+    pending_since = None
+    while (info := job(env, job_id)).get("JobState") != "COMPLETED":
+        assert time.time() < deadline and info.get("JobState") in ("PENDING", "RUNNING"), info
+        if info.get("JobState") == "PENDING" and int(info.get("Restarts", 0)):
+            pending_since = pending_since or time.time()
+            if time.time() - pending_since > 15:
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env)
+        else:
+            pending_since = None
+        time.sleep(2)
+    text = log.read_text()
+    assert info["JobState"] == "COMPLETED", (info, text[-3000:])
+    assert int(info.get("Restarts", 0)) >= 1 and "requeueing job" in text, text[-3000:]
+    run = tmp_path / "tl"
+    assert (run / "finished").is_file()
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").open()]
+    attempts = int(info["Restarts"]) + 1
+    assert sum(r["type"] == "run" for r in rows) == attempts  # one run row per attempt
+    # each resumed from the checkpoint its predecessor saved: no iteration twice, none missing
+    assert [r["iteration"] for r in rows if r["type"] == "train"] == list(range(1, iters + 1))
+    assert text.count("[launch] git ") == attempts  # every attempt in one log
+    assert text.count("run not finished (exit 0): requeueing") == attempts - 1  # clean stops

@@ -322,7 +322,10 @@ PAPER = (
     ("Fig. moe (right)", "MoE batch size, √k LR rule", "moe-batch-sweep", _LR + " --x gbs"),
     ("Tab. throughput", "tokens/s per GPU", "throughput",
      "python tools/throughput.py --manifest runs/throughput/manifest.json"),
-    ("Tab. moe-evals, fig. moe-evals", "downstream zero-shot", "moe-ladder", "not yet (lm-eval)"),
+    ("Tab. moe-evals, fig. moe-evals", "downstream zero-shot (largest MoE per method; "
+     "--ckpt-step N for the trajectory)", "moe-ladder",
+     "python tools/evaluate.py --load runs/moe-ladder/RUN --tasks paper "
+     "--output runs/moe-ladder/evals/RUN.json"),
     ("Fig. ngpt", "nGPT comparison", "—", "not yet (no nGPT architecture)"),
 )  # fmt: skip
 

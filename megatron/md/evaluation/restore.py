@@ -1,0 +1,146 @@
+"""A trained model back from a ``torch_dist`` checkpoint, for evaluation.
+
+The architecture is the run's own: the args it saved in the checkpoint's common state are
+turned back into ``pretrain_gpt.py`` flags (``ARCH``, from megatron's own and ours) and parsed
+by the same code as training, so every default and check is the training run's. The model is
+built by our model provider and loaded by megatron's ``load_checkpoint`` without optimizer or
+RNG state on one process: TP = PP = EP = 1, whatever layout saved it (``torch_dist`` reshards on
+load). A checkpoint of another shape than the rebuilt model is refused by the ``--load`` checks
+(``ckpt_checks.check_shape``) before anything is read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+#: args that make the model what it is (megatron's ``load_args_from_checkpoint`` list,
+#: checkpointing.py:1894-1959, and ours); their saved values are replayed as flags
+ARCH = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+    "group_query_attention", "kv_channels", "seq_length", "max_position_embeddings",
+    "position_embedding_type", "rotary_base", "rotary_percent", "rotary_interleaved",
+    "add_bias_linear", "add_qkv_bias", "squared_relu", "swiglu",
+    "untie_embeddings_and_output_weights", "apply_layernorm_1p", "normalization", "norm_epsilon",
+    "qk_layernorm", "make_vocab_size_divisible_by", "vocab_size", "tokenizer_type",
+    "tokenizer_model", "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk",
+    "moe_router_pre_softmax", "moe_grouped_gemm", "moe_shared_expert_intermediate_size",
+    "moe_router_score_function", "moe_router_enable_expert_bias",
+    "moe_router_topk_scaling_factor", "moe_router_dtype", "transformer_impl", "bf16", "fp16",
+    "paper_arch", "sandwich_norm", "block_output_scale", "scaled_output_init", "embedding_scale",
+    "init_method_std",
+)  # fmt: skip
+#: what megatron's validation samples depend on (``--valid-loss``: the same samples as the run)
+DATA = (
+    "mock_data", "data_path", "split", "seed", "train_iters", "train_samples", "eval_interval",
+    "eval_iters", "global_batch_size", "data_cache_path", "reset_position_ids",
+    "reset_attention_mask", "eod_mask_loss",
+)  # fmt: skip
+
+
+def saved_args(load: str, step: int | None = None):
+    """(the run's args namespace, the checkpoint directory) of ``load``'s latest (or ``step``)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron.md.train.patches import checkpoint_dir
+
+    if not os.path.isdir(load):
+        raise SystemExit(f"evaluate: error: --load {load}: no such directory")
+    try:
+        path = checkpoint_dir(load, step)
+    except RuntimeError as e:
+        raise SystemExit(f"evaluate: error: {e}")
+    if path is None:
+        raise SystemExit(
+            f"evaluate: error: --load {load}: no latest_checkpointed_iteration.txt (not a run "
+            "directory with a saved checkpoint; give --ckpt-step N for one of its iter_* folders)"
+        )
+    common = dist_checkpointing.load_common_state_dict(path)
+    saved = common.get("args") if isinstance(common, dict) else None
+    if saved is None:
+        raise SystemExit(f"evaluate: error: {path} saved no args (not a megatron checkpoint)")
+    return saved, path
+
+
+def _parser() -> argparse.ArgumentParser:
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron.md.train import args as md_args
+    from megatron.md.train import patches
+
+    patches.widen_choices()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    return md_args.add_md_args(add_megatron_arguments(parser))
+
+
+def replay(saved, names) -> list[str]:
+    """Flags that set each of ``names`` to its value in ``saved`` (as parsed at training)."""
+    out: list[str] = []
+    for action in _parser()._actions:
+        name = action.dest
+        if name not in names or not hasattr(saved, name) or not action.option_strings:
+            continue
+        value = getattr(saved, name)
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            if value is not None:
+                out.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(action, argparse._StoreTrueAction):
+            out += [flag] if value else []
+        elif isinstance(action, argparse._StoreFalseAction):
+            out += [flag] if not value else []
+        elif value is None:
+            continue
+        elif isinstance(value, (list, tuple)) and action.nargs is None:  # e.g. a layer pattern
+            out.append(f"{flag}=[{','.join(map(str, value))}]")
+        elif isinstance(value, (list, tuple)):
+            out += [flag, *map(str, value)]
+        else:
+            out.append(f"{flag}={value}")
+    return out
+
+
+def argv_for(saved, load: str, ckpt_step: int | None, valid: bool) -> list[str]:
+    """The ``pretrain_gpt.py`` command line that rebuilds the run's model to evaluate it
+    (megatron's batch sizes are placeholders: the harness adapter makes its own batches)."""
+    argv = replay(saved, set(ARCH) | (set(DATA) if valid else set()))
+    argv += [
+        f"--load={load}",
+        "--no-load-optim",
+        "--no-load-rng",
+        "--exit-on-missing-checkpoint",
+        "--micro-batch-size=1",
+    ]
+    if not valid:  # megatron wants data, a batch and a length of training even to evaluate
+        argv += ["--mock-data", "--global-batch-size=1", "--train-iters=1"]
+    if ckpt_step is not None:
+        argv.append(f"--ckpt-step={ckpt_step}")
+    return argv
+
+
+def build(argv: list[str], entry):
+    """Parse as ``pretrain_gpt.py`` (the module ``entry``) does, start megatron on this one
+    process, build the model and load the checkpoint's weights. Returns (the eval-mode model,
+    megatron's args, the checkpoint's iteration)."""
+    from megatron.core.enums import ModelType
+    from megatron.training import get_args, get_model
+    from megatron.training import training as mtt
+    from megatron.training.checkpointing import load_checkpoint
+
+    from megatron.md import cpu_mode
+    from megatron.md.train import ckpt_checks, model, patches, startup
+    from megatron.md.train.patches import checkpoint_dir
+
+    entry._single_process_env()
+    if int(os.environ["WORLD_SIZE"]) != 1:
+        raise SystemExit("evaluate: error: run as one process (TP = PP = 1 on one device)")
+    args, _ = entry.parse(argv, cpu_mode.is_active())
+    startup.check_stack(args)
+    ckpt_checks.check_all(checkpoint_dir(args.load, args.ckpt_step), args)
+    patches.apply(None, cpu_mode.is_active())  # what pretrain_gpt.py sets up (CPU mode: gloo)
+    mtt.initialize_megatron()  # as pretrain() calls it (patched for the CPU)
+    chunks = get_model(model.model_provider, ModelType.encoder_or_decoder, wrap_with_ddp=False)
+    iteration, _ = load_checkpoint(chunks, None, None, strict=True)
+    net = chunks[0]
+    net.eval()
+    return net, get_args(), iteration

@@ -1,0 +1,244 @@
+"""tools/evaluate.py and its lm-eval adapter (megatron/md/evaluation).
+
+In-process: the adapter's scoring against direct sums over small causal models (a bigram
+table, whose windows can be checked token by token, and a prefix-mean model, which sees the
+whole context, so padding or truncation mistakes change its numbers), and a multiple-choice task
+through lm-eval's own evaluator. End to end: a tiny AdamMD run on a BPE corpus, evaluated from
+its checkpoint: the adapter's loss on the run's validation samples equals the validation loss
+the run logged, and a local multiple-choice task writes its JSON."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.md.evaluation.harness import MegatronLM
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tools"), str(ROOT / "examples" / "md_decoupling")]
+V, EOD = 32, 0
+
+
+def bigram(seed=0):
+    table = torch.randn(V, V, generator=torch.Generator().manual_seed(seed))
+    return table, (lambda tokens: table[tokens])
+
+
+def prefix_mean(seed=1):
+    """logits at position i from the mean embedding of tokens 0..i (causal, context-wide)."""
+    g = torch.Generator().manual_seed(seed)
+    emb, out = torch.randn(V, 8, generator=g), torch.randn(8, V, generator=g)
+
+    def forward(tokens):
+        e = emb[tokens].cumsum(1) / torch.arange(1, tokens.shape[1] + 1)[None, :, None]
+        return e @ out
+
+    return forward
+
+
+def direct(forward, ctx, cont):
+    """log p(cont | ctx) from one unbatched, unpadded forward pass."""
+    ids = torch.tensor([ctx + cont[:-1]])
+    logp = torch.log_softmax(forward(ids).float(), -1)[0]
+    return sum(logp[len(ctx) - 1 + j, t].item() for j, t in enumerate(cont))
+
+
+def encode(text):  # characters → ids 1..V-1 (0 is eod)
+    return [1 + ord(c) % (V - 1) for c in text]
+
+
+def test_rolling_windows_score_every_token_once():
+    """A 50-token text in windows of 16: with a bigram model every token's log-probability
+    depends only on its predecessor, so the rolling sum must equal the plain sum with the eod
+    first; a dropped or doubled token changes it."""
+    table, fwd = bigram()
+    tokens = torch.randint(1, V, (50,), generator=torch.Generator().manual_seed(3)).tolist()
+    lm = MegatronLM(fwd, encode, EOD, max_length=16, batch_size=3)
+    logp = torch.log_softmax(table, -1)
+    want = sum(logp[p, t].item() for p, t in zip([EOD] + tokens[:-1], tokens))
+    assert lm.rolling(tokens) == pytest.approx(want, rel=1e-6)
+    assert lm.rolling(tokens, prefix=5) == pytest.approx(
+        want - logp[EOD, tokens[0]].item() + logp[5, tokens[0]].item(), rel=1e-6
+    )
+
+
+def test_batched_scores_equal_one_at_a_time_and_keep_their_order():
+    """Requests of different lengths batched longest first with right padding: each score equals
+    its own unpadded forward pass (a model that reads the whole prefix would see any padding
+    or offset), answers come back in input order, greedy flags are right."""
+    fwd = prefix_mean()
+    g = torch.Generator().manual_seed(4)
+    pairs = [(torch.randint(1, V, (n,), generator=g).tolist(),
+              torch.randint(1, V, (m,), generator=g).tolist())
+             for n, m in [(3, 2), (9, 1), (1, 5), (6, 6), (2, 1)]]  # fmt: skip
+    got = MegatronLM(fwd, encode, EOD, max_length=64, batch_size=2).score(pairs)
+    for (ctx, cont), (s, greedy) in zip(pairs, got):
+        assert s == pytest.approx(direct(fwd, ctx, cont), rel=1e-5, abs=1e-5)
+        ids = torch.tensor([ctx + cont[:-1]])
+        pred = fwd(ids)[0, len(ctx) - 1 :].argmax(-1).tolist()
+        assert greedy == (pred == cont)
+    greedy_cont = [fwd(torch.tensor([[7, 3]]))[0, -1].argmax().item()]
+    assert MegatronLM(fwd, encode, EOD, 64).score([([7, 3], greedy_cont)])[0][1] is True
+
+
+def test_long_requests_keep_the_last_max_length_tokens():
+    """Context + continuation over max_length: the model reads the last max_length tokens and
+    scores the continuation (its tail where it alone is longer)."""
+    fwd = prefix_mean()
+    ctx, cont = list(range(1, 21)), [5, 6, 7]
+    lm = MegatronLM(fwd, encode, EOD, max_length=8)
+    whole = (ctx + cont)[-9:]
+    assert lm.score([(ctx, cont)])[0][0] == pytest.approx(direct(fwd, whole[:-3], cont), rel=1e-5)
+    long_cont = list(range(1, 13))
+    tail = long_cont[-8:]
+    want = direct(fwd, long_cont[-9:-8], tail)
+    assert lm.score([([3], long_cont)])[0][0] == pytest.approx(want, rel=1e-5)
+
+
+def test_multiple_choice_task_through_lm_eval(tmp_path):
+    """A local multiple-choice task (tools/evaluate.py's JSONL form) run by lm-eval's evaluator on
+    a bigram model that prefers one answer's character transitions (lm-eval puts a space
+    between question and choice): accuracy 1 with that answer marked right, 0 with the other
+    one; generation is refused by name."""
+    import evaluate
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    table = torch.zeros(V, V)
+    for a, b in zip(encode(" yes"), encode(" yes")[1:]):
+        table[a, b] = 8.0
+    table[encode("?")[0], encode(" ")[0]] = 8.0
+    lm = MegatronLM(lambda t: table[t], encode, EOD, max_length=64)
+    for right, want in ((0, 1.0), (1, 0.0)):
+        docs = [{"question": f"Question {i}?", "choices": ["yes", "no"], "answer": right}
+                for i in range(4)]  # fmt: skip
+        data = tmp_path / f"quiz{right}.jsonl"
+        data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+        assert evaluate.check_local("quiz", str(data)) == 4
+        (tmp_path / f"quiz{right}.yaml").write_text(
+            evaluate.local_task_yaml(f"quiz{right}", str(data))
+        )
+        tasks = TaskManager(include_path=str(tmp_path))
+        out = lm_eval.simple_evaluate(
+            model=lm, tasks=[f"quiz{right}"], bootstrap_iters=0, task_manager=tasks
+        )
+        assert out["results"][f"quiz{right}"]["acc,none"] == want
+    with pytest.raises(NotImplementedError, match="generation"):
+        lm.generate_until([])
+
+
+def test_bad_local_task_is_named_before_anything_is_built(tmp_path):
+    import evaluate
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "choices": ["a", "b"], "answer": 0}\n{"question": "q"}\n')
+    with pytest.raises(SystemExit, match=r"bad.jsonl:2 is not a document"):
+        evaluate.check_local("bad", str(bad))
+    with pytest.raises(SystemExit):
+        evaluate.parse_args(["--load", str(tmp_path), "--local-task", "x=missing.jsonl"])
+    a = evaluate.parse_args(["--load", str(tmp_path), "--tasks", "paper"])
+    assert a.tasks == ["mmlu", "hellaswag", "arc_challenge", "arc_easy", "winogrande"]
+
+
+def test_headline_is_the_papers_metric_per_task():
+    """The paper's appendix: length-normalized accuracy for HellaSwag and ARC, plain accuracy
+    for MMLU and WinoGrande; the average over the tasks that ran, in %."""
+    import evaluate
+
+    res = {t: {"acc": 0.25, "acc_norm": 0.5} for t in evaluate.PAPER_TASKS}
+    h = evaluate.headline(res)
+    assert h["hellaswag"] == h["arc_easy"] == 50.0 and h["mmlu"] == h["winogrande"] == 25.0
+    assert math.isclose(h["average"], (25 + 50 + 50 + 50 + 25) / 5)
+
+
+def test_tokenizer_must_encode_text_for_tasks(tmp_path):
+    """A run trained with NullTokenizer (ids only) can be scored on its validation set, not on
+    text tasks: refused before the model is built."""
+    import argparse
+
+    import evaluate
+
+    a = evaluate.parse_args(["--load", str(tmp_path), "--tasks", "arc_easy"])
+    with pytest.raises(SystemExit, match="NullTokenizer"):
+        evaluate.check_tokenizer(argparse.Namespace(tokenizer_type="NullTokenizer"), a)
+    only_valid = evaluate.parse_args(["--load", str(tmp_path), "--valid-loss"])
+    evaluate.check_tokenizer(argparse.Namespace(tokenizer_type="NullTokenizer"), only_valid)
+
+
+@pytest.mark.distributed
+def test_checkpoint_scores_its_own_validation_loss_and_runs_a_task(tmp_path):
+    """A 2-rank ZeRO-1 AdamMD run (paper architecture, BPE corpus) evaluated from its checkpoint
+    on one process: the adapter's mean loss over the samples of the run's evaluation at
+    iteration 12 equals the validation loss the run logged there (the rebuilt model is the
+    trained one: a missed Sandwich Norm or embedding scale moves it by far more), and a local
+    multiple-choice task writes its metrics to the JSON."""
+    import cpu_demo  # noqa: F401  (examples/md_decoupling, on the path below)
+    import preprocess_data
+    import train_tokenizer
+
+    from megatron.md.launch import torchrun
+
+    text = cpu_demo.TEXT
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": text[i : i + 400]}) + "\n"
+                            for i in range(0, len(text) - 400, 31)))  # fmt: skip
+    train_tokenizer.main(
+        ["--input", str(docs), "--vocab-size", "300", "--output", str(tmp_path / "tok")]
+    )
+    preprocess_data.main(["--input", str(docs), "--tokenizer", str(tmp_path / "tok"),
+                          "--output-prefix", str(tmp_path / "c"), "--workers", "1"])  # fmt: skip
+    run = tmp_path / "run"
+    flags = ["--preset=tiny", "--optimizer=adam", "--md-decoupling", "--lr=1e-2",
+             "--use-distributed-optimizer", "--tokenizer-type=HuggingFaceTokenizer",
+             f"--tokenizer-model={tmp_path / 'tok'}", f"--data-path={tmp_path / 'c_text_document'}",
+             "--split=90,10,0", "--seq-length=64", "--max-position-embeddings=64",
+             "--micro-batch-size=2", "--global-batch-size=4", "--train-iters=12",
+             "--eval-interval=12", "--eval-iters=2", "--log-interval=4", f"--save={run}",
+             "--save-interval=12"]  # fmt: skip
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(torchrun(ROOT / "pretrain_gpt.py", 2, flags), capture_output=True,
+                         text=True, timeout=600, env=env, cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    logged = [json.loads(ln) for ln in (run / "metrics.jsonl").open() if '"valid"' in ln][0]
+    assert logged["iteration"] == 12
+    quiz = tmp_path / "quiz.jsonl"
+    quiz.write_text("".join(json.dumps({"question": text[i : i + 80], "choices": [
+        text[i + 80 : i + 100], text[i + 300 : i + 320], text[i + 600 : i + 620]], "answer": 0})
+        + "\n" for i in range(0, 1500, 300)))  # fmt: skip
+    report = tmp_path / "eval" / "report.json"
+    cmd = [sys.executable, str(ROOT / "tools" / "evaluate.py"), f"--load={run}", "--valid-loss",
+           f"--local-task=quiz={quiz}", f"--output={report}", "--batch-size=3"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    got = json.loads(report.read_text())
+    assert got["iteration"] == 12 and got["valid"]["samples"] == 8
+    assert got["valid"]["lm loss"] == pytest.approx(logged["lm loss"], rel=1e-5)
+    assert logged["lm loss"] < 5.0  # trained: below ln(300) = 5.7 for the uniform guess
+    quiz_metrics = got["tasks"]["quiz"]
+    assert set(quiz_metrics) >= {"acc", "acc_norm"}
+    assert all(
+        v * 5 == round(v * 5) and 0 <= v <= 1
+        for v in (quiz_metrics["acc"], quiz_metrics["acc_norm"])
+    )
+
+
+def test_replayed_flags_parse_back_to_the_saved_values():
+    """Saved args → flags → megatron's parser (with ours) gives the saved values back, for each
+    kind of flag: store_true, --no-* (BooleanOptionalAction), a value, a layer pattern list."""
+    import argparse
+
+    from megatron.md.evaluation import restore
+
+    saved = argparse.Namespace(hidden_size=96, qk_layernorm=True, swiglu=False,
+                               sandwich_norm=False, embedding_scale=True, block_output_scale="1",
+                               moe_layer_freq=[1, 0, 1], normalization="RMSNorm",
+                               untie_embeddings_and_output_weights=True)  # fmt: skip
+    flags = restore.replay(saved, set(vars(saved)))
+    assert "--no-sandwich-norm" in flags and "--moe-layer-freq=[1,0,1]" in flags
+    back, _ = restore._parser().parse_known_args(flags)
+    for k, v in vars(saved).items():
+        assert getattr(back, k) == v, k

@@ -1,0 +1,218 @@
+"""Downstream evaluation of a trained checkpoint with the LM Evaluation Harness (``lm-eval``).
+
+Loads a ``torch_dist`` run directory (any preset, MD or not, any saved parallel layout) through
+our model provider on ONE process (a GPU, or the CPU) and runs lm-eval's tasks through
+``megatron.md.evaluation.harness.MegatronLM``. The paper's zero-shot set (its appendix
+"Downstream evaluation": MMLU, HellaSwag, ARC-Challenge, ARC-Easy, WinoGrande; length-normalized
+accuracy for HellaSwag and ARC, plain accuracy for MMLU and WinoGrande) is ``--tasks paper``;
+lm-eval downloads those datasets from the Hugging Face Hub (or reads its cache), so run it where
+the Hub or a filled ``HF_HOME`` is reachable. Offline, ``--local-task NAME=FILE.jsonl`` turns a
+JSONL of ``{"question", "choices", "answer"}`` into a zero-shot multiple-choice task.
+
+``--valid-loss`` first scores the run's own validation samples (the ones its first evaluation
+read) through the same adapter: the mean must equal the validation loss the run logged at
+``--eval-interval``, which checks that the rebuilt model is the trained one.
+
+    python tools/evaluate.py --load runs/moe-muonmd --tasks paper --output evals/moe-muonmd.json
+    python tools/evaluate.py --load runs/tiny --local-task quiz=quiz.jsonl --valid-loss
+
+Writes ``--output`` (JSON: the checkpoint, its iteration, per-task metrics, the paper's headline
+metric per task and their average, versions) and prints one line per task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+#: the paper's zero-shot set and its headline metric per task (appendix, Downstream evaluation)
+PAPER_TASKS = {
+    "mmlu": "acc",
+    "hellaswag": "acc_norm",
+    "arc_challenge": "acc_norm",
+    "arc_easy": "acc_norm",
+    "winogrande": "acc",
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--load", required=True, help="run directory (the run's --save)")
+    p.add_argument("--ckpt-step", type=int, default=None, help="iteration (default: the latest)")
+    p.add_argument("--tasks", default="", help="lm-eval task names, comma separated; 'paper' = "
+                   + ",".join(PAPER_TASKS))  # fmt: skip
+    p.add_argument("--local-task", action="append", default=[], metavar="NAME=FILE.jsonl",
+                   help="a multiple-choice task: JSONL of question, choices, answer")  # fmt: skip
+    p.add_argument("--include-path", default=None, help="a folder of lm-eval task YAMLs")
+    p.add_argument("--num-fewshot", type=int, default=0, help="0: zero-shot, as the paper")
+    p.add_argument("--limit", type=int, default=None, help="at most this many documents per task")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="the tokenizer folder, where it moved since training")  # fmt: skip
+    p.add_argument("--valid-loss", action="store_true",
+                   help="also score the run's first validation evaluation's samples")  # fmt: skip
+    p.add_argument("--output", default=None, help="results JSON (default: print only)")
+    a = p.parse_args(argv)
+    a.tasks = [t for t in a.tasks.split(",") if t]
+    if "paper" in a.tasks:
+        a.tasks = [t for t in a.tasks if t != "paper"] + list(PAPER_TASKS)
+    a.local = {}
+    for item in a.local_task:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not Path(path).is_file():
+            p.error(f"--local-task {item}: give NAME=FILE.jsonl with an existing file")
+        a.local[name] = str(Path(path).resolve())
+    if not (a.tasks or a.local or a.valid_loss):
+        p.error("nothing to do: give --tasks, --local-task or --valid-loss")
+    return a
+
+
+def local_task_yaml(name: str, path: str) -> str:
+    """An lm-eval task config (YAML; written as JSON, which YAML reads) for a JSONL file."""
+    metrics = [{"metric": m, "aggregation": "mean", "higher_is_better": True}
+               for m in ("acc", "acc_norm")]  # fmt: skip
+    return json.dumps({
+        "task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": path}},
+        "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "{{question}}",
+        "doc_to_choice": "{{choices}}", "doc_to_target": "{{answer}}", "metric_list": metrics,
+    }, indent=1)  # fmt: skip
+
+
+def check_local(name: str, path: str) -> int:
+    """The JSONL's documents, checked before any model is built; returns their number."""
+    n = 0
+    for i, line in enumerate(open(path), 1):
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line)
+            choices = doc["choices"]
+            ok = isinstance(doc["question"], str) and isinstance(choices, list)
+            ok = ok and len(choices) >= 2 and 0 <= int(doc["answer"]) < len(choices)
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise SystemExit(
+                f"evaluate: error: --local-task {name}: {path}:{i} is not a document "
+                '{"question": str, "choices": [str, ...], "answer": index of the right choice}'
+            )
+        n += 1
+    if not n:
+        raise SystemExit(f"evaluate: error: --local-task {name}: {path} has no documents")
+    return n
+
+
+def check_tokenizer(saved, a) -> None:
+    """Text tasks need a tokenizer that encodes text (a NullTokenizer run reads ids only)."""
+    if (a.tasks or a.local) and saved.tokenizer_type == "NullTokenizer":
+        raise SystemExit(
+            "evaluate: error: the run was trained with NullTokenizer (token ids, no text): "
+            "only --valid-loss can score it"
+        )
+
+
+def valid_loss(lm, args) -> dict:
+    """Mean per-token loss of the samples the run's first evaluation read (indices 0 ..
+    eval_iters × global batch of its validation split), scored by ``lm.rolling``."""
+    from megatron.training.training import build_train_valid_test_datasets
+
+    from megatron.md.train import data
+
+    if args.eod_mask_loss:
+        raise SystemExit("evaluate: error: --valid-loss: the run masked eod tokens in its loss")
+    _, valid, _ = build_train_valid_test_datasets(data.datasets_provider)
+    n = args.eval_iters * args.global_batch_size
+    total, tokens = 0.0, 0
+    for i in range(n):
+        s = valid[i]
+        ids, labels = s["tokens"].tolist(), s["labels"].tolist()
+        total -= lm.rolling(labels, prefix=ids[0])
+        tokens += len(labels)
+    return {"lm loss": total / tokens, "samples": n, "tokens": tokens}
+
+
+def run_tasks(lm, a, workdir: str) -> dict:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    include = [a.include_path] if a.include_path else []
+    if a.local:
+        for name, path in a.local.items():
+            Path(workdir, f"{name}.yaml").write_text(local_task_yaml(name, path))
+        include.append(workdir)
+    manager = TaskManager(include_path=include or None)
+    out = lm_eval.simple_evaluate(
+        model=lm, tasks=a.tasks + list(a.local), num_fewshot=a.num_fewshot, limit=a.limit,
+        task_manager=manager, log_samples=False, bootstrap_iters=0,
+    )  # fmt: skip
+    return {task: {k.split(",")[0]: v for k, v in m.items() if k != "alias" and "stderr" not in k}
+            for task, m in out["results"].items()}  # fmt: skip
+
+
+def headline(results: dict) -> dict:
+    """The paper's metric per task of its set that ran, and their average (accuracy, %)."""
+    got = {t: 100 * results[t][m] for t, m in PAPER_TASKS.items() if t in results}
+    return {**got, "average": sum(got.values()) / len(got)} if got else {}
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    for name, path in a.local.items():
+        check_local(name, path)
+    import pretrain_gpt  # first: on a machine without CUDA it activates megatron-md's CPU mode
+    from megatron.md.evaluation import restore
+
+    saved, path = restore.saved_args(a.load, a.ckpt_step)
+    check_tokenizer(saved, a)
+    flags = restore.argv_for(saved, a.load, a.ckpt_step, a.valid_loss)
+    if a.tokenizer_model:
+        flags.append(f"--tokenizer-model={a.tokenizer_model}")
+    net, args, iteration = restore.build(flags, pretrain_gpt)
+
+    import torch
+    from megatron.training import get_tokenizer
+
+    from megatron.md.evaluation.harness import MegatronLM
+
+    device = next(net.parameters()).device
+
+    def forward(tokens):
+        pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        return net(tokens, pos, None)
+
+    tok = get_tokenizer()
+    lm = MegatronLM(forward, tok.tokenize, tok.eod, args.seq_length, a.batch_size, device)
+    report = {"checkpoint": path, "iteration": iteration, "tasks": {}}
+    if a.valid_loss:
+        report["valid"] = valid_loss(lm, args)
+        print(f"[evaluate] validation loss {report['valid']['lm loss']:.6f} over "
+              f"{report['valid']['samples']} samples", flush=True)  # fmt: skip
+    if a.tasks or a.local:
+        with tempfile.TemporaryDirectory() as workdir:
+            report["tasks"] = run_tasks(lm, a, workdir)
+        report["paper"] = headline(report["tasks"])
+        for task, m in report["tasks"].items():
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in m.items() if isinstance(v, float)
+                              and math.isfinite(v))  # fmt: skip
+            print(f"[evaluate] {task}: {shown}", flush=True)
+    import lm_eval
+    import megatron.core
+
+    report["versions"] = {"torch": torch.__version__, "lm_eval": lm_eval.__version__,
+                          "megatron_core": megatron.core.__version__}  # fmt: skip
+    if a.output:
+        os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
+        Path(a.output).write_text(json.dumps(report, indent=1, default=str) + "\n")
+        print(f"[evaluate] wrote {a.output}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
