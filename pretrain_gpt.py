@@ -9,7 +9,7 @@ Every megatron flag works as upstream; ours are in ``megatron/md/train/args.py``
 ``--preset``, per-group LRs, architecture extras). Put in front of the user's flags (which win):
 the ``--preset`` expansion, the CPU settings on a machine without CUDA, and with
 ``--md-decoupling`` the paper's MD recipe (weight decay 0, Muon momentum 0.95 Nesterov, Q/K/V
-split as upstream, Adam beta2 0.99).
+split as upstream, Adam beta2 0.99; under TP, Muon orthogonalizes each full matrix).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ MD_RECIPE = [
     "--muon-momentum=0.95",
     "--muon-nesterov",
     "--adam-beta2=0.99",
+    "--muon-tp-mode=duplicated",  # MuonMD under TP: the full matrix orthogonalized, as at TP=1
 ]
 
 

@@ -592,20 +592,33 @@ def test_tensor_parallel_follows_the_single_rank_run_on_cpu(tmp_path):
     assert max(two["sphere_drift"].values()) < 1e-6
 
 
-def test_tensor_parallel_md_resumes_exactly_and_reshards(tmp_path):
-    """AdamMD bf16 at TP2·DP1 saved at iteration 2: resumed at TP2·DP1 it repeats iterations
-    3-4 exactly; at TP1·DP2 (gains are the full matrix's, Ŵ is megatron's main param, sharded
-    like the weight) it follows within bf16's TP1-vs-TP2 arithmetic (seen 6e-6, 1.3e-4 relative)."""
+@pytest.mark.parametrize(
+    "method",
+    [
+        [],
+        # MuonMD with the Q/K/V split needs whole query groups on each TP rank: two groups
+        ["--optimizer=muon", "--matrix-lr=2e-2", "--num-query-groups=2"],
+    ],
+    ids=["adam_md", "muon_md"],
+)
+def test_tensor_parallel_md_resumes_exactly_and_reshards(tmp_path, method):
+    """AdamMD and MuonMD (Q/K/V split; the full matrix orthogonalized, the MD recipe's
+    --muon-tp-mode duplicated) bf16 at TP2·DP1 saved at iteration 2: resumed at TP2·DP1 it
+    repeats iterations 3-4 exactly; at TP1·DP2 (gains, radius and MuonMD's momentum are the full
+    matrix's, Ŵ is megatron's main param, sharded like the weight) it follows within bf16's
+    TP1-vs-TP2 arithmetic (seen: AdamMD 6e-6, 1.3e-4; MuonMD 3.8e-5, 3.5e-6 relative)."""
     ck = tmp_path / "ck"
-    flags = ["--md-decoupling", "--bf16", "--train-iters=4"]
+    flags = ["--md-decoupling", "--bf16", "--train-iters=4", *method]
     full = tp_run(tmp_path, "full", 2, *flags, "--tensor-model-parallel-size=2", f"--save={ck}",
                   "--save-interval=2")  # fmt: skip
+    assert full[3]["lm loss"] < full[0]["lm loss"]
     again = [f"--load={ck}", "--ckpt-step=2"]
     tp2 = tp_run(tmp_path, "res2", 2, *flags, *again, "--tensor-model-parallel-size=2")
     tp1 = tp_run(tmp_path, "res1", 2, *flags, *again, "--micro-batch-size=4")  # DP = 2
     assert [r["iteration"] for r in tp2] == [r["iteration"] for r in tp1] == [3, 4]
     assert [r["lm loss"] for r in tp2] == [r["lm loss"] for r in full[2:]]
     assert [r["lm loss"] for r in tp1] == pytest.approx([r["lm loss"] for r in full[2:]], rel=1e-3)
+    assert max(full[1]["md"]["sphere_drift"].values()) < 1e-5
 
 
 def test_muown_trains_in_megatrons_layer_wise_optimizer(tmp_path):

@@ -3,6 +3,8 @@ whole-matrix reference, in one process: the pieces' partials are summed as the T
 all-reduce sums them (megatron/md/tensor_parallel.py). The distributed runs under megatron's
 TP are tests/test_distributed_md.py::test_adam_md_tensor_parallel."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -120,7 +122,16 @@ def test_shard_addresses_the_full_matrix():
 
 
 def test_unsupported_layouts_are_refused():
-    with pytest.raises(ValueError, match="MuonMD under tensor parallelism"):
-        sliced.SliceMD((8, 12), 0, 96, SPEC, "muon", tp=TPShard(0, 0, 2))
+    """MuonMD takes whole TP pieces (it gathers them); a QKV split needs whole query groups on
+    each rank (rows, stride 1); Muown's per-row step needs whole rows."""
+    sliced.SliceMD((8, 12), 0, 96, SPEC, "muon", tp=TPShard(0, 0, 2))  # a whole piece: fine
+    with pytest.raises(ValueError, match="Muon needs whole matrices"):
+        sliced.SliceMD((8, 12), 0, 50, SPEC, "muon", tp=TPShard(0, 0, 2))
+    qkv = dataclasses.replace(SPEC, row_blocks=(2, 1, 1))
+    with pytest.raises(ValueError, match="whole query groups"):
+        sliced.SliceMD((8, 12), 0, 96, qkv, "muon", tp=TPShard(1, 0, 2))
+    muown = dataclasses.replace(SPEC, tangent_update=True)
+    with pytest.raises(ValueError, match="Muown"):
+        sliced.SliceMD((8, 12), 0, 96, muown, "muon", tp=TPShard(0, 0, 2))
     with pytest.raises(ValueError, match="unsupported tensor-parallel layout"):
         sliced.SliceMD((16, 6), 0, 96, SPEC, "adam", tp=TPShard(1, 0, 2, stride=2))

@@ -127,20 +127,27 @@ def muon_update(
     hp: MuonHParams,
     scale,
     row_blocks: tuple[int, ...] = (),
+    gather=None,
 ) -> torch.Tensor:
     """Momentum (optionally Nesterov) then scaled orthogonalization; the caller applies
     ``param -= lr * update``. ``row_blocks``: a fused QKV matrix split as megatron's Muon does
     (emerging_optimizers.py:294-323: per query group, Q/K/V rows; each block orthogonalized on
-    its own and scaled by its entry of ``scale``, a list); empty: ``scale`` is one number."""
+    its own and scaled by its entry of ``scale``, a list); empty: ``scale`` is one number.
+    ``gather`` (a ``tensor_parallel.PieceGather``): the arguments are a TP piece; the full
+    matrix is orthogonalized and this piece of it returned (megatron's ``duplicated`` mode)."""
     momentum_buffer.lerp_(grad, 1 - hp.momentum)
     g = grad.lerp(momentum_buffer, hp.momentum) if hp.nesterov else momentum_buffer
+    if gather is not None:
+        g = gather.full(g)
     if not row_blocks:
-        return orthogonalize(g, hp) * (scale[0] if isinstance(scale, list) else scale)
-    d_out, d_in = g.shape
-    groups = d_out // sum(row_blocks)
-    parts = torch.split(g.view(groups, sum(row_blocks), d_in), list(row_blocks), dim=1)
-    outs = [
-        (orthogonalize(x.reshape(-1, d_in), hp) * s).view(groups, -1, d_in)
-        for x, s in zip(parts, scale)
-    ]
-    return torch.cat(outs, dim=1).view(d_out, d_in)
+        out = orthogonalize(g, hp) * (scale[0] if isinstance(scale, list) else scale)
+    else:
+        d_out, d_in = g.shape
+        groups = d_out // sum(row_blocks)
+        parts = torch.split(g.view(groups, sum(row_blocks), d_in), list(row_blocks), dim=1)
+        outs = [
+            (orthogonalize(x.reshape(-1, d_in), hp) * s).view(groups, -1, d_in)
+            for x, s in zip(parts, scale)
+        ]
+        out = torch.cat(outs, dim=1).view(d_out, d_in)
+    return out if gather is None else gather.own(out)

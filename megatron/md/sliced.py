@@ -18,7 +18,7 @@ import torch
 
 from megatron.md import block_gains as bg
 from megatron.md import fused as fused_k
-from megatron.md import maps, reference
+from megatron.md import maps, reference, tensor_parallel
 from megatron.md.base_steps import AdamHParams, adam_step_, muon_update
 from megatron.md.blocks import Block, TPShard, place_blocks, slice_blocks
 from megatron.md.config import MatrixSpec, check_radius
@@ -51,20 +51,13 @@ class SliceMD:
         self.spec, self.base, self.tp, self.counts = spec, base, tp, counts
         local = slice_blocks(self.local_shape, start, end)
         self.blocks = place_blocks(local, self.local_shape, tp)
-        self.whole = tp is None and start == 0 and end == self.shape[0] * self.shape[1]
-        if tp is not None and (base == "muon" or spec.row_blocks):
-            raise ValueError("MuonMD under tensor parallelism is not supported: use TP=1")
-        if tp is not None and (
-            tp.axis == 1 and tp.stride != 1 or self.local_shape[tp.axis] % tp.stride
-        ):
-            raise ValueError(f"unsupported tensor-parallel layout {tp} of a {shape} matrix")
-        if base == "muon" and not self.whole:
-            raise ValueError("Muon needs whole matrices; use the layer-wise distributed optimizer")
-        if spec.row_blocks and not self.whole:
-            raise ValueError("a QKV split (Muon) needs the whole matrix")
+        # the whole local matrix (under TP: a whole TP piece, which Muon gathers; tensor_parallel)
+        self.whole = start == 0 and end == self.local_shape[0] * self.local_shape[1]
+        tensor_parallel.check_layout(self.local_shape, self.whole, spec, base, tp)
         d_out, d_in = self.shape
-        # QKV split: block id per row; sphere quantities are then per block (whole matrix only)
-        self.ids = reference.row_block_ids(d_out, spec.row_blocks)
+        # QKV split: block id per local row (TP: whole query groups per rank, the same pattern);
+        # sphere quantities are then per block
+        self.ids = reference.row_block_ids(self.local_shape[0], spec.row_blocks)
         n_blocks = len(spec.row_blocks) or 1
         k = spec.gain_rank
         self.gain_sizes = {
@@ -314,11 +307,15 @@ class SliceMD:
                 return
             adam_step_(*work, t, base_hp)
         else:  # Muon: one Newton–Schulz call per block (Q, K, V when split)
-            w2 = direction.view(self.shape)
-            whole = {"direction": w2, "radius": st["radius"]}
+            w2 = direction.view(self.local_shape)
+            full = w2 if self.tp is None else torch.empty(self.shape, device="meta")
+            whole = {"direction": full, "radius": st["radius"]}  # the full matrix's scale
             scales = reference.muon_scales(whole, self.spec)  # no host sync (0-d tensors)
-            mom = st["momentum_buffer"].view(self.shape)
-            upd = muon_update(g_dir.view(self.shape), mom, base_hp, scales, self.spec.row_blocks)
+            mom = st["momentum_buffer"].view(self.local_shape)
+            gather = None if self.tp is None else tensor_parallel.PieceGather(self.tp)
+            upd = muon_update(
+                g_dir.view(self.local_shape), mom, base_hp, scales, self.spec.row_blocks, gather
+            )
             if self.spec.tangent_update:  # Muown: the step on the tangent space (whole matrix)
                 ids = self.ids
                 inner = reference.axis_sum(upd * w2, self.spec.sphere, ids)

@@ -20,6 +20,27 @@ import torch.distributed as dist
 from megatron.md.blocks import TPShard
 
 
+def check_layout(local: tuple[int, int], whole: bool, spec, base: str, piece) -> None:
+    """What MD's step supports for one rank's part of a matrix (``whole``: the rank steps all of
+    its local matrix; ``piece``: its TPShard or None); raises naming what is not."""
+    if piece is not None and (
+        piece.axis == 1 and piece.stride != 1 or local[piece.axis] % piece.stride
+    ):
+        raise ValueError(f"unsupported tensor-parallel layout {piece} of a {local} matrix")
+    if base == "muon" and not whole:
+        raise ValueError("Muon needs whole matrices; use the layer-wise distributed optimizer")
+    if spec.row_blocks and not whole:
+        raise ValueError("a QKV split (Muon) needs the whole matrix")
+    if piece is None:
+        return
+    if spec.row_blocks and (piece.axis, piece.stride) != (0, 1):
+        raise ValueError(f"a QKV split needs whole query groups per TP rank, not {piece}")
+    if spec.tangent_update:
+        raise ValueError("Muown's per-row step needs whole rows: use TP=1")
+    if base == "muon" and spec.sphere == "none" and spec.muon_scale == "sphere_rms":
+        raise ValueError("the sphere_rms Muon scale without a sphere needs TP=1")
+
+
 def tp_size() -> int:
     from megatron.core import parallel_state as ps
 
@@ -98,3 +119,25 @@ def row_parallel_group(param):
 
     piece = shard(param)
     return ps.get_tensor_model_parallel_group() if piece and piece.axis == 1 else None
+
+
+class PieceGather:
+    """MuonMD's Newton–Schulz on the full matrix of a TP piece (megatron's ``--muon-tp-mode
+    duplicated``): ``full`` all-gathers the pieces along the split axis in rank order (for
+    SwiGLU's stride 2 a row permutation of the full matrix, which orthogonalization commutes
+    with), ``own`` takes this rank's piece back out."""
+
+    def __init__(self, piece: TPShard):
+        from megatron.core import parallel_state as ps
+
+        self.piece, self.group = piece, ps.get_tensor_model_parallel_group()
+
+    def full(self, x):
+        import torch
+
+        parts = [torch.empty_like(x) for _ in range(self.piece.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=self.piece.axis)
+
+    def own(self, x):
+        return x.chunk(self.piece.size, dim=self.piece.axis)[self.piece.rank]

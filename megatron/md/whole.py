@@ -48,6 +48,12 @@ def muon_hparams(config, md: MDConfig) -> MuonHParams:
             f"megatron's Muon splits QKV ({config.muon_split_qkv}) but the MD config says "
             f"split_qkv={md.split_qkv}: MuonMD follows --muon-split-qkv / --muon-no-split-qkv"
         )
+    if tensor_parallel.tp_size() > 1 and config.muon_tp_mode != "duplicated":
+        raise ValueError(
+            "MuonMD under tensor parallelism orthogonalizes each full matrix, as at TP=1: "
+            f"--muon-tp-mode duplicated (got {config.muon_tp_mode!r}, which orthogonalizes "
+            "each TP piece on its own)"
+        )
     if config.muon_extra_scale_factor != 1.0:
         raise ValueError(
             "MuonMD sets the update scale with --muon-scale-mode; "
@@ -103,6 +109,11 @@ def setup_whole(opt, roles: dict, names: dict, md: MDConfig, layer_wise: bool) -
         # Embeddings and LM head always use Adam (paper); matrices and router the chosen base;
         # a fused QKV matrix under Muon is split as megatron's Muon splits it (its tags)
         blocks = qkv_blocks(mp.model) if base == "muon" else ()
+        if md.split_qkv and base == "muon" and not blocks and "linear_qkv" in names[mp.model]:
+            raise ValueError(  # megatron tags only pieces holding whole query groups
+                f"{names[mp.model]}: megatron did not tag it for the Q/K/V split (its query "
+                "groups are cut across TP ranks); MuonMD would not split it as at TP=1"
+            )
         spec = spec_for(role, md, residual_write(names[mp.model]), blocks)
         tp, counts = tensor_parallel.placement(mp.model)
         sm = SliceMD(shape, 0, shape[0] * shape[1], spec, base, fused=fused, tp=tp, counts=counts)

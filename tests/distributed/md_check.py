@@ -105,6 +105,9 @@ def build(args, world):
     )
     from megatron.core.transformer.module import Float16Module
 
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
     model = cpu_demo.build_model(11, 32, 2, 16, experts=args.experts).to(DEV)
     distopt = args.dist != "replicated"
     ddpc = DistributedDataParallelConfig(
@@ -136,6 +139,9 @@ def build(args, world):
         muon_momentum=0.95,
         muon_nesterov=True,
         muon_split_qkv=split_qkv(args),
+        # under TP, MuonMD orthogonalizes full matrices (and compares with megatron doing so);
+        # layer-wise AdamMD, built as Muon, against megatron's default (no Muon gathers)
+        muon_tp_mode="duplicated" if args.optimizer == "muon" and tp > 1 else "blockwise",
         muon_scale_mode="shape_scaling",  # the MD-off config's (md_config)
         muon_fp32_matmul_prec="highest",
     )

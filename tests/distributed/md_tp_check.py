@@ -1,8 +1,8 @@
-"""torchrun check: AdamMD under megatron's tensor parallelism vs. the single-process reference on
-the full matrices.
+"""torchrun check: AdamMD and MuonMD under megatron's tensor parallelism vs. the single-process
+reference on the full matrices.
 
     torchrun --nproc-per-node W md_tp_check.py --tp 2 --dist zero1|replicated|layerwise
-        [--dtype fp32|bf16] [--sphere frobenius|row|col]
+        [--dtype fp32|bf16] [--sphere frobenius|row|col] [--optimizer muon [--split-qkv]]
 
 TP × DP = W; every rank feeds the same batch. The model is megatron's GPT built under TP with
 CPU initialization (each rank's piece is its chunk of the same full weights); the oracle is the
@@ -39,9 +39,12 @@ def parse(argv):
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--sphere", default="frobenius")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--optimizer", default="adam", choices=["adam", "muon"])
+    ap.add_argument("--split-qkv", action="store_true", help="MuonMD: Q, K, V orthogonalized apart")
     args = ap.parse_args(argv)
-    args.optimizer, args.vs, args.fused_step, args.split_qkv = "adam", "reference", False, False
-    args.experts = 0
+    if args.optimizer == "muon" and args.dist != "layerwise":
+        ap.error("MuonMD runs under the layer-wise optimizer: --dist layerwise")
+    args.vs, args.fused_step, args.experts = "reference", False, 0
     return args
 
 
@@ -141,18 +144,20 @@ def sphere_err(inner) -> float:
 
 def expected_payload(named, copies, inners) -> int:
     """Default MD, by formula on the full shapes: row+column gains and one Frobenius norm per
-    hidden matrix, one norm per row of the embedding/LM head. Whole-matrix optimizers: the
-    rank's own matrices; ZeRO-1 (also the embedding/head's under layer-wise sharding): every
-    MD matrix it holds a slice of on any rank."""
+    hidden matrix (per block of a split QKV), one norm per row of the embedding/LM head.
+    Whole-matrix optimizers: the rank's own matrices; ZeRO-1 (also the embedding/head's under
+    layer-wise sharding): every MD matrix it holds a slice of on any rank."""
     from megatron.md.roles import param_role
 
-    shapes = [(s.md.shape, s.md.spec.gains != "none")
+    shapes = [(s.md.shape, s.md.spec.gains != "none", len(s.md.spec.row_blocks) or 1)
               for i in inners if i.layout is None for s in i.slots.values()]  # fmt: skip
     if any(i.layout is not None for i in inners):
-        shapes += [(c.shape, param_role(n, p) == "matrix") for (n, p), c in zip(named, copies)
+        shapes += [(c.shape, param_role(n, p) == "matrix", 1) for (n, p), c in zip(named, copies)
                    if param_role(n, p) != "vector"
                    and not getattr(p, "is_managed_by_layer_wise_optimizer", False)]  # fmt: skip
-    return sum(d_out + d_in + 1 if hidden else d_out for (d_out, d_in), hidden in shapes)
+    # a QKV matrix split for Muon has one sphere per block (Q, K, V)
+    return sum(d_out + d_in + blocks if hidden else d_out
+               for (d_out, d_in), hidden, blocks in shapes)  # fmt: skip
 
 
 def check(args) -> dict:
@@ -167,7 +172,7 @@ def check(args) -> dict:
     enable_md(opt, [dmodel], md)
     inners = [o.optimizer for o in leaf_optimizers(opt) if hasattr(o.optimizer, "slots")]
     full = [gather(p.detach().float(), p) for p in model.parameters()]
-    named, copies, ref = md_check.oracle_for(model, md, "adam", full=full)
+    named, copies, ref = md_check.oracle_for(model, md, args.optimizer, full=full)
 
     data = torch.tensor(list(cpu_demo.TEXT.encode()), dtype=torch.long)
     md_calls, grad_dp_diff = [], 0.0

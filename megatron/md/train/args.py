@@ -162,10 +162,23 @@ def md_config_from_args(args) -> MDConfig:
 
 
 def _check_tensor_parallel(args) -> None:
-    """What MD runs under TP > 1 (megatron/md/tensor_parallel.py): AdamMD; not yet MuonMD,
-    TP-split experts, or checkpoints of fp32 MD state."""
-    if args.optimizer == "muon" and not args.md_adam_layer_wise:
-        _fail("MuonMD with --tensor-model-parallel-size > 1 is not supported yet (AdamMD is)")
+    """What MD runs under TP > 1 (megatron/md/tensor_parallel.py): AdamMD and MuonMD (the full
+    matrix orthogonalized); not yet Muown, TP-split experts, or checkpoints of fp32 MD state."""
+    muon_md = args.optimizer == "muon" and not args.md_adam_layer_wise
+    if muon_md and args.md_variant != "md":
+        _fail(f"--md-variant {args.md_variant} (Muown) with TP > 1 is not supported: use TP=1")
+    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    if muon_md and args.muon_split_qkv and groups % args.tensor_model_parallel_size:
+        _fail(
+            f"MuonMD splits Q, K and V per query group, and {groups} query group(s) do not "
+            f"divide over TP = {args.tensor_model_parallel_size} ranks: use a TP size that "
+            "divides --num-query-groups, or --muon-no-split-qkv"
+        )
+    if muon_md and args.muon_tp_mode != "duplicated":
+        _fail(
+            f"MuonMD with TP > 1 orthogonalizes each full matrix, as at TP=1: --muon-tp-mode "
+            f"duplicated (got {args.muon_tp_mode}, which orthogonalizes each TP piece alone)"
+        )
     etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
     if args.num_experts and etp > 1:
         _fail("--md-decoupling with TP > 1 needs --expert-tensor-parallel-size 1")

@@ -42,6 +42,9 @@ def differences(args, md) -> list[tuple[str, str]]:
     if md is not None:
         out.append(("MD recipe: weight decay 0, Adam beta2 0.99, Muon momentum 0.95 Nesterov",
                     "the flags themselves"))  # fmt: skip
+        if args.optimizer == "muon" and args.tensor_model_parallel_size > 1:
+            out.append(("Muon orthogonalizes each full matrix under TP (upstream: each TP "
+                        "piece)", "--muon-tp-mode"))  # fmt: skip
         if args.optimizer == "muon":
             out.append((f"Muon update scale '{md.muon_scale}' for MD matrices (upstream "
                         "'spectral'; sphere_rms follows the sphere radius)",
