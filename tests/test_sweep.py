@@ -2,6 +2,7 @@
 real parser and name a preset with the paper's size; the LR-transfer rules match hand-computed
 values; the scripts are shellcheck-clean; the launcher runs for real with --local."""
 
+import argparse
 import importlib.util
 import json
 import math
@@ -145,6 +146,35 @@ def test_dry_run_prints_every_command_and_writes_a_manifest(tmp_path, capsys):
     ]
     assert len(src) == 1 and all(f"--init-from={tmp_path}/" in ln for ln in out if ln not in src)
     assert sum("--init-weights-only" in ln for ln in out) == 4 * 2 * 9  # fresh: every method
+
+
+def test_status_shows_progress_and_eta(tmp_path, capsys, monkeypatch):
+    """`sweep.py status`: each unfinished run's last logged iteration of its --train-iters, an
+    ETA for a running one (median step time of its last 20 logged steps × iterations left),
+    and the sweep's unfinished iterations; a metrics file longer than the bytes read is read
+    from its tail (the first, cut line skipped)."""
+    runs = []
+    for name, n_rows, state in (("a", 30, "RUNNING"), ("b", 0, None), ("c", 100, None)):
+        d = tmp_path / name
+        d.mkdir()
+        rows = [{"type": "train", "iteration": i, "step_s": 1.0 if i < 18 else 3.0}
+                for i in range(1, n_rows + 1)]  # fmt: skip
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs.append({"name": name, "run_dir": str(d), "job_id": state and "7",
+                     "flags": ["--train-iters=50", "--train-iters=100"]})  # fmt: skip
+    (tmp_path / "c" / "finished").write_text("100\n")
+    (tmp_path / "manifest.json").write_text(json.dumps({"runs": runs}))
+    monkeypatch.setattr(sweep, "queued_jobs", lambda: {"7": "RUNNING"})
+    sweep.status(argparse.Namespace(manifest=None, run_root=tmp_path))
+    out, err = capsys.readouterr()
+    lines = {ln.split()[0]: ln for ln in out.splitlines()}
+    # 70 iterations left at the median of steps 11-30 (1 s × 7, 3 s × 13): 3 s → 3m30s (the
+    # median of all 30 steps would be 1 s)
+    assert "running · iteration 30/100 (30 %) · ETA 3m30s" in lines["a"]
+    assert lines["b"].endswith("not submitted") and lines["c"].endswith("finished")
+    assert "unfinished runs at 30/100 iterations (30 %)" in err
+    tail = sweep._tail_rows(tmp_path / "a" / "metrics.jsonl", nbytes=200)
+    assert tail and tail[-1]["iteration"] == 30 and all(r["type"] == "train" for r in tail)
 
 
 def test_names_encode_the_knobs():

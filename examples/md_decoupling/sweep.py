@@ -39,6 +39,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import experiments  # noqa: E402
 
+from megatron.md.progress import duration  # noqa: E402
+
 LAUNCHER = ROOT / "examples" / "md_decoupling" / "launch.sbatch"
 
 
@@ -143,6 +145,40 @@ def validate(runs: list[experiments.Run]) -> None:
         sys.argv[:] = saved[1]
 
 
+def _tail_rows(metrics: Path, nbytes: int = 1 << 18) -> list[dict]:
+    """The train rows among the last ``nbytes`` of a metrics JSONL (a run's log can be long)."""
+    size = metrics.stat().st_size
+    with metrics.open("rb") as f:
+        f.seek(max(0, size - nbytes))
+        lines = f.read().decode(errors="replace").splitlines()
+    rows = []
+    for ln in lines[1:] if size > nbytes else lines:  # (the first line read may be cut)
+        try:
+            r = json.loads(ln)
+        except ValueError:  # a line being written
+            continue
+        if r.get("type") == "train":
+            rows.append(r)
+    return rows
+
+
+def progress(entry: dict, running: bool) -> tuple[int, int, str] | None:
+    """(iterations logged, --train-iters, a note) of a run from its metrics: the last logged
+    iteration and, running, an ETA from the median step time of the last 20 logged steps."""
+    total = next((int(f.split("=", 1)[1]) for f in reversed(entry.get("flags", []))
+                  if f.startswith("--train-iters=")), None)  # fmt: skip
+    metrics = Path(entry["run_dir"]) / "metrics.jsonl"
+    rows = _tail_rows(metrics) if total and metrics.is_file() else []
+    if not rows:
+        return None
+    done = int(rows[-1]["iteration"])
+    steps = sorted(r["step_s"] for r in rows[-20:] if r.get("step_s"))
+    note = f"iteration {done:,}/{total:,} ({100 * done / total:.0f} %)"
+    if running and steps:
+        note += f" · ETA {duration(steps[len(steps) // 2] * max(total - done, 0))}"
+    return done, total, note
+
+
 def status(args) -> None:
     manifest = args.manifest or Path(args.run_root or ".") / "manifest.json"
     data = read_manifest(manifest)
@@ -150,11 +186,19 @@ def status(args) -> None:
         sys.exit(f"[sweep] no runs in {manifest}")
     jobs = queued_jobs()
     counts: dict[str, int] = {}
+    done = total = 0
     for e in data["runs"]:
         st = run_state(e, jobs)
         counts[st.split(" at ")[0]] = counts.get(st.split(" at ")[0], 0) + 1
+        got = None if st == "finished" else progress(e, running=st == "running")
+        if got is not None:
+            done, total = done + got[0], total + got[1]
+            st += "" if st.startswith("stopped at") else " · " + got[2]
         print(f"{e['name']:<60} {e.get('job_id') or '-':>8}  {st}")
-    print("[sweep] " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())), file=sys.stderr)
+    line = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+    if total:  # over the runs not finished
+        line += f"; unfinished runs at {done:,}/{total:,} iterations ({100 * done / total:.0f} %)"
+    print("[sweep] " + line, file=sys.stderr)
 
 
 def main(argv=None) -> None:

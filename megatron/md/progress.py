@@ -10,7 +10,7 @@ import time
 from typing import Callable, TextIO
 
 
-def _duration(s: float) -> str:
+def duration(s: float) -> str:
     s = int(round(s))
     h, rem = divmod(s, 3600)
     return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
@@ -37,9 +37,9 @@ class Progress:
         elapsed = self.clock() - self.t0
         pct = 100.0 * self.done / self.total if self.total else 100.0
         left = elapsed / self.done * (self.total - self.done) if self.done else None
-        eta = "ETA ?" if left is None else f"ETA {_duration(max(left, 0.0))}"
+        eta = "ETA ?" if left is None else f"ETA {duration(max(left, 0.0))}"
         text = f"[{self.label}] {self.fmt(self.done)}/{self.fmt(self.total)} ({pct:.0f} %)"
-        text += f" · {_duration(elapsed)} · {eta}"
+        text += f" · {duration(elapsed)} · {eta}"
         return f"{text} · {note}" if note else text
 
     def update(self, n: float = 1, note: str = "", force: bool = False) -> None:
