@@ -22,8 +22,8 @@ setup(
     extras_require={
         "torch": ["torch>=2.15,<2.16"],
         "gpu": ["transformer-engine[pytorch]"],
-        # tools/evaluate.py (downstream evaluation with the LM Evaluation Harness)
-        "eval": ["lm-eval==0.4.13"],
+        # tools/evaluate.py (the LM Evaluation Harness) and tools/export_hf.py
+        "eval": ["lm-eval==0.4.13", "transformers", "safetensors"],
         "dev": [
             "pytest",
             "ruff",

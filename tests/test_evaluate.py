@@ -1,14 +1,17 @@
-"""tools/evaluate.py and its lm-eval adapter (megatron/md/evaluation).
+"""tools/evaluate.py and its lm-eval adapter (megatron/md/evaluation); tools/export_hf.py.
 
 In-process: the adapter's scoring against direct sums over small causal models (a bigram
 table, whose windows can be checked token by token, and a prefix-mean model, which sees the
 whole context, so padding or truncation mistakes change its numbers), and a multiple-choice task
 through lm-eval's own evaluator. End to end: a tiny AdamMD run on a BPE corpus, evaluated from
 its checkpoint: the adapter's loss on the run's validation samples equals the validation loss
-the run logged, and a local multiple-choice task writes its JSON."""
+the run logged, a local multiple-choice task writes its JSON, and the Hugging Face export
+gives megatron's logits."""
 
 import json
 import math
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +24,7 @@ from megatron.md.evaluation.harness import MegatronLM
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tools"), str(ROOT / "examples" / "md_decoupling")]
 V, EOD = 32, 0
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def bigram(seed=0):
@@ -169,40 +173,48 @@ def test_tokenizer_must_encode_text_for_tasks(tmp_path):
     evaluate.check_tokenizer(argparse.Namespace(tokenizer_type="NullTokenizer"), only_valid)
 
 
-@pytest.mark.distributed
-def test_checkpoint_scores_its_own_validation_loss_and_runs_a_task(tmp_path):
-    """A 2-rank ZeRO-1 AdamMD run (paper architecture, BPE corpus) evaluated from its checkpoint
-    on one process: the adapter's mean loss over the samples of the run's evaluation at
-    iteration 12 equals the validation loss the run logged there (the rebuilt model is the
-    trained one: a missed Sandwich Norm or embedding scale moves it by far more), and a local
-    multiple-choice task writes its metrics to the JSON."""
-    import cpu_demo  # noqa: F401  (examples/md_decoupling, on the path below)
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 2-rank ZeRO-1 AdamMD run of the paper architecture on a BPE corpus, 12 iterations,
+    evaluated and saved at 12: (its run directory, the corpus text)."""
+    import cpu_demo  # (examples/md_decoupling, on the path above)
     import preprocess_data
     import train_tokenizer
 
     from megatron.md.launch import torchrun
 
+    tmp = tmp_path_factory.mktemp("trained")
     text = cpu_demo.TEXT
-    docs = tmp_path / "docs.jsonl"
+    docs = tmp / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": text[i : i + 400]}) + "\n"
                             for i in range(0, len(text) - 400, 31)))  # fmt: skip
     train_tokenizer.main(
-        ["--input", str(docs), "--vocab-size", "300", "--output", str(tmp_path / "tok")]
+        ["--input", str(docs), "--vocab-size", "300", "--output", str(tmp / "tok")]
     )
-    preprocess_data.main(["--input", str(docs), "--tokenizer", str(tmp_path / "tok"),
-                          "--output-prefix", str(tmp_path / "c"), "--workers", "1"])  # fmt: skip
-    run = tmp_path / "run"
+    preprocess_data.main(["--input", str(docs), "--tokenizer", str(tmp / "tok"),
+                          "--output-prefix", str(tmp / "c"), "--workers", "1"])  # fmt: skip
+    run = tmp / "run"
     flags = ["--preset=tiny", "--optimizer=adam", "--md-decoupling", "--lr=1e-2",
              "--use-distributed-optimizer", "--tokenizer-type=HuggingFaceTokenizer",
-             f"--tokenizer-model={tmp_path / 'tok'}", f"--data-path={tmp_path / 'c_text_document'}",
+             f"--tokenizer-model={tmp / 'tok'}", f"--data-path={tmp / 'c_text_document'}",
              "--split=90,10,0", "--seq-length=64", "--max-position-embeddings=64",
              "--micro-batch-size=2", "--global-batch-size=4", "--train-iters=12",
              "--eval-interval=12", "--eval-iters=2", "--log-interval=4", f"--save={run}",
              "--save-interval=12"]  # fmt: skip
-    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(torchrun(ROOT / "pretrain_gpt.py", 2, flags), capture_output=True,
-                         text=True, timeout=600, env=env, cwd=tmp_path)  # fmt: skip
+                         text=True, timeout=600, env=ENV, cwd=tmp)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return run, text
+
+
+@pytest.mark.distributed
+def test_checkpoint_scores_its_own_validation_loss_and_runs_a_task(trained, tmp_path):
+    """The run of ``trained`` evaluated from its checkpoint on one process: the adapter's mean
+    loss over the samples of the run's evaluation at iteration 12 equals the validation loss the
+    run logged there (the rebuilt model is the trained one: a missed Sandwich Norm or embedding
+    scale moves it by far more), and a local multiple-choice task writes its metrics to the
+    JSON."""
+    run, text = trained
     logged = [json.loads(ln) for ln in (run / "metrics.jsonl").open() if '"valid"' in ln][0]
     assert logged["iteration"] == 12
     quiz = tmp_path / "quiz.jsonl"
@@ -212,7 +224,7 @@ def test_checkpoint_scores_its_own_validation_loss_and_runs_a_task(tmp_path):
     report = tmp_path / "eval" / "report.json"
     cmd = [sys.executable, str(ROOT / "tools" / "evaluate.py"), f"--load={run}", "--valid-loss",
            f"--local-task=quiz={quiz}", f"--output={report}", "--batch-size=3"]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     got = json.loads(report.read_text())
     assert got["iteration"] == 12 and got["valid"]["samples"] == 8
@@ -242,3 +254,52 @@ def test_replayed_flags_parse_back_to_the_saved_values():
     back, _ = restore._parser().parse_known_args(flags)
     for k, v in vars(saved).items():
         assert getattr(back, k) == v, k
+
+
+@pytest.mark.distributed
+def test_export_to_hugging_face_gives_megatrons_logits(trained, tmp_path):
+    """tools/export_hf.py on the run of ``trained``: the folder loads with transformers
+    (trust_remote_code) and its logits equal megatron's (--check: relative 1e-4 at most; seen
+    3.5e-7 on fp32); the run's tokenizer comes along; an existing --out and an MoE model are
+    refused (the latter by name, in test_export_refuses_what_the_hf_model_cannot_compute)."""
+    run, _ = trained
+    out = tmp_path / "hf"
+    cmd = [sys.executable, str(ROOT / "tools" / "export_hf.py"), f"--load={run}", f"--out={out}",
+           "--check"]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rel = float(re.search(r"relative difference (\S+)", res.stdout).group(1))
+    assert rel < 1e-5
+    names = {p.name for p in out.iterdir()}
+    assert {
+        "config.json",
+        "model.safetensors",
+        "modeling_megatron_md.py",
+        "tokenizer.json",
+    } <= names
+    assert json.loads((out / "megatron_md_export.json").read_text())["iteration"] == 12
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
+    assert again.returncode != 0 and "exists" in again.stderr
+
+
+def test_export_refuses_what_the_hf_model_cannot_compute():
+    import argparse
+
+    from megatron.md.export import hf_export
+
+    ok = dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, num_experts=None)
+    assert hf_export.unsupported(argparse.Namespace(**ok)) == []
+    moe = argparse.Namespace(**{**ok, "num_experts": 8, "normalization": "LayerNorm"})
+    assert hf_export.unsupported(moe) == [
+        "LayerNorm (normalization='LayerNorm')",
+        "mixture-of-experts layers (num_experts=8)",
+    ]
+
+
+def test_replayed_args_are_parser_destinations():
+    """Every name the evaluation replays from a checkpoint is an argument megatron's (or our)
+    parser has: a misspelt one would silently not be replayed."""
+    from megatron.md.evaluation import restore
+
+    dests = {a.dest for a in restore._parser()._actions}
+    assert set(restore.ARCH) - dests == set() and set(restore.DATA) - dests == set()

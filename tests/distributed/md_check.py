@@ -96,6 +96,7 @@ def split_qkv(args) -> bool:
 
 def build(args, world):
     """A DDP-wrapped tiny GPT and megatron's optimizer for it (not yet MD)."""
+    from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -104,8 +105,6 @@ def build(args, world):
         tag_params_for_buffer_routing,
     )
     from megatron.core.transformer.module import Float16Module
-
-    from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
     model = cpu_demo.build_model(11, 32, 2, 16, experts=args.experts).to(DEV)

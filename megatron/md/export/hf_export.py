@@ -1,0 +1,107 @@
+"""A trained model as a Hugging Face folder: ``config.json`` (``auto_map`` to our modeling
+file), ``model.safetensors`` (megatron's parameter names, the checkpoint's dtype),
+``modeling_megatron_md.py`` (``hf_modeling.py``), the run's tokenizer files where it used a
+Hugging Face tokenizer, and ``megatron_md_export.json`` (where it came from).
+
+Dense models of the paper's architecture only (``UNSUPPORTED`` names what is refused); the
+fused weight tensors of an MD run are ordinary weights, so MD and plain runs export alike.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from megatron.md.train.model import block_scale
+
+MODELING = Path(__file__).with_name("hf_modeling.py")
+#: (arg, the value the exported model needs, what the HF model lacks otherwise)
+NEEDS = (
+    ("normalization", "RMSNorm", "LayerNorm"),
+    ("swiglu", True, "an activation other than SwiGLU"),
+    ("add_bias_linear", False, "linear biases"),
+    ("add_qkv_bias", False, "QKV biases"),
+    ("position_embedding_type", "rope", "position embeddings other than RoPE"),
+    ("rotary_percent", 1.0, "partial RoPE"),
+    ("rotary_interleaved", False, "interleaved RoPE"),
+    ("num_experts", None, "mixture-of-experts layers"),
+    ("multi_latent_attention", False, "multi-latent attention"),
+    ("layernorm_zero_centered_gamma", False, "zero-centred norm weights"),
+    ("attention_output_gate", False, "an attention output gate"),
+    ("use_rope_scaling", False, "RoPE scaling"),
+    ("mtp_num_layers", None, "multi-token prediction layers"),
+)
+#: Transformer Engine's fused norm weights → the local spec's names (hf_modeling's)
+TE_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+
+def unsupported(args) -> list[str]:
+    """What of the run ``hf_modeling`` cannot compute (empty: it exports)."""
+    return [f"{why} ({name}={getattr(args, name)!r})" for name, want, why in NEEDS
+            if getattr(args, name, want) != want]  # fmt: skip
+
+
+def config(args) -> dict:
+    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    return {
+        "model_type": "megatron_md_gpt",
+        "architectures": ["MegatronMDForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "modeling_megatron_md.MegatronMDConfig",
+            "AutoModelForCausalLM": "modeling_megatron_md.MegatronMDForCausalLM",
+        },
+        "vocab_size": args.padded_vocab_size,
+        "hidden_size": args.hidden_size,
+        "num_layers": args.num_layers,
+        "num_attention_heads": args.num_attention_heads,
+        "num_query_groups": groups,
+        "kv_channels": args.kv_channels,
+        "ffn_hidden_size": args.ffn_hidden_size,
+        "norm_epsilon": args.layernorm_epsilon,
+        "rotary_base": float(args.rotary_base),
+        "qk_layernorm": bool(args.qk_layernorm),
+        "sandwich_norm": bool(args.sandwich_norm),
+        "block_output_scale": block_scale(args.block_output_scale, args.num_layers),
+        "embedding_scale": bool(args.embedding_scale),
+        "share_embeddings": not args.untie_embeddings_and_output_weights,
+        "max_position_embeddings": args.max_position_embeddings,
+        "torch_dtype": "bfloat16" if args.bf16 else "float32",
+    }
+
+
+def tensors(state: dict) -> dict[str, torch.Tensor]:
+    """The model's state dict under hf_modeling's names (Float16Module's ``module.`` prefix
+    off, Transformer Engine's fused norm weights renamed, TE's ``_extra_state`` dropped)."""
+    out = {}
+    for name, t in state.items():
+        if not torch.is_tensor(t) or name.endswith("_extra_state"):
+            continue
+        name = name.removeprefix("module.")
+        for te, local in TE_NAMES.items():
+            name = name.replace(te, local)
+        out[name] = t.detach().contiguous().cpu()
+    return out
+
+
+def write(out: Path, cfg: dict, weights: dict, tokenizer: str | None, source: dict) -> None:
+    """The folder, written in a temporary sibling and renamed into place when complete."""
+    from safetensors.torch import save_file
+
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
+    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copyfile(MODELING, tmp / "modeling_megatron_md.py")
+    if tokenizer:
+        for f in Path(tokenizer).iterdir():
+            if f.is_file() and not (tmp / f.name).exists():  # ours win over a same-named file
+                shutil.copyfile(f, tmp / f.name)
+    (tmp / "megatron_md_export.json").write_text(json.dumps(source, indent=1) + "\n")
+    tmp.rename(out)

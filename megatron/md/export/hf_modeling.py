@@ -1,0 +1,206 @@
+"""The paper's dense GPT as a Hugging Face model (``trust_remote_code``): written into every
+folder ``tools/export_hf.py`` makes, as ``modeling_megatron_md.py``. Self-contained (torch and
+transformers only). Module and parameter names are megatron-core's (local layer spec), so a
+checkpoint's weights load by name.
+
+The computation is megatron-core's: RMSNorm; fused QKV laid out per query group (the group's
+query heads, then its key and its value head); Q/K RMSNorm per head before RoPE
+(non-interleaved, ``rotary_base``, full head dimension); causal softmax(QKᵀ/√d_head) V;
+SwiGLU (the first half of fc1 gated by SiLU); Sandwich Norm (``α · RMSNorm(block output)``
+added to the residual); embeddings × √d; an untied or tied LM head over the padded vocabulary.
+No key/value cache: every call reads the whole sequence.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutput
+
+try:
+    from transformers import PreTrainedConfig as _Config
+except ImportError:  # transformers < 5
+    from transformers import PretrainedConfig as _Config
+
+
+class MegatronMDConfig(_Config):
+    model_type = "megatron_md_gpt"
+
+    def __init__(
+        self,
+        vocab_size: int = 1024,
+        hidden_size: int = 128,
+        num_layers: int = 2,
+        num_attention_heads: int = 2,
+        num_query_groups: int = 1,
+        kv_channels: int = 64,
+        ffn_hidden_size: int = 512,
+        norm_epsilon: float = 1e-5,
+        rotary_base: float = 10000.0,
+        qk_layernorm: bool = True,
+        sandwich_norm: bool = True,
+        block_output_scale: float = 1.0,
+        embedding_scale: bool = True,
+        share_embeddings: bool = False,
+        max_position_embeddings: int = 4096,
+        **kwargs,
+    ):
+        self.vocab_size, self.hidden_size, self.num_layers = vocab_size, hidden_size, num_layers
+        self.num_attention_heads, self.num_query_groups = num_attention_heads, num_query_groups
+        self.kv_channels, self.ffn_hidden_size = kv_channels, ffn_hidden_size
+        self.norm_epsilon, self.rotary_base, self.qk_layernorm = (
+            norm_epsilon,
+            rotary_base,
+            qk_layernorm,
+        )
+        self.sandwich_norm, self.block_output_scale = sandwich_norm, block_output_scale
+        self.embedding_scale, self.share_embeddings = embedding_scale, share_embeddings
+        self.max_position_embeddings = max_position_embeddings
+        kwargs["tie_word_embeddings"] = False  # a tied head reads the embedding (forward)
+        super().__init__(**kwargs)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class _Weight(nn.Module):
+    """A module holding one ``weight`` (megatron's parameter names)."""
+
+    def __init__(self, *shape: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(*shape))
+
+
+class _Norm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class _Sandwich(nn.Module):
+    """megatron-md's ``SandwichAdd``: residual + α · RMSNorm(x)."""
+
+    def __init__(self, c: MegatronMDConfig):
+        super().__init__()
+        self.norm, self.alpha = _Norm(c.hidden_size, c.norm_epsilon), c.block_output_scale
+
+    def forward(self, x, residual):
+        return residual + self.alpha * self.norm(x)
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: MegatronMDConfig):
+        super().__init__()
+        self.np, self.ng, self.hn = c.num_attention_heads, c.num_query_groups, c.kv_channels
+        self.linear_qkv = _Weight((self.np + 2 * self.ng) * self.hn, c.hidden_size)
+        self.linear_proj = _Weight(c.hidden_size, self.np * self.hn)
+        if c.qk_layernorm:
+            self.q_layernorm = _Norm(self.hn, c.norm_epsilon)
+            self.k_layernorm = _Norm(self.hn, c.norm_epsilon)
+        self.qk_norm = c.qk_layernorm
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        per = self.np // self.ng
+        qkv = F.linear(x, self.linear_qkv.weight).view(b, s, self.ng, (per + 2) * self.hn)
+        q, k, v = qkv.split([per * self.hn, self.hn, self.hn], dim=-1)
+        q = q.reshape(b, s, self.np, self.hn)
+        if self.qk_norm:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hn]
+        k, v = k.repeat_interleave(per, dim=1), v.repeat_interleave(per, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.linear(out.transpose(1, 2).reshape(b, s, -1), self.linear_proj.weight)
+
+
+class _MLP(nn.Module):
+    def __init__(self, c: MegatronMDConfig):
+        super().__init__()
+        self.linear_fc1 = _Weight(2 * c.ffn_hidden_size, c.hidden_size)
+        self.linear_fc2 = _Weight(c.hidden_size, c.ffn_hidden_size)
+
+    def forward(self, x):
+        gate, up = F.linear(x, self.linear_fc1.weight).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.linear_fc2.weight)
+
+
+class _Layer(nn.Module):
+    def __init__(self, c: MegatronMDConfig):
+        super().__init__()
+        self.input_layernorm = _Norm(c.hidden_size, c.norm_epsilon)
+        self.self_attention = _Attention(c)
+        self.pre_mlp_layernorm = _Norm(c.hidden_size, c.norm_epsilon)
+        self.mlp = _MLP(c)
+        if c.sandwich_norm:
+            self.self_attn_bda, self.mlp_bda = _Sandwich(c), _Sandwich(c)
+        self.sandwich = c.sandwich_norm
+
+    def forward(self, x, cos, sin):
+        out = self.self_attention(self.input_layernorm(x), cos, sin)
+        x = self.self_attn_bda(out, x) if self.sandwich else x + out
+        out = self.mlp(self.pre_mlp_layernorm(x))
+        return self.mlp_bda(out, x) if self.sandwich else x + out
+
+
+class _Decoder(nn.Module):
+    def __init__(self, c: MegatronMDConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_layers))
+        self.final_layernorm = _Norm(c.hidden_size, c.norm_epsilon)
+
+
+class _Embedding(nn.Module):
+    def __init__(self, c: MegatronMDConfig):
+        super().__init__()
+        self.word_embeddings = _Weight(c.vocab_size, c.hidden_size)
+
+
+class MegatronMDForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = MegatronMDConfig
+    base_model_prefix = "decoder"
+
+    def __init__(self, config: MegatronMDConfig):
+        super().__init__(config)
+        self.embedding = _Embedding(config)
+        self.decoder = _Decoder(config)
+        if not config.share_embeddings:
+            self.output_layer = _Weight(config.vocab_size, config.hidden_size)
+        self.post_init()
+
+    def _init_weights(self, module):  # every weight comes from the exported checkpoint
+        pass
+
+    def forward(self, input_ids, attention_mask=None, labels=None, **kwargs):
+        c = self.config
+        x = F.embedding(input_ids, self.embedding.word_embeddings.weight)
+        if c.embedding_scale:
+            x = x * math.sqrt(c.hidden_size)
+        # RoPE as megatron computes it (fp32); no buffer: from_pretrained may build the model on
+        # the meta device and would leave a non-persistent buffer unset
+        dev, hn = input_ids.device, c.kv_channels
+        inv_freq = 1.0 / (
+            c.rotary_base ** (torch.arange(0, hn, 2, dtype=torch.float32, device=dev) / hn)
+        )
+        pos = torch.arange(input_ids.shape[1], device=dev, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)[None, :, None, :]  # [1, s, 1, hn]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer in self.decoder.layers:
+            x = layer(x, cos, sin)
+        x = self.decoder.final_layernorm(x)
+        head = self.embedding.word_embeddings if c.share_embeddings else self.output_layer
+        logits = F.linear(x, head.weight)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+        return CausalLMOutput(loss=loss, logits=logits)

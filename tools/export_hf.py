@@ -1,0 +1,94 @@
+"""Export a trained checkpoint to a Hugging Face model folder (safetensors, config, and a
+custom modeling file loaded with ``trust_remote_code=True``).
+
+    python tools/export_hf.py --load runs/dense-181M-muonmd --out hf/dense-181M-muonmd
+    python -c "from transformers import AutoModelForCausalLM as M; \\
+        m = M.from_pretrained('hf/dense-181M-muonmd', trust_remote_code=True)"
+
+The model is rebuilt from the run's saved args and loaded on one process exactly as
+``tools/evaluate.py`` does (any saved parallel layout, MD or not), then written with
+megatron's parameter names (``megatron/md/export``). Dense models of the paper's architecture
+only: anything the HF model cannot compute (MoE, biases, LayerNorm, partial RoPE, ...) is
+refused by name before any weight is read. ``--out`` must not exist (nothing is overwritten);
+the folder appears only when complete. ``--check`` loads it back with transformers and
+compares its logits with megatron's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--load", required=True, help="run directory (the run's --save)")
+    p.add_argument("--ckpt-step", type=int, default=None, help="iteration (default: the latest)")
+    p.add_argument("--out", required=True, help="the folder to write (must not exist)")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="the tokenizer folder, where it moved since training")  # fmt: skip
+    p.add_argument(
+        "--check", action="store_true", help="load it with transformers; compare the logits"
+    )
+    a = p.parse_args(argv)
+    if Path(a.out).exists():
+        p.error(f"--out {a.out} exists: give a new folder (nothing is overwritten)")
+    return a
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    import pretrain_gpt  # first: on a machine without CUDA it activates megatron-md's CPU mode
+    from megatron.md.evaluation import restore
+    from megatron.md.export import hf_export
+
+    saved, path = restore.saved_args(a.load, a.ckpt_step)
+    missing = hf_export.unsupported(saved)
+    if missing:
+        raise SystemExit(
+            "export_hf: error: the exported model cannot compute: " + "; ".join(missing)
+        )
+    flags = restore.argv_for(saved, a.load, a.ckpt_step, valid=False)
+    if a.tokenizer_model:
+        flags.append(f"--tokenizer-model={a.tokenizer_model}")
+    net, args, iteration = restore.build(flags, pretrain_gpt)
+
+    import megatron.core
+    import torch
+
+    tok = args.tokenizer_model if args.tokenizer_type == "HuggingFaceTokenizer" else None
+    source = {"checkpoint": path, "iteration": iteration, "torch": torch.__version__,
+              "megatron_core": megatron.core.__version__}  # fmt: skip
+    out = Path(a.out)
+    hf_export.write(out, hf_export.config(args), hf_export.tensors(net.state_dict()), tok, source)
+    print(f"[export_hf] wrote {out} (iteration {iteration} of {a.load})", flush=True)
+    if a.check:
+        check(net, out, args)
+
+
+def check(net, out: Path, args) -> None:
+    """The exported folder through ``AutoModelForCausalLM.from_pretrained`` against megatron's
+    model on random tokens: relative difference of the logits (fp32: ≤ 1e-4; bf16: ≤ 2e-2)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    n = min(64, args.seq_length)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, args.padded_vocab_size, (2, n), generator=g)
+    device = next(net.parameters()).device
+    with torch.no_grad():
+        ours = net(tokens.to(device), torch.arange(n, device=device).expand(2, n), None).float()
+        theirs = hf.to(device)(tokens.to(device)).logits.float()
+    rel = float((ours - theirs).norm() / ours.norm())
+    print(f"[export_hf] logits of the exported model vs megatron's: relative difference {rel:.2e}")
+    if not rel <= (2e-2 if args.bf16 else 1e-4):
+        raise SystemExit(f"export_hf: error: the exported model's logits differ ({rel:.2e})")
+
+
+if __name__ == "__main__":
+    main()
