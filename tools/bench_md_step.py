@@ -102,10 +102,12 @@ def build(name: str, optimizer: str, md_on: bool, dtype: str, vocab: int, fused:
     from megatron.md.config import MDConfig
     from megatron.md.enable import enable_md
 
-    d, layers, heads, _, _ = SHAPES[name]
+    d, layers, heads, kv, _ = SHAPES[name]
+    # the attention layout of shape_model's QKV (megatron tags it for Muon's Q/K/V split from it)
     cfg = TransformerConfig(
-        num_layers=layers, hidden_size=d, num_attention_heads=heads, use_cpu_initialization=True
-    )
+        num_layers=layers, hidden_size=d, num_attention_heads=heads, num_query_groups=kv,
+        kv_channels=128, use_cpu_initialization=True,
+    )  # fmt: skip
     module = shape_model(name, vocab)
     if dtype == "bf16":
         module = module.to(torch.bfloat16)
