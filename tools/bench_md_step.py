@@ -269,16 +269,19 @@ def timed_step(opt):
 def time_interleaved(opts: dict, steps: int) -> dict:
     """Per optimizer: median (full, inner) step seconds and the per-round times, stepping
     them in turn (A, B, A, B, ...) so that a slow phase of a shared machine hits both alike; the
-    first round allocates and is not timed."""
+    first round allocates (and compiles) and is reported apart (``first_s``)."""
     steppers = {k: timed_step(o) for k, o in opts.items()}
-    times = {k: [] for k in opts}
+    times, first = {k: [] for k in opts}, {}
     for i in range(steps + 1):
         for k, one in steppers.items():
             t = one()
             if i:
                 times[k].append(t)
+            else:  # allocation and, for the compiled MD step, compilation: the start-up cost
+                first[k] = t[0]
     return {
         k: {
+            "first_s": first[k],
             "step_s": statistics.median(t[0] for t in ts),
             "inner_s": statistics.median(t[1] for t in ts),
             "steps_s": [t[0] for t in ts],
@@ -405,7 +408,8 @@ def measure(name: str, dtype: str, args, rank: int) -> dict:
             row["bytes"] = collective_bytes(models[pair.index("adam_md")], opts["adam_md"])
         for run, t in got.items():
             phases = ", ".join(f"{p} {v:.3f}" for p, v in t["phases_s"].items())
-            log(rank, f"  {run}: step {t['step_s']:.3f} s, inner {t['inner_s']:.3f} s ({phases})")
+            log(rank, f"  {run}: first step {t['first_s']:.1f} s, then step {t['step_s']:.3f} s, "
+                      f"inner {t['inner_s']:.3f} s ({phases})")  # fmt: skip
         row["pairs"][key] = got
         base, md = pair
         for which in ("step", "compute", "inner")[: 1 if key.endswith("zero1") else 3]:
