@@ -95,6 +95,33 @@ def test_sweep_submits_each_run_once(slurm, tmp_path):
     assert "2 finished" in status.stderr, status.stdout + status.stderr
 
 
+def test_sweep_as_a_job_array(slurm, tmp_path):
+    """sweep.py --array: the experiment's runs as ONE job array (task i runs line i + 1 of the
+    tasks file the launcher reads); each run completes in its own directory with its own log,
+    the manifest names each task (ARRAYID_TASK); --resume --array submits nothing again."""
+    env, _ = slurm
+    root = tmp_path / "sweep"
+    cmd = [sys.executable, str(EX / "sweep.py"), "smoke", f"--run-root={root}",
+           "--gpus-per-node=0", "--time=10", "--array", "--array-max=1"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    manifest = json.loads((root / "manifest.json").read_text())
+    ids = [e["job_id"] for e in manifest["runs"]]
+    assert len(ids) == 2 and len({i.split("_")[0] for i in ids}) == 1, ids
+    assert sorted(i.split("_")[1] for i in ids) == ["0", "1"]
+    for e in manifest["runs"]:
+        info = wait_done(env, e["job_id"], 300)
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", info
+        run = Path(e["run_dir"])
+        assert (run / "finished").is_file()
+        assert [r["iteration"] for r in train_rows(run / "metrics.jsonl")] == list(range(1, 7))
+        log = Path(e["log"]).read_text()
+        assert f"run={e['name']} " in log and log.count("[launch] git ") == 1
+    again = subprocess.run([*cmd, "--resume", "--no-validate"], capture_output=True, text=True,
+                           env=env, timeout=120)  # fmt: skip
+    assert "0 submitted, 2 skipped" in again.stderr, again.stdout + again.stderr
+
+
 def test_scancel_term_saves_and_exits_zero(slurm, tmp_path):
     """`scancel --signal=TERM` (what a preemption sends): the run saves the iteration it
     reached and the job ends COMPLETED with exit code 0, not finished."""

@@ -3,6 +3,7 @@
     python examples/md_decoupling/sweep.py dense-grid --dry-run
     python examples/md_decoupling/sweep.py ablation-sphere --nodes 2 --time 24:00:00
     python examples/md_decoupling/sweep.py ablation-sphere --resume    # what is not done/queued
+    python examples/md_decoupling/sweep.py dense-grid --array --array-max 8   # one job array
     python examples/md_decoupling/sweep.py status --run-root runs/ablation-sphere
     python examples/md_decoupling/sweep.py moe-ladder --ep 4 --only 'moe-0.27B.*15B'
     python examples/md_decoupling/sweep.py --list
@@ -55,6 +56,13 @@ def plan(
     return runs
 
 
+def site_options(args) -> list[str]:
+    """sbatch options of the site: GPUs per node, account, partition (where given)."""
+    out = [f"--gpus-per-node={args.gpus_per_node}"] if args.gpus_per_node else []
+    out += [f"--account={args.account}"] if args.account else []
+    return out + ([f"--partition={args.partition}"] if args.partition else [])
+
+
 def sbatch_command(run: experiments.Run, args, run_root: str, dependency: str | None) -> list[str]:
     nodes = run.meta.get("nodes", args.nodes)
     cmd = [
@@ -64,22 +72,33 @@ def sbatch_command(run: experiments.Run, args, run_root: str, dependency: str | 
         f"--time={args.time}",
         f"--output={run_root}/logs/%x-%j.out",
         f"--export=ALL,RUN_NAME={run.name},RUN_ROOT={run_root}",
+        *site_options(args),
     ]
-    if args.gpus_per_node:
-        cmd.append(f"--gpus-per-node={args.gpus_per_node}")
-    if args.account:
-        cmd.append(f"--account={args.account}")
-    if args.partition:
-        cmd.append(f"--partition={args.partition}")
     if dependency:
         cmd.append(f"--dependency=afterok:{dependency}")
     return [*cmd, str(LAUNCHER), *run.flags]
 
 
+def array_command(runs: list, args, run_root: str, tasks: Path) -> list[str]:
+    """One ``sbatch --array`` for ``runs`` (all on the same number of nodes): task i runs line
+    i + 1 of ``tasks`` (launch.sbatch reads it); ``--array-max`` runs at once at most."""
+    nodes = {r.meta.get("nodes", args.nodes) for r in runs}
+    if len(nodes) != 1:
+        sys.exit(f"[sweep] --array: the runs need {sorted(nodes)} nodes; one array takes one "
+                 "size: submit each with --only")  # fmt: skip
+    spec = f"0-{len(runs) - 1}" + (f"%{args.array_max}" if args.array_max else "")
+    cmd = ["sbatch", f"--job-name={args.experiment}", f"--array={spec}",
+           f"--nodes={nodes.pop()}", f"--time={args.time}",
+           f"--output={run_root}/logs/%x-%A_%a.out", *site_options(args),
+           f"--export=ALL,ARRAY_TASKS={tasks},RUN_ROOT={run_root}"]  # fmt: skip
+    return [*cmd, str(LAUNCHER)]
+
+
 def queued_jobs() -> dict[str, str]:
-    """Job id -> state of this user's jobs that SLURM still holds (pending, running, …)."""
+    """Job id -> state of this user's jobs that SLURM still holds (pending, running, …); array
+    tasks one by one (``ARRAYID_TASK``)."""
     try:
-        out = subprocess.run(["squeue", "-h", "--me", "-o", "%i %T"], capture_output=True,
+        out = subprocess.run(["squeue", "-h", "-r", "--me", "-o", "%i %T"], capture_output=True,
                              text=True, timeout=60)  # fmt: skip
     except (OSError, subprocess.TimeoutExpired):
         return {}
@@ -201,6 +220,47 @@ def status(args) -> None:
     print("[sweep] " + line, file=sys.stderr)
 
 
+def skip_state(prev: dict | None, jobs: dict[str, str]) -> str | None:
+    """Why a run of an earlier submission is not submitted again (None: it is)."""
+    if not prev:
+        return None
+    state = run_state(prev, jobs)
+    return state if state == "finished" or prev.get("job_id") in jobs else None
+
+
+def submit_array(runs: list, args, run_root: str, manifest: dict, path: Path) -> dict:
+    """``runs`` as one job array; their manifest entries (job id ``ARRAYID_TASK``, log file)
+    written at once. Returns run name -> job id (None on a dry run)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    tasks = Path(run_root) / "arrays" / f"{args.experiment}-{stamp}.tasks"
+    cmd = array_command(runs, args, run_root, tasks)
+    lines = "".join(shlex.join([r.name, *r.flags]) + "\n" for r in runs)
+    array_id = None
+    if args.dry_run:
+        print(shlex.join(cmd))
+        print(lines, end="")
+    else:
+        tasks.parent.mkdir(parents=True, exist_ok=True)
+        tasks.write_text(lines)
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        m = re.search(r"Submitted batch job (\d+)", out.stdout)
+        if out.returncode != 0 or not m:
+            why = out.stderr.strip() or out.stdout
+            sys.exit(f"sbatch --array failed: {why}\n[sweep] nothing of the array was submitted")
+        array_id = m.group(1)
+    ids = {}
+    for i, r in enumerate(runs):
+        ids[r.name] = job = array_id and f"{array_id}_{i}"
+        log = job and f"{run_root}/logs/{args.experiment}-{job}.out"
+        manifest["runs"].append({"name": r.name, "job_id": job, "flags": r.flags, "meta": r.meta,
+                                 "run_dir": f"{run_root}/{r.name}", "log": log})  # fmt: skip
+        if job:
+            print(f"{r.name}: job {job}")
+    if not args.dry_run:
+        write_manifest(path, manifest)
+    return ids
+
+
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -226,6 +286,17 @@ def main(argv=None) -> None:
         type=int,
         default=int(os.environ.get("GPUS_PER_NODE", 4)),
         help="sbatch --gpus-per-node (0: none, e.g. a CPU-only cluster)",
+    )
+    ap.add_argument(
+        "--array",
+        action="store_true",
+        help="submit the runs as one SLURM job array (runs with a dependency apart)",
+    )
+    ap.add_argument(
+        "--array-max",
+        type=int,
+        default=None,
+        help="with --array: at most this many runs at once (sbatch --array=…%%N)",
     )
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE ladder)")
     ap.add_argument("--micro-batch-size", type=int, default=4, help="per-GPU micro-batch")
@@ -263,12 +334,19 @@ def main(argv=None) -> None:
         (Path(run_root) / "logs").mkdir(parents=True, exist_ok=True)
     job_ids: dict[str, str | None] = {}
     skipped = 0
+    if args.array:  # first the array, then runs that wait for another one by one
+        pending = [r for r in runs if not r.meta.get("after")
+                   and not skip_state(old.get(r.name), jobs)]  # fmt: skip
+        if pending:
+            job_ids.update(submit_array(pending, args, run_root, manifest, manifest_path))
     for run in runs:
+        if run.name in job_ids and args.array:
+            continue
         entry = {"name": run.name, "job_id": None, "flags": run.flags, "meta": run.meta,
                  "run_dir": f"{run_root}/{run.name}"}  # fmt: skip
         prev = old.get(run.name)
-        state = run_state(prev, jobs) if prev else None
-        if prev and (state == "finished" or prev.get("job_id") in jobs):
+        state = skip_state(prev, jobs)
+        if state:
             entry["job_id"] = prev.get("job_id")
             job_ids[run.name] = entry["job_id"] if state != "finished" else None
             print(f"{run.name}: {state}, not submitted again")
