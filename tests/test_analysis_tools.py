@@ -194,3 +194,24 @@ def test_bench_md_step_smoke(tmp_path):
     matrices = 2 * ((384 + 128 + 1) + (128 + 128 + 1) + (512 + 128 + 1) + (128 + 256 + 1))
     assert row["bytes"]["md_allreduce"] == 4 * (matrices + 2 * 512)
     assert 1.0 < ratios["state bytes md/base (bf16 params)"] <= 1.02
+
+
+def test_figure_style_is_one_colour_per_method_and_sizes_in_numeric_order(tmp_path):
+    """Every figure colours a method the same way whatever its spelling (MuonMD red, as in the
+    paper), orders sizes by their numbers, and lr_sweep.py --replot redraws from its CSV."""
+    from megatron.md.figstyle import METHOD_COLORS, method_color, natural_key, ordered_colors
+
+    assert method_color("MuonMD") == method_color("muon_md") == METHOD_COLORS["muonmd"]
+    assert method_color("AdamW") == method_color("adam") != method_color("adammd")
+    assert method_color("lion") is None and len(set(METHOD_COLORS.values())) == len(METHOD_COLORS)
+    assert sorted(["d256", "d64", "d128"], key=natural_key) == ["d64", "d128", "d256"]
+    assert list(ordered_colors(["457M", "181M", "1290M"])) == ["181M", "457M", "1290M"]
+    csv_path = tmp_path / "lr_sweep.csv"
+    csv_path.write_text(
+        "name,size,method,variant,matrix_lr,status,tail_loss\n"
+        "a,d64,adamw,,0.01,ok,3.0\nb,d64,adamw,,0.02,ok,2.9\nc,d128,muonmd,,0.01,ok,2.8\n"
+    )
+    out = run_tool("lr_sweep.py", str(csv_path), "--replot", "--out", str(tmp_path / "f"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "f" / "lr_sweep.png").stat().st_size > 0
+    assert (tmp_path / "f" / "lr_transfer.png").stat().st_size > 0

@@ -13,6 +13,10 @@ reads), ``lr_sweep.png`` (a panel per size: a curve per method) and ``lr_transfe
 panel per method: a curve per size, i.e. the paper's width/depth transfer figure).
 
     python tools/lr_sweep.py runs/dense-grid/manifest.json --out runs/dense-grid/analysis
+    python tools/lr_sweep.py runs/dense-grid/analysis/lr_sweep.csv --replot   # figures only
+
+Figures follow ``megatron/md/figstyle.py``: one colour per method in every panel, sizes in
+numeric order on one sequential map, a line style per variant (seed, ablation arm).
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import argparse
 import csv
 import json
 import math
-import re
 import sys
 from pathlib import Path
 
@@ -29,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 from runlog import TAIL, LogError, flag, read_log, read_manifest  # noqa: E402
+
+from megatron.md.figstyle import method_color, natural_key, ordered_colors  # noqa: E402
 
 
 def size_counts(size: str, flags: list[str]) -> tuple[int | None, int | None]:
@@ -114,8 +119,11 @@ def plot(rows: list[dict], out: Path, x: str = "matrix_lr") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # one colour per size in every panel, in numeric order; methods: figstyle's fixed colours
+    sizes = ordered_colors(r["size"] for r in rows if r["status"] == "ok")
+
     def panels(outer: str, inner: str, path: Path, title: str) -> None:
-        keys = sorted({r[outer] for r in rows if r["status"] == "ok"}, key=_natural)
+        keys = sorted({r[outer] for r in rows if r["status"] == "ok"}, key=natural_key)
         if not keys:
             return
         fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
@@ -125,10 +133,14 @@ def plot(rows: list[dict], out: Path, x: str = "matrix_lr") -> None:
                 if r[outer] == k and r["status"] == "ok":
                     variant = r["variant"] if x == "matrix_lr" else ""
                     series.setdefault((r[inner], variant), []).append(r)
-            for (name, variant), pts in sorted(series.items()):
+            variants = sorted({v for _, v in series}, key=natural_key)
+            order = lambda kv: (natural_key(kv[0][0]), natural_key(kv[0][1]))  # noqa: E731
+            for (name, variant), pts in sorted(series.items(), key=order):
                 pts.sort(key=lambda r: r["x"])
-                line = ax.plot([r["x"] for r in pts], [r["tail_loss"] for r in pts],
-                               "o-", ms=3, label=label(name, variant))[0]  # fmt: skip
+                style = ["o-", "s--", "^:", "d-."][variants.index(variant) % 4]
+                color = sizes.get(name) if inner == "size" else method_color(name)
+                line = ax.plot([r["x"] for r in pts], [r["tail_loss"] for r in pts], style,
+                               ms=3, color=color, label=label(name, variant))[0]  # fmt: skip
                 b = min(pts, key=lambda r: r["tail_loss"])
                 ax.plot(b["x"], b["tail_loss"], "*", ms=12, color=line.get_color())
             ax.set_xscale("log", base=2)
@@ -146,9 +158,17 @@ def plot(rows: list[dict], out: Path, x: str = "matrix_lr") -> None:
     panels("method", "size", out / "lr_transfer.png", "method")
 
 
-def _natural(text: str):
-    """d64 < d128 < d256 (digits compared as numbers)."""
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(text))]
+def replot(path: Path, out: Path, x: str) -> dict:
+    """The figures again from an ``lr_sweep.csv`` this tool wrote (no run logs needed)."""
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        r["tail_loss"] = float(r["tail_loss"]) if r["status"] == "ok" else float("nan")
+        r["x"] = float(r[x])
+    out.mkdir(parents=True, exist_ok=True)
+    plot(rows, out, x)
+    print(f"[lr_sweep] redrew {out}/lr_sweep.png, lr_transfer.png from {path}", file=sys.stderr)
+    return {"rows": len(rows)}
 
 
 def main(argv=None) -> dict:
@@ -159,7 +179,12 @@ def main(argv=None) -> dict:
     ap.add_argument(
         "--x", default="matrix_lr", help="run meta key on the figures' x axis (e.g. gbs)"
     )
+    ap.add_argument(
+        "--replot", action="store_true", help="the positional is an lr_sweep.csv: redraw figures"
+    )
     args = ap.parse_args(argv)
+    if args.replot:
+        return replot(args.manifest, args.out or args.manifest.parent, args.x)
     try:
         manifest = read_manifest(args.manifest)
     except LogError as e:

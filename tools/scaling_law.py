@@ -151,10 +151,12 @@ def plot(points, result: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from megatron.md.figstyle import method_color
+
     fig, ax = plt.subplots(figsize=(6, 4))
     for m, pts in sorted(points.items()):
         c = [p[0] for p in pts]
-        line = ax.plot(c, [p[1] for p in pts], "o", alpha=0.25, ms=4)[0]
+        line = ax.plot(c, [p[1] for p in pts], "o", alpha=0.25, ms=4, color=method_color(m))[0]
         env = result["envelope"][m]
         ax.plot([p[0] for p in env], [p[1] for p in env], "o", color=line.get_color(), ms=5)
         f = Fit(**result["fits"][m])

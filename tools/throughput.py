@@ -120,9 +120,12 @@ def write_outputs(results: dict[str, dict], out: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from megatron.md.figstyle import method_color
+
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     names = list(results)
-    a.bar(names, [results[m]["tokens_per_s_per_gpu"] for m in names], color="tab:blue")
+    colors = [method_color(m) or "tab:gray" for m in names]
+    a.bar(names, [results[m]["tokens_per_s_per_gpu"] for m in names], color=colors)
     a.set_ylabel("tokens/s/GPU")
     a.set_title(title)
     bottom = [0.0] * len(names)

@@ -124,9 +124,12 @@ def plot(results: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    from megatron.md.figstyle import method_color
+
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
     for name, r in results.items():
-        line = a.plot(r["iters"], r["loss"], label=f"{name} (valid {r['valid']:.3f})")[0]
+        line = a.plot(r["iters"], r["loss"], color=method_color(name),
+                      label=f"{name} (valid {r['valid']:.3f})")[0]  # fmt: skip
         its, rel, lr, _ = zip(*r["diag"])
         b.plot(its, rel, "o-", ms=3, color=line.get_color(), label=f"{name}: ‖ΔW‖/‖W‖")
         b.plot(its, [x * rel[-1] / lr[-1] for x in lr], "--", color=line.get_color(), lw=1,

@@ -105,12 +105,11 @@ def score(runs: list[dict], lr: float) -> tuple[float, list]:
 
 
 #: one colour per method in every panel; a control is dashed in its method's colour
-COLOURS = {"adamw": "tab:blue", "adammd": "tab:green", "muon": "tab:orange", "muonmd": "tab:red"}
-
-
 def _style(arm: str) -> dict:
     base = arm.split("-")[0]
-    return {"color": COLOURS[base], "ls": "-" if arm == base else "--",
+    from megatron.md.figstyle import method_color
+
+    return {"color": method_color(base), "ls": "-" if arm == base else "--",
             "marker": {"nowarmup": "s", "gainlr1e": "^", "nogains": "v"}.get(
                 arm.split("-")[1] if "-" in arm else "", "o")}  # fmt: skip
 

@@ -298,6 +298,8 @@ def two_seed_best(d128: dict, seeds: dict, methods: tuple) -> dict | None:
 def plot_dynamics(dyn: dict, path: Path) -> None:
     import matplotlib
 
+    from megatron.md.figstyle import method_color
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -306,12 +308,12 @@ def plot_dynamics(dyn: dict, path: Path) -> None:
         it = [p["iteration"] for p in d["points"]]
         rel = [p["rel_update"] for p in d["points"]]
         lr = [p["lr"] for p in d["points"]]
-        line = a.plot(it, rel, label=f"{m}: ‖ΔW‖/‖W‖ (hidden matrices)")[0]
+        line = a.plot(it, rel, color=method_color(m), label=f"{m}: ‖ΔW‖/‖W‖ (hidden matrices)")[0]
         a.plot(it, [x * max(rel) / max(lr) for x in lr], "--", color=line.get_color(), lw=1,
                label=f"{m}: matrix LR (scaled)")  # fmt: skip
         used = set(d["used_iterations"])
-        b.plot([i for i in it if i in used],
-               [r / x for i, r, x in zip(it, rel, lr) if i in used], label=m)  # fmt: skip
+        b.plot([i for i in it if i in used], [r / x for i, r, x in zip(it, rel, lr) if i in used],
+               color=line.get_color(), label=m)  # fmt: skip
     a.set_xlabel("iteration")
     a.set_yscale("log")
     a.legend(fontsize=7)
