@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
+import lr_sweep  # noqa: E402
 import scaling_law  # noqa: E402
 
 TRUE = {"adamw": (12.0, 0.05), "muon": (12.0 * 0.978, 0.05), "muonmd": (12.0 * 0.966, 0.05)}
@@ -210,8 +211,19 @@ def test_figure_style_is_one_colour_per_method_and_sizes_in_numeric_order(tmp_pa
     csv_path.write_text(
         "name,size,method,variant,matrix_lr,status,tail_loss\n"
         "a,d64,adamw,,0.01,ok,3.0\nb,d64,adamw,,0.02,ok,2.9\nc,d128,muonmd,,0.01,ok,2.8\n"
+        "d,d128,muonmd,seed 1235,0.01,ok,2.6\n"
     )
     out = run_tool("lr_sweep.py", str(csv_path), "--replot", "--out", str(tmp_path / "f"))
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "f" / "lr_sweep.png").stat().st_size > 0
     assert (tmp_path / "f" / "lr_transfer.png").stat().st_size > 0
+    # runs that differ only by seed: one curve, the mean and the range
+    assert lr_sweep.seedless("seed 1235") == "" and lr_sweep.seedless("sphere row") == "sphere row"
+    pts = [
+        {"x": 0.01, "tail_loss": 2.8},
+        {"x": 0.01, "tail_loss": 2.6},
+        {"x": 0.02, "tail_loss": 3.0},
+    ]
+    xs, mean, lo, hi = lr_sweep.seed_stats(pts)
+    assert xs == [0.01, 0.02] and mean == pytest.approx([2.7, 3.0])
+    assert (lo, hi) == ([2.6, 3.0], [2.8, 3.0])

@@ -16,7 +16,8 @@ panel per method: a curve per size, i.e. the paper's width/depth transfer figure
     python tools/lr_sweep.py runs/dense-grid/analysis/lr_sweep.csv --replot   # figures only
 
 Figures follow ``megatron/md/figstyle.py``: one colour per method in every panel, sizes in
-numeric order on one sequential map, a line style per variant (seed, ablation arm).
+numeric order on one sequential map, a line style per variant (ablation arm); runs that differ
+only by seed are one curve, the mean with the seeds' range as error bars.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import argparse
 import csv
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -111,6 +113,21 @@ def label(method: str, variant: str) -> str:
     return f"{method} [{variant}]" if variant else method
 
 
+def seedless(variant: str) -> str:
+    """A variant that only names a seed ("seed 1235") is the same curve as the first seed's."""
+    return "" if re.fullmatch(r"seed \d+", variant or "") else variant
+
+
+def seed_stats(pts: list[dict]) -> tuple[list, list, list, list]:
+    """Per x: the mean tail loss over the seeds run there, and its min and max."""
+    by_x: dict[float, list[float]] = {}
+    for r in pts:
+        by_x.setdefault(r["x"], []).append(r["tail_loss"])
+    xs = sorted(by_x)
+    mean = [sum(by_x[v]) / len(by_x[v]) for v in xs]
+    return xs, mean, [min(by_x[v]) for v in xs], [max(by_x[v]) for v in xs]
+
+
 def plot(rows: list[dict], out: Path, x: str = "matrix_lr") -> None:
     """``x``: the meta key on the horizontal axis; other than the matrix LR (e.g. ``gbs``, the
     MoE batch sweep), one curve per method across variants."""
@@ -131,18 +148,20 @@ def plot(rows: list[dict], out: Path, x: str = "matrix_lr") -> None:
             series: dict[tuple, list] = {}
             for r in rows:
                 if r[outer] == k and r["status"] == "ok":
-                    variant = r["variant"] if x == "matrix_lr" else ""
+                    variant = seedless(r["variant"]) if x == "matrix_lr" else ""
                     series.setdefault((r[inner], variant), []).append(r)
             variants = sorted({v for _, v in series}, key=natural_key)
             order = lambda kv: (natural_key(kv[0][0]), natural_key(kv[0][1]))  # noqa: E731
             for (name, variant), pts in sorted(series.items(), key=order):
-                pts.sort(key=lambda r: r["x"])
+                xs, mean, lo, hi = seed_stats(pts)
                 style = ["o-", "s--", "^:", "d-."][variants.index(variant) % 4]
                 color = sizes.get(name) if inner == "size" else method_color(name)
-                line = ax.plot([r["x"] for r in pts], [r["tail_loss"] for r in pts], style,
-                               ms=3, color=color, label=label(name, variant))[0]  # fmt: skip
-                b = min(pts, key=lambda r: r["tail_loss"])
-                ax.plot(b["x"], b["tail_loss"], "*", ms=12, color=line.get_color())
+                seeds = " (seeds: mean, range)" if lo != hi else ""
+                err = [[m - a for m, a in zip(mean, lo)], [b - m for m, b in zip(mean, hi)]]
+                line = ax.errorbar(xs, mean, yerr=err, fmt=style, ms=3, capsize=2, color=color,
+                                   label=label(name, variant) + seeds)[0]  # fmt: skip
+                b = min(range(len(xs)), key=lambda i: mean[i])
+                ax.plot(xs[b], mean[b], "*", ms=12, color=line.get_color())
             ax.set_xscale("log", base=2)
             ax.set_xlabel("matrix LR" if x == "matrix_lr" else x)
             ax.set_title(f"{title} {k}")
