@@ -72,6 +72,7 @@ class SliceMD:
         self.n_norm = {"frobenius": n_blocks, "row": d_out, "col": n_blocks * d_in, "none": 0}[
             spec.sphere
         ]
+        self._gather = self._full = None  # MuonMD under TP: made at the first step
         self._phi: dict[str, tuple] = {}  # gain name -> (ĝ, its version, φ(ĝ)); see _gains
         self._pending = (
             None  # fused: sphere rescale left for the fuse's pass (see apply_pending_rescale)
@@ -308,14 +309,17 @@ class SliceMD:
             adam_step_(*work, t, base_hp)
         else:  # Muon: one Newton–Schulz call per block (Q, K, V when split)
             w2 = direction.view(self.local_shape)
-            full = w2 if self.tp is None else torch.empty(self.shape, device="meta")
+            if self.tp is not None and self._gather is None:  # once: the TP group, the shape
+                self._gather = tensor_parallel.PieceGather(self.tp)
+                self._full = torch.empty(self.shape, device="meta")
+            full = w2 if self.tp is None else self._full
             whole = {"direction": full, "radius": st["radius"]}  # the full matrix's scale
             scales = reference.muon_scales(whole, self.spec)  # no host sync (0-d tensors)
             mom = st["momentum_buffer"].view(self.local_shape)
-            gather = None if self.tp is None else tensor_parallel.PieceGather(self.tp)
             upd = muon_update(
-                g_dir.view(self.local_shape), mom, base_hp, scales, self.spec.row_blocks, gather
-            )
+                g_dir.view(self.local_shape), mom, base_hp, scales, self.spec.row_blocks,
+                self._gather,
+            )  # fmt: skip
             if self.spec.tangent_update:  # Muown: the step on the tangent space (whole matrix)
                 ids = self.ids
                 inner = reference.axis_sum(upd * w2, self.spec.sphere, ids)
