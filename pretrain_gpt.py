@@ -96,7 +96,9 @@ def finalize(args, argv: list[str]) -> None:
         args.init_method_std = 1 / math.sqrt(args.hidden_size)  # the paper: 1/sqrt(d)
     for flag in ("sandwich_norm", "embedding_scale"):  # on with --paper-arch unless given
         if getattr(args, flag) is None:
-            setattr(args, flag, args.paper_arch)
+            setattr(args, flag, args.paper_arch and args.arch == "gpt")
+    if args.arch == "ngpt":  # nGPT normalizes q and k itself (a preset's --qk-layernorm)
+        args.qk_layernorm = False
     args.eval_interval_defaulted = args.eval_interval is None
     if args.eval_interval is None:
         # megatron-core 0.19.2 has no default here and divides by it before training starts

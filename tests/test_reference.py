@@ -154,7 +154,7 @@ def test_bad_config_names_the_flag(kwargs, flag):
 
 
 def test_bad_config_lists_allowed_values():
-    with pytest.raises(ValueError, match="frobenius, row, col, none"):
+    with pytest.raises(ValueError, match="frobenius, row, col, hidden, none"):
         MDConfig(sphere="ball")
 
 

@@ -196,6 +196,44 @@ def rewarm_runs(lrs: list[float]) -> list[Run]:
     return runs
 
 
+#: nGPT's normalization: every vector along the hidden dimension at norm 1, no gains
+NGPT_SPHERE = ["--md-sphere=hidden", "--md-radius=unit", "--md-gains=none"]
+#: nGPT's architecture is built on megatron-core's local layer spec (on GPUs too)
+NGPT = ["--arch=ngpt", "--transformer-impl=local"]
+
+
+def ngpt_runs(lrs: list[float]) -> list[Run]:
+    """The nGPT comparison (appendix "Comparison to nGPT", fig. ngpt): the 181M base, 50k
+    iterations, every arm over the matrix-LR grid. Adam family: nGPT as proposed (its
+    architecture, unit vectors after a plain Adam step, one LR for every parameter as nGPT
+    trains), the same with its residual scales stored at 1 (the grey line), nGPT's architecture
+    with our Frobenius sphere and no gains, and with AdamMD; Muon family: nGPT's unit vectors
+    under Muon (no gains) and nGPT's architecture with MuonMD; our base AdamMD and MuonMD
+    (Sandwich Norm) for reference. Assumed where the paper is silent: the recipe's schedule
+    (linear decay, no warmup) and side LRs for every arm but nGPT as proposed."""
+
+    def one_lr(lr):  # nGPT trains every parameter at one LR
+        return [f"--lr={fmt(lr)}", f"--embedding-lr={fmt(lr)}", f"--output-lr={fmt(lr)}"]
+
+    arms = {  # variant -> (method, extra flags; a callable gets the matrix LR)
+        "base": (("adammd", "muonmd"), lambda lr: []),
+        "ngpt": (("adammd",), lambda lr: [*NGPT, *NGPT_SPHERE, *one_lr(lr)]),
+        "ngpt-alpha1": (
+            ("adammd",),
+            lambda lr: [*NGPT, *NGPT_SPHERE, *one_lr(lr), "--ngpt-residual-scale=1"],
+        ),  # fmt: skip
+        "ngpt-arch-frobenius": (("adammd",), lambda lr: [*NGPT, "--md-gains=none"]),
+        "ngpt-arch-md": (("adammd", "muonmd"), lambda lr: NGPT),
+        "ngpt-muon": (("muonmd",), lambda lr: [*NGPT, *NGPT_SPHERE]),
+    }
+    return [
+        _dense_run("dense-181M", m, lr, tag, extra(lr), axis="ngpt", variant=tag)
+        for tag, (methods, extra) in arms.items()
+        for m in methods
+        for lr in lrs
+    ]
+
+
 def throughput_runs() -> list[Run]:
     """The paper's throughput table: 5 sizes (+ the 1.54B at twice the batch) × 4 methods,
     200 iterations with --log-throughput, 2 nodes × 4 GPUs (DP = 8)."""
@@ -251,6 +289,8 @@ def experiment(name: str, lrs: list[float] | None = None) -> list[Run]:
         ]
     if name == "ablation-rewarm":
         return rewarm_runs(lrs)
+    if name == "ngpt-comparison":
+        return ngpt_runs(lrs)
     if name.startswith("ablation-"):
         axis = name[len("ablation-") :]
         methods, variants = ABLATIONS[axis]
@@ -284,6 +324,7 @@ EXPERIMENTS = (
     "dense-grid",
     *(f"ablation-{a}" for a in (*ABLATIONS, "block-scale", "rewarm")),
     *SIDE_LR,
+    "ngpt-comparison",
     "moe-base-sweep",
     "moe-batch-sweep",
     "moe-ladder",
@@ -326,7 +367,8 @@ PAPER = (
      "--ckpt-step N for the trajectory)", "moe-ladder",
      "python tools/evaluate.py --load runs/moe-ladder/RUN --tasks paper "
      "--output runs/moe-ladder/evals/RUN.json"),
-    ("Fig. ngpt", "nGPT comparison", "—", "not yet (no nGPT architecture)"),
+    ("Fig. ngpt", "nGPT as proposed, its architecture with our sphere / MD, residual scale 1",
+     "ngpt-comparison", _LR),
 )  # fmt: skip
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-SPHERES = ("frobenius", "row", "col", "none")
-RADII = ("init", "shape")
+SPHERES = ("frobenius", "row", "col", "hidden", "none")
+RADII = ("init", "shape", "unit")
 GAINS = ("none", "scalar", "row", "col", "rowcol", "lowrank")
 GAIN_MAPS = ("softplus", "exp", "direct", "direct-floor")
 ROW_NORMS = ("row", "none")
@@ -39,11 +39,14 @@ class MDConfig:
 
     sphere: str = "frobenius"
     """Axis of the fixed-norm constraint on the direction Ŵ: whole matrix (frobenius), each
-    output row, each input column, or none (gains only)."""
+    output row, each input column, each vector along the model's hidden dimension (hidden:
+    nGPT's axes, rows of the matrices that read the residual stream and columns of the
+    attention/MLP output projections that write it), or none (gains only)."""
 
     radius: str = "init"
-    """Sphere radius: the matrix's norm when the MD state is created (init), or the shape
-    formula sqrt(max(d_out, d_in)) (shape). Per-row/col spheres split it evenly over rows/cols."""
+    """Sphere radius: the matrix's norm when the MD state is created (init), the shape formula
+    sqrt(max(d_out, d_in)) (shape; per-row/col spheres split it evenly over rows/cols), or 1 for
+    every vector of a row/col/hidden sphere (unit: nGPT's unit-norm weights)."""
 
     gains: str = "rowcol"
     """Magnitude gains: none, one scalar, per row, per column, per row and column, or a rank-k
@@ -161,6 +164,11 @@ class MDConfig:
             raise ValueError(f"gain betas {self.gain_betas!r} must lie in [0, 1)")
         if not (math.isfinite(self.residual_init_scale) and self.residual_init_scale > 0):
             raise ValueError(f"residual init scale {self.residual_init_scale!r} must be > 0")
+        if self.radius == "unit" and self.sphere not in ("row", "col", "hidden"):
+            raise ValueError(
+                f"--md-radius unit puts every row or column at norm 1: it needs --md-sphere "
+                f"row, col or hidden (got {self.sphere})"
+            )
         if self.sphere == "none" and self.tangent_grad:
             raise ValueError("--md-tangent-grad needs a sphere (--md-sphere frobenius|row|col)")
 
@@ -246,7 +254,7 @@ class MatrixSpec:
     """The MD treatment of one 2-D parameter, resolved from ``MDConfig`` and its role."""
 
     sphere: str
-    """frobenius, row, col or none."""
+    """frobenius, row, col or none (MDConfig's hidden resolved to row or col)."""
     radius: str
     """init, shape, or unit (each row at unit L2 norm: embeddings and LM head)."""
     gains: str
@@ -295,8 +303,11 @@ def spec_for(
                           gain_init="norm", project=cfg.variant == "muown-angular",
                           tangent_update=True)  # fmt: skip
     if role == "matrix":
+        sphere = cfg.sphere
+        if sphere == "hidden":  # nGPT: normalized along the residual stream's dimension
+            sphere = "col" if residual else "row"
         return MatrixSpec(
-            cfg.sphere,
+            sphere,
             cfg.radius,
             cfg.gains,
             cfg.gain_map,

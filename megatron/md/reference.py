@@ -114,8 +114,8 @@ def init_radius(w: torch.Tensor, spec: MatrixSpec) -> torch.Tensor | None:
         return None
     if spec.radius == "init":
         r = norms(w, spec.sphere, row_block_ids(d_out, spec.row_blocks))
-    elif spec.radius == "unit":
-        r = torch.ones(d_out, dtype=w.dtype, device=w.device)
+    elif spec.radius == "unit":  # each row (or column) at norm 1
+        r = torch.ones_like(norms(w, spec.sphere, row_block_ids(d_out, spec.row_blocks)))
     else:
         r = shape_radius((d_out, d_in), spec, w.dtype, w.device)
     check_radius(float(r.min()), "matrix")

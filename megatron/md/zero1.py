@@ -89,7 +89,8 @@ def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
         for p in buf.params:
             if roles[p] != "vector":
                 tp, _ = tensor_parallel.placement(p)
-                empty = SliceMD(tuple(p.shape), 0, 0, spec_for(roles[p], md), "adam", tp=tp)
+                spec = spec_for(roles[p], md, residual_write(names[p]))
+                empty = SliceMD(tuple(p.shape), 0, 0, spec, "adam", tp=tp)
                 index[p] = len(inner.layout)
                 inner.layout.append(empty.n_partials())
                 inner.norm_layout.append(empty.n_norm)

@@ -29,7 +29,8 @@ ARCH = (
     "moe_router_score_function", "moe_router_enable_expert_bias",
     "moe_router_topk_scaling_factor", "moe_router_dtype", "transformer_impl", "bf16", "fp16",
     "paper_arch", "sandwich_norm", "block_output_scale", "scaled_output_init", "embedding_scale",
-    "init_method_std",
+    "init_method_std", "hidden_dropout", "attention_dropout", "arch", "ngpt_alpha_init",
+    "ngpt_residual_scale",
 )  # fmt: skip
 #: what megatron's validation samples depend on (``--valid-loss``: the same samples as the run)
 DATA = (
@@ -112,6 +113,8 @@ def argv_for(saved, load: str, ckpt_step: int | None, valid: bool) -> list[str]:
         "--exit-on-missing-checkpoint",
         "--micro-batch-size=1",
     ]
+    if getattr(saved, "arch", "gpt") == "ngpt":  # trained only with MD (args.check_ngpt)
+        argv.append("--md-decoupling")
     if not valid:  # megatron wants data, a batch and a length of training even to evaluate
         argv += ["--mock-data", "--global-batch-size=1", "--train-iters=1"]
     if ckpt_step is not None:

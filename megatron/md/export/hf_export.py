@@ -33,6 +33,7 @@ NEEDS = (
     ("attention_output_gate", False, "an attention output gate"),
     ("use_rope_scaling", False, "RoPE scaling"),
     ("mtp_num_layers", None, "multi-token prediction layers"),
+    ("arch", "gpt", "the nGPT architecture"),
 )
 #: Transformer Engine's fused norm weights → the local spec's names (hf_modeling's)
 TE_NAMES = {

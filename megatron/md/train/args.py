@@ -14,6 +14,8 @@ from megatron.md.train import datacheck
 #: --muon-scale-mode values megatron-core's Muon knows; the rest are ours (see patches.py).
 UPSTREAM_MUON_SCALES = ("spectral", "unit_rms_norm", "shape_scaling")
 BLOCK_SCALES = ("1/L", "1/sqrt(2L)", "1")
+#: --ngpt-residual-scale: the base scale of nGPT's residual steps alpha (ngpt.py)
+RESIDUAL_SCALES = ("1/sqrt(d)", "1")
 
 
 def add_md_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -112,6 +114,27 @@ def add_md_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="multiply embeddings by sqrt(d) (default: --paper-arch)",
     )
     g.add_argument(
+        "--arch",
+        choices=("gpt", "ngpt"),
+        default="gpt",
+        help="gpt: megatron-core's GPT (with --paper-arch the paper's); ngpt: the normalized "
+        "Transformer of the paper's nGPT comparison (megatron/md/train/ngpt.py; with "
+        "--md-decoupling, local layer spec, TP = PP = 1, dense, no biases or dropout)",
+    )
+    g.add_argument(
+        "--ngpt-alpha-init",
+        type=float,
+        default=0.05,
+        help="--arch ngpt: initial residual step |alpha| of every block (nGPT's 0.05)",
+    )
+    g.add_argument(
+        "--ngpt-residual-scale",
+        choices=RESIDUAL_SCALES,
+        default="1/sqrt(d)",
+        help="--arch ngpt: base scale alpha is stored at (nGPT's 1/sqrt(d) raises its effective "
+        "LR; 1 is the paper's ablation)",
+    )
+    g.add_argument(
         "--metrics-file",
         type=str,
         default=None,
@@ -189,6 +212,44 @@ def _check_tensor_parallel(args) -> None:
             "has no TP-resharding layout yet): add --bf16, or run without --save and "
             "load weights only (--no-load-optim)"
         )
+
+
+def check_ngpt(args) -> None:
+    """What ``--arch ngpt`` is built for (megatron/md/train/ngpt.py): nGPT's weights live on
+    spheres that only the MD step keeps, and its pieces are written for the local, dense,
+    unsplit model."""
+    if not args.md_decoupling:
+        _fail(
+            "--arch ngpt keeps its weights on spheres through the optimizer: add --md-decoupling "
+            "(nGPT as proposed: --md-sphere hidden --md-radius unit --md-gains none)"
+        )
+    if args.transformer_impl != "local":
+        _fail("--arch ngpt is built on megatron-core's local layer spec: --transformer-impl local")
+    for flag, value in (
+        ("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
+        ("--context-parallel-size", args.context_parallel_size),
+    ):
+        if value != 1:
+            _fail(f"--arch ngpt runs with {flag} 1 (got {value})")
+    if args.num_experts:
+        _fail("--arch ngpt is dense: drop --num-experts")
+    if not args.swiglu:
+        _fail("--arch ngpt uses SwiGLU (its s_u, s_nu scales): add --swiglu")
+    if args.add_bias_linear or args.add_qkv_bias:
+        _fail("--arch ngpt has no biases: add --disable-bias-linear (and no --add-qkv-bias)")
+    if args.hidden_dropout or args.attention_dropout:
+        _fail("--arch ngpt has no dropout: --hidden-dropout 0 --attention-dropout 0")
+    if not args.untie_embeddings_and_output_weights:
+        _fail("--arch ngpt has its own LM head: add --untie-embeddings-and-output-weights")
+    if args.sandwich_norm or args.embedding_scale:
+        _fail("--arch ngpt has no Sandwich Norm and no embedding scale: drop --sandwich-norm / "
+              "--embedding-scale")  # fmt: skip
+    if args.mtp_num_layers or args.use_mup or args.apply_query_key_layer_scaling:
+        _fail("--arch ngpt does not combine with --mtp-num-layers, --use-mup or "
+              "--apply-query-key-layer-scaling")  # fmt: skip
+    if not (math.isfinite(args.ngpt_alpha_init) and args.ngpt_alpha_init > 0):
+        _fail(f"--ngpt-alpha-init={args.ngpt_alpha_init} must be > 0")
 
 
 def _fail(msg: str):
@@ -278,6 +339,8 @@ def validate(args) -> MDConfig | None:
             f"--lr-warmup-iters={args.lr_warmup_iters} is not shorter than the run "
             f"(--train-iters={args.train_iters})"
         )
+    if args.arch == "ngpt":
+        check_ngpt(args)
     if args.md_from_plain_checkpoint and not (args.md_decoupling and args.load):
         _fail("--md-from-plain-checkpoint needs --md-decoupling and --load")
     if args.init_weights_only and not args.init_from:

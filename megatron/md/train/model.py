@@ -7,7 +7,8 @@ specs (local on CPU, Transformer Engine on GPU) plus two additions at narrow sea
 
 Both, and init std 1/sqrt(d) for every matrix (``--init-method-std`` defaults to it; megatron's
 scaled σ/sqrt(2L) output-projection init only with ``--scaled-output-init``), come with
-``--paper-arch`` (every ``--preset``); without it the model is megatron's own.
+``--paper-arch`` (every ``--preset``); without it the model is megatron's own. ``--arch ngpt``
+builds the normalized Transformer instead (ngpt.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from megatron.md.train import ngpt
 
 
 class SandwichAdd(torch.nn.Module):
@@ -104,9 +107,13 @@ def model_provider(
     if args.paper_arch and not args.scaled_output_init:  # the paper: every matrix at 1/sqrt(d)
         cfg.output_layer_init_method = cfg.init_method
     use_te = args.transformer_impl == "transformer_engine"
-    model = GPTModel(
+    if args.arch == "ngpt":
+        cls, spec = ngpt.ngpt_model_class(), ngpt.block_spec(args, cfg)
+    else:
+        cls, spec = GPTModel, layer_spec(args, cfg, use_te, vp_stage)
+    model = cls(
         config=cfg,
-        transformer_layer_spec=layer_spec(args, cfg, use_te, vp_stage),
+        transformer_layer_spec=spec,
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,

@@ -25,6 +25,10 @@ def check_stack(args) -> None:
 def differences(args, md) -> list[tuple[str, str]]:
     """(what this run does that upstream Megatron does not, the flag that changes it)."""
     out = []
+    if args.arch == "ngpt":
+        out.append((f"nGPT architecture: hidden states on the unit sphere, residual steps "
+                    f"alpha {args.ngpt_alpha_init} at scale {args.ngpt_residual_scale}",
+                    "--arch"))  # fmt: skip
     if args.sandwich_norm:
         out.append((f"Sandwich Norm: RMSNorm and scale {args.block_output_scale} on every block "
                     "output", "--no-sandwich-norm"))  # fmt: skip
