@@ -15,6 +15,8 @@ from megatron.md.roles import param_role
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "md_decoupling"))
 import cpu_demo  # noqa: E402
 
+from megatron.md.testing import tiny_gpt  # noqa: E402
+
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU mode is for CUDA-less hosts")
 
 
@@ -44,7 +46,7 @@ def test_demo_optimizers_reduce_the_loss(run):
 
 
 def test_md_optimizer_invariants_on_a_megatron_gpt():
-    model = cpu_demo.build_model(5, 32, 2, 32)
+    model = tiny_gpt(5, 32, 2, 32)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = MDOptimizer(model_param_groups(model, 1e-2), md=MDConfig(), base="muon")
     data = torch.tensor(list(cpu_demo.TEXT.encode()), dtype=torch.long)

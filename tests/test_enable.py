@@ -10,6 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "md_de
 import cpu_demo  # noqa: E402
 
 from megatron.md.config import MDConfig  # noqa: E402
+from megatron.md.testing import tiny_gpt  # noqa: E402
 
 
 def _build(**overrides):
@@ -17,7 +18,7 @@ def _build(**overrides):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    model = cpu_demo.build_model(3, 32, 2, 16)
+    model = tiny_gpt(3, 32, 2, 16)
     ddpc = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
     dmodel = DDP(model.config, ddpc, model)
     kw = dict(optimizer="adam", lr=1e-2, weight_decay=0.0, bf16=False, muon_split_qkv=False)

@@ -7,7 +7,7 @@ import torch
 
 from megatron.md import maps, reference
 from megatron.md.base_steps import AdamHParams, MuonHParams
-from megatron.md.config import GAIN_MAPS, MatrixSpec, MDConfig, spec_for
+from megatron.md.config import GAIN_MAPS, GAINS, MatrixSpec, MDConfig, spec_for
 
 GAIN_MODES = ("none", "scalar", "row", "col", "rowcol", "lowrank")
 
@@ -289,3 +289,18 @@ def test_muown_baseline(variant):
         MDConfig(variant=variant).variant == variant
         and spec_for("embedding", MDConfig(variant=variant)).sphere == "none"
     )
+
+
+@pytest.mark.parametrize("base", ["adam", "muon"])
+@pytest.mark.parametrize("gains", GAINS)
+def test_every_state_field_is_declared(gains, base):
+    """state.MatrixState declares every field the reference and the sliced step create."""
+    from megatron.md.sliced import SliceMD
+    from megatron.md.state import MatrixState
+
+    declared = set(MatrixState.__annotations__)
+    spec = spec_for("matrix", MDConfig(gains=gains))
+    st = reference.init_state(torch.randn(6, 4), spec, base)
+    assert set(st) <= declared, set(st) - declared
+    sliced = SliceMD((6, 4), 0, 24, spec, base).init_state(torch.randn(24))
+    assert set(sliced) <= declared, set(sliced) - declared

@@ -90,17 +90,11 @@ def shape_model(name: str, vocab: int) -> torch.nn.Module:
 
 
 def build(name: str, optimizer: str, md_on: bool, dtype: str, vocab: int, fused: str = "auto"):
-    from megatron.core.distributed import DistributedDataParallel as DDP
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer.layer_wise_optimizer import (
-        LayerWiseDistributedOptimizer,
-        tag_params_for_buffer_routing,
-    )
     from megatron.core.transformer import TransformerConfig
 
     from megatron.md.config import MDConfig
     from megatron.md.enable import enable_md
+    from megatron.md.testing import megatron_optimizer
 
     d, layers, heads, kv, _ = SHAPES[name]
     # the attention layout of shape_model's QKV (megatron tags it for Muon's Q/K/V split from it)
@@ -111,33 +105,16 @@ def build(name: str, optimizer: str, md_on: bool, dtype: str, vocab: int, fused:
     module = shape_model(name, vocab)
     if dtype == "bf16":
         module = module.to(torch.bfloat16)
-    ddpc = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False
-    )
-    extra = {}
     layer_wise = optimizer in ("muon", "adam_lw")  # adam_lw: --md-adam-layer-wise
-    if layer_wise:
-        tag_params_for_buffer_routing([module])
-        world = torch.distributed.get_world_size()
-        extra["full_param_layout"] = LayerWiseDistributedOptimizer.compute_full_param_layout(
-            list(module.parameters()), None, world, ddpc, expert_data_parallel_world_size=world
-        )
-    dmodel = DDP(cfg, ddpc, module, **extra)
-    ocfg = OptimizerConfig(
-        optimizer="muon" if layer_wise else optimizer,
-        lr=1e-3,
-        weight_decay=0.0,
-        clip_grad=1.0,
+    dmodel, opt = megatron_optimizer(
+        module, cfg, "layerwise" if layer_wise else "zero1", torch.distributed.get_world_size(),
+        optimizer, lr=1e-3, weight_decay=0.0, clip_grad=1.0,
         bf16=dtype == "bf16" or layer_wise,  # LayerWise needs bf16=True
-        use_distributed_optimizer=True,
-        use_layer_wise_distributed_optimizer=layer_wise,
         muon_split_qkv=True,  # megatron's default, and MuonMD's (MDConfig.split_qkv)
-        muon_nesterov=True,
-        muon_scale_mode="unit_rms_norm",
+        muon_nesterov=True, muon_scale_mode="unit_rms_norm",
         # 'medium' (megatron's default) runs bf16 matmuls: fast on GPU, very slow on CPU
         muon_fp32_matmul_prec="medium" if DEV == "cuda" else "highest",
-    )
-    opt = get_megatron_optimizer(ocfg, [dmodel])
+    )  # fmt: skip
     if md_on:
         md = MDConfig(adam_layer_wise=optimizer == "adam_lw", fused_step=fused)
         enable_md(opt, [dmodel], md)

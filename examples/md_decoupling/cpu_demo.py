@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
-import tempfile
 import time
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 from megatron.md import cpu_mode
 
@@ -25,6 +22,7 @@ cpu_mode.maybe_activate()  # CPU mode when there is no GPU, before megatron is i
 from megatron.md.config import MDConfig  # noqa: E402
 from megatron.md.optimizer import MDOptimizer, model_param_groups  # noqa: E402
 from megatron.md.roles import tag_qkv  # noqa: E402
+from megatron.md.testing import tiny_gpt  # noqa: E402
 
 # The Declaration of Independence (1776), public domain.
 TEXT = (
@@ -58,84 +56,6 @@ RUNS = (
 )
 
 
-def build_model(seed: int, hidden: int, layers: int, seq: int, experts: int = 0):
-    """Paper-style GPT on the local spec; ``experts > 0``: DeepSeekMoE-style layers after the
-    first (top-2 sigmoid router with expert bias, one shared expert at half width). Under
-    megatron's tensor parallelism (initialized by the caller) experts are not TP-split."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_decoder_block_spec,
-        get_gpt_layer_local_spec,
-    )
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
-
-    if not torch.distributed.is_initialized():  # megatron-core wants a process group
-        store = tempfile.NamedTemporaryFile(prefix="md_demo_pg_", delete=False).name
-        torch.distributed.init_process_group(
-            "gloo", init_method=f"file://{store}", rank=0, world_size=1
-        )
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(1, 1)
-    torch.default_generator.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
-    moe = {}
-    if experts:
-        moe = dict(
-            num_moe_experts=experts,
-            moe_layer_freq=[0] + [1] * (layers - 1),
-            moe_ffn_hidden_size=hidden,
-            moe_shared_expert_intermediate_size=hidden // 2,
-            moe_router_topk=2,
-            moe_router_score_function="sigmoid",
-            moe_router_enable_expert_bias=True,
-            moe_router_bias_update_rate=1e-3,
-            moe_router_load_balancing_type="seq_aux_loss",
-            moe_aux_loss_coeff=1e-3,
-            moe_router_topk_scaling_factor=2.5,
-            moe_router_dtype="fp32",
-            moe_token_dispatcher_type="alltoall",
-            moe_grouped_gemm=False,
-            expert_tensor_parallel_size=1,
-        )
-    cfg = TransformerConfig(
-        num_layers=layers,
-        hidden_size=hidden,
-        ffn_hidden_size=4 * hidden,
-        num_attention_heads=4,
-        num_query_groups=2,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        bias_activation_fusion=False,
-        add_bias_linear=False,
-        normalization="RMSNorm",
-        layernorm_epsilon=1e-5,
-        qk_layernorm=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=1 / math.sqrt(hidden),
-        use_cpu_initialization=True,
-        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-        **moe,
-    )
-    if experts:
-        spec = get_gpt_decoder_block_spec(
-            cfg, use_transformer_engine=False, normalization="RMSNorm"
-        )
-    else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
-    return GPTModel(
-        cfg,
-        spec,
-        vocab_size=256,
-        max_sequence_length=seq,
-        position_embedding_type="rope",
-        rotary_base=500000,
-        share_embeddings_and_output_weights=False,
-    )
-
-
 def batches(data: torch.Tensor, n: int, batch: int, seq: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     for _ in range(n):
@@ -150,7 +70,7 @@ def lm_loss(model, tokens, labels) -> torch.Tensor:
 
 
 def train_one(name, base, md_on, lr, wd, warmup, args, train, val):
-    model = build_model(args.seed, args.hidden, args.layers, args.seq)
+    model = tiny_gpt(args.seed, args.hidden, args.layers, args.seq)
     tag_qkv(model)  # Muon splits Q/K/V as megatron's does by default
     groups = model_param_groups(model, lr, embedding_lr=3e-3, output_lr=1e-3)
     opt = MDOptimizer(groups, md=MDConfig() if md_on else None, base=base, weight_decay=wd)

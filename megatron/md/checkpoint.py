@@ -2,8 +2,8 @@
 
 megatron-core saves ``MDInner.state`` (step, Adam moments / Muon momentum: shaped like the
 main parameter) through its own code, so those reshard exactly as upstream's. The MD extras
-are added by ``wrapper_class`` under ``optimizer[...]["md"]`` as ShardedTensors keyed by the
-model parameter's global checkpoint key:
+are added by the MD wrapper classes (wrappers.py) under ``optimizer[...]["md"]`` as
+ShardedTensors keyed by the model parameter's global checkpoint key:
 
 - raw gains, their Adam moments and the radius: full tensors, replicated over data-parallel
   ranks (replica id = the rank's data-parallel rank, so one copy is written) and, under tensor

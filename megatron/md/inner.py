@@ -25,9 +25,8 @@ from megatron.md.base_steps import AdamHParams, MuonHParams, adam_multi_
 from megatron.md.batched import SliceItem, identity_reduce, md_init_batched, md_step_batched
 from megatron.md.config import MDConfig
 from megatron.md.sliced import SliceMD
-
-#: State keys megatron-core's checkpointing handles per parameter.
-BASE_KEYS = ("step", "exp_avg", "exp_avg_sq", "momentum_buffer")
+from megatron.md.state import BASE_FIELDS as BASE_KEYS
+from megatron.md.state import MatrixState
 
 
 @dataclass
@@ -61,7 +60,7 @@ class MDInner(torch.optim.Optimizer):
         self.param_groups = param_groups
         self.md, self.muon = md, muon  # each slot's SliceMD knows its base
         self.slots: dict[torch.Tensor, MDSlot] = {}
-        self.md_state: dict[torch.Tensor, dict] = {}
+        self.md_state: dict[torch.Tensor, MatrixState] = {}  # MD's fields (state.py)
         self.reduce = identity_reduce
         self.layout: list[int] | None = None  # ZeRO-1: partial sizes of every MD matrix
         self.norm_layout: list[int] | None = None

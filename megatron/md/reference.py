@@ -20,6 +20,7 @@ from megatron.md.base_steps import (
     muon_update,
 )
 from megatron.md.config import MatrixSpec, check_radius
+from megatron.md.state import MatrixState
 
 GAIN_NAMES = {
     "none": (),
@@ -122,12 +123,14 @@ def init_radius(w: torch.Tensor, spec: MatrixSpec) -> torch.Tensor | None:
     return r.to(w.dtype)
 
 
-def init_gain_state(spec: MatrixSpec, shape: tuple[int, int], seed: int = 0, like=None) -> dict:
+def init_gain_state(
+    spec: MatrixSpec, shape: tuple[int, int], seed: int = 0, like=None
+) -> MatrixState:
     """Raw gains giving g = 1 (lowrank: A random, B = 0) and their zero Adam moments."""
     d_out, d_in = shape
     one = maps.raw_for_unit_gain(spec.gain_map)
     shapes = {"gain_scalar": (), "gain_row": (d_out,), "gain_col": (d_in,)}
-    st = {}
+    st: MatrixState = {}
     for name in GAIN_NAMES[spec.gains]:
         if name == "gain_a":
             gen = torch.Generator().manual_seed(seed)
@@ -144,7 +147,7 @@ def init_gain_state(spec: MatrixSpec, shape: tuple[int, int], seed: int = 0, lik
     return st
 
 
-def init_state(w: torch.Tensor, spec: MatrixSpec, base: str, seed: int = 0) -> dict:
+def init_state(w: torch.Tensor, spec: MatrixSpec, base: str, seed: int = 0) -> MatrixState:
     """MD state for weight ``w`` with gains 1: the model's function is unchanged (up to the
     projection onto the sphere when the radius is not the current norm)."""
     if w.ndim != 2:
@@ -160,7 +163,7 @@ def init_state(w: torch.Tensor, spec: MatrixSpec, base: str, seed: int = 0) -> d
     row_norms = norms(direction, "row")  # Muown's magnitudes (gain_init="norm")
     if radius is not None and spec.radius != "init":
         direction.mul_(_bcast(radius / norms(direction, spec.sphere, ids), spec.sphere, ids))
-    st: dict = {"step": 0, "direction": direction, "radius": radius}
+    st: MatrixState = {"step": 0, "direction": direction, "radius": radius}
     st.update(init_gain_state(spec, (d_out, d_in), seed, like=direction))
     if spec.gain_init == "norm":  # W = diag(‖w_i‖) · (unit rows): unchanged
         st["gain_row"] = row_norms.clone()
@@ -172,7 +175,7 @@ def init_state(w: torch.Tensor, spec: MatrixSpec, base: str, seed: int = 0) -> d
     return st
 
 
-def apply_gains(x: torch.Tensor, st: dict, spec: MatrixSpec) -> torch.Tensor:
+def apply_gains(x: torch.Tensor, st: MatrixState, spec: MatrixSpec) -> torch.Tensor:
     """Γ ⊙ x for W = Γ ⊙ Ŵ: diag(g_row) · x · diag(g_col), γ·x, or (1 + A Bᵀ) ⊙ x."""
     if spec.gains == "none":
         return x.clone()
@@ -187,12 +190,12 @@ def apply_gains(x: torch.Tensor, st: dict, spec: MatrixSpec) -> torch.Tensor:
     return x
 
 
-def fused_weight(st: dict, spec: MatrixSpec) -> torch.Tensor:
+def fused_weight(st: MatrixState, spec: MatrixSpec) -> torch.Tensor:
     """W = Γ ⊙ Ŵ (Algorithm 2, line 10)."""
     return apply_gains(st["direction"], st, spec)
 
 
-def frobenius_radius(st: dict, spec: MatrixSpec) -> torch.Tensor:
+def frobenius_radius(st: MatrixState, spec: MatrixSpec) -> torch.Tensor:
     """Frobenius norm of each block's sphere (for the sphere_rms Muon scale): float64 of shape
     (blocks,); the current norm where there is no sphere."""
     r, wh = st["radius"], st["direction"]
@@ -206,7 +209,7 @@ def frobenius_radius(st: dict, spec: MatrixSpec) -> torch.Tensor:
     return r.reshape(-1).double()
 
 
-def muon_scales(st: dict, spec: MatrixSpec) -> list:
+def muon_scales(st: MatrixState, spec: MatrixSpec) -> list:
     """Muon update scale of each block: the spec's mode; ``shape_up`` follows a scaled init
     when the radius is the init norm (``MatrixSpec.init_scale``, MoE appendix)."""
     radii = frobenius_radius(st, spec) if spec.muon_scale == "sphere_rms" else None
@@ -219,7 +222,7 @@ def muon_scales(st: dict, spec: MatrixSpec) -> list:
     return out
 
 
-def split_gradient(g: torch.Tensor, st: dict, spec: MatrixSpec) -> tuple[dict, torch.Tensor]:
+def split_gradient(g: torch.Tensor, st: MatrixState, spec: MatrixSpec) -> tuple[dict, torch.Tensor]:
     """Algorithm 2, lines 1-6: gradients of the raw gains and of the direction Ŵ."""
     wh = st["direction"]
     # 1. the gains g = φ(ĝ) are materialized where used; 2. Ŵ is the state's direction
@@ -255,7 +258,7 @@ def split_gradient(g: torch.Tensor, st: dict, spec: MatrixSpec) -> tuple[dict, t
 def md_step(
     w: torch.Tensor,
     grad: torch.Tensor,
-    st: dict,
+    st: MatrixState,
     spec: MatrixSpec,
     base_hp: AdamHParams | MuonHParams,
     gain_hp: AdamHParams,

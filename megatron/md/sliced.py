@@ -23,6 +23,7 @@ from megatron.md.base_steps import AdamHParams, adam_step_, muon_update
 from megatron.md.blocks import Block, TPShard, place_blocks, slice_blocks
 from megatron.md.config import MatrixSpec, check_radius
 from megatron.md.reference import GAIN_NAMES, init_gain_state
+from megatron.md.state import MatrixState
 
 
 class SliceMD:
@@ -142,9 +143,9 @@ class SliceMD:
                 self._axis_sum(blk, w * w, out)
 
     # ---- state ----
-    def init_state(self, direction: torch.Tensor, seed: int = 0) -> dict:
+    def init_state(self, direction: torch.Tensor, seed: int = 0) -> MatrixState:
         """Gains at 1, zero moments; the radius is set by ``finish_init`` (it needs norms)."""
-        st: dict = {"step": torch.zeros((), dtype=torch.float32)}
+        st: MatrixState = {"step": torch.zeros((), dtype=torch.float32)}
         dtype = (
             torch.float32 if direction.dtype in (torch.bfloat16, torch.float16) else direction.dtype
         )
@@ -155,7 +156,9 @@ class SliceMD:
             st[name] = torch.zeros_like(direction, dtype=dtype)
         return st
 
-    def finish_init(self, direction: torch.Tensor, st: dict, reduced_norms: torch.Tensor) -> None:
+    def finish_init(
+        self, direction: torch.Tensor, st: MatrixState, reduced_norms: torch.Tensor
+    ) -> None:
         """Set the radius from the reduced squared norms and put the direction on the sphere."""
         spec, (d_out, d_in) = self.spec, self.shape
         if spec.sphere == "none":
@@ -182,7 +185,7 @@ class SliceMD:
                 blk.view(direction).mul_(self._axis_bcast(blk, scale))
 
     # ---- gains ----
-    def _gains(self, st: dict) -> dict[str, torch.Tensor]:
+    def _gains(self, st: MatrixState) -> dict[str, torch.Tensor]:
         """Materialized gains (φ(ĝ), or A/B as they are for lowrank), read-only. φ(ĝ) is kept
         until ĝ changes (same tensor, same version counter): the fuse after a step and the
         next step's phase 1 share it."""
@@ -201,7 +204,7 @@ class SliceMD:
         bg.apply_into(self.spec.gains, blk, x, g, out)
         return out
 
-    def fuse(self, direction: torch.Tensor, st: dict, out: torch.Tensor) -> None:
+    def fuse(self, direction: torch.Tensor, st: MatrixState, out: torch.Tensor) -> None:
         """Write W = Γ ⊙ Ŵ for this slice into ``out`` (any dtype; flat like ``direction``)."""
         g = self._gains(st)
         if self.fused and (self.spec.gains != "none" or self._pending is not None):

@@ -9,10 +9,9 @@ bf16 model param. fp32 params: the model param is W; the direction is an extra f
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
+from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
 from megatron.md import tensor_parallel
 from megatron.md.base_steps import MuonHParams
@@ -21,7 +20,7 @@ from megatron.md.inner import MDInner, MDSlot
 from megatron.md.mains import main_params
 from megatron.md.roles import qkv_blocks, residual_write
 from megatron.md.sliced import SliceMD
-from megatron.md.wrappers import wrapper_class
+from megatron.md.wrappers import md_wrapper
 
 
 def _copy_main_params_to_model_params(self):
@@ -32,13 +31,33 @@ def _copy_main_params_to_model_params(self):
                 model_param.data.copy_(main_param)
 
 
-@functools.cache
+@md_wrapper
+class MDFloat16OptimizerWithFloat16Params(Float16OptimizerWithFloat16Params):
+    """megatron's bf16-params wrapper with the MD step: MD state in its checkpoints and the
+    fused W = Γ ⊙ Ŵ as its main→model copy (``enable_md`` sets it as the leaf's class)."""
+
+    _copy_main_params_to_model_params = _copy_main_params_to_model_params
+
+
+@md_wrapper
+class MDFP32Optimizer(FP32Optimizer):
+    """megatron's fp32 wrapper with MD state in its checkpoints (the model param is W; the
+    direction is MD's own fp32 copy)."""
+
+
+#: megatron's whole-matrix wrapper class -> its MD class
+MD_CLASSES = {c._md_base: c for c in (MDFloat16OptimizerWithFloat16Params, MDFP32Optimizer)}
+
+
 def md_class(base_cls):
-    """Float16Optimizer…/FP32Optimizer with MD checkpoints (and the fused copy for bf16)."""
-    extra = {}
-    if hasattr(base_cls, "_copy_main_params_to_model_params"):
-        extra["_copy_main_params_to_model_params"] = _copy_main_params_to_model_params
-    return wrapper_class(base_cls, extra, fix_step=False)
+    """The MD class of a leaf optimizer's megatron class; another class stops the run (MD
+    would otherwise be missing from its checkpoints)."""
+    if base_cls not in MD_CLASSES:
+        raise RuntimeError(
+            f"MD has no wrapper for megatron's {base_cls.__name__} (it knows "
+            f"{', '.join(c.__name__ for c in MD_CLASSES)}; written against megatron-core 0.19.2)"
+        )
+    return MD_CLASSES[base_cls]
 
 
 def muon_hparams(config, md: MDConfig) -> MuonHParams:

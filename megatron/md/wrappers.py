@@ -1,7 +1,8 @@
 """The MD versions of megatron-core's optimizer wrappers, and walking megatron's optimizer tree.
 
-``enable_md`` retargets each leaf optimizer's class to its MD subclass (built once per megatron
-class by ``wrapper_class``): megatron's behaviour everywhere, plus MD state in its checkpoints
+``enable_md`` retargets each leaf optimizer's class to its MD subclass (``MDDistributedOptimizer``
+in zero1.py, ``MDFloat16OptimizerWithFloat16Params`` and ``MDFP32Optimizer`` in whole.py, built
+from the methods below): megatron's behaviour everywhere, plus MD state in its checkpoints
 (``checkpoint.py``) and the bookkeeping of which loads gave it state.
 """
 
@@ -46,7 +47,7 @@ def finish_model_load(optimizer) -> int:
 
 
 def _load_fixed(base_cls, self, state_dict, fix_step: bool) -> None:
-    """megatron's load under no_grad, then one step tensor per param (see ``wrapper_class``)."""
+    """megatron's load under no_grad, then one step tensor per param (``_md_fix_step`` below)."""
     step = state_dict["optimizer"]["param_groups"][0].get("step") if fix_step else None
     with torch.no_grad():  # fp32 main params are views of leaf params (distrib_optimizer.py:1225)
         base_cls.load_state_dict(self, state_dict)
@@ -88,46 +89,57 @@ def fix_plain_resume(optimizer) -> None:
         )
 
 
-def wrapper_class(base_cls, extra: dict, fix_step: bool):
-    """Subclass of a megatron optimizer wrapper with MD state in its checkpoints.
+# ---- the MD wrapper classes' shared methods ----
+# Each MD wrapper is a plain subclass of ONE megatron class, written out where its integration
+# lives (zero1.MDDistributedOptimizer, whole.MDFloat16OptimizerWithFloat16Params and
+# whole.MDFP32Optimizer, each under ``@md_wrapper``) and set as the leaf's ``__class__`` by
+# ``enable_md``. No mixin: CPython refuses ``__class__`` retargeting to a class with a second
+# base (megatron's wrappers have an ABC layout), and megatron builds its wrappers with no hook.
+# The methods below read two class attributes: ``_md_base`` (the megatron class) and
+# ``_md_fix_step`` (DistributedOptimizer without TE/Apex aliases ONE step tensor to every
+# param on load and dp_reshardable copies the pre-load step into it,
+# distrib_optimizer.py:1027-1032, :1220: the checkpoint's step is restored afterwards).
 
-    Built with ``type()`` and no mixin: CPython refuses ``__class__`` retargeting to a class
-    with an extra (even empty-slotted) base, and megatron builds its wrappers with no hook.
-    ``fix_step``: DistributedOptimizer without TE/Apex aliases ONE step tensor to every param
-    on load and dp_reshardable copies the pre-load step into it (distrib_optimizer.py:1027-1032,
-    :1220), so the checkpoint's step is restored afterwards.
-    """
 
-    def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, **kwargs):
-        from megatron.md.checkpoint import md_entry
+def md_sharded_state_dict(self, model_sharded_state_dict, is_loading=False, **kwargs):
+    """megatron's sharded state dict plus ``["md"]``: the MD config and state
+    (checkpoint.md_entry); when loading a checkpoint without MD state, the config only."""
+    from megatron.md.checkpoint import md_entry
 
-        sd = base_cls.sharded_state_dict(self, model_sharded_state_dict, is_loading, **kwargs)
-        entry = md_entry(self, model_sharded_state_dict)
-        if is_loading and not self.md_expect_state:
-            entry.pop("state")
-        sd["md"] = entry
-        return sd
+    sd = self._md_base.sharded_state_dict(self, model_sharded_state_dict, is_loading, **kwargs)
+    entry = md_entry(self, model_sharded_state_dict)
+    if is_loading and not self.md_expect_state:
+        entry.pop("state")
+    sd["md"] = entry
+    return sd
 
-    def load_state_dict(self, state_dict):
-        from megatron.md.checkpoint import load_md
 
-        md = state_dict.pop("md", None)
-        _load_fixed(base_cls, self, state_dict, fix_step)
-        load_md(self, md)
-        self.md_state_loaded = True
+def md_load_state_dict(self, state_dict) -> None:
+    """megatron's load, then the MD state (or MD state made from the loaded weights)."""
+    from megatron.md.checkpoint import load_md
 
-    def reload_model_params(self, state_dict=None):
-        base_cls.reload_model_params(self, state_dict)
-        self.optimizer.reinit_from_weights()
-        self.md_state_loaded = True
+    md = state_dict.pop("md", None)
+    _load_fixed(self._md_base, self, state_dict, self._md_fix_step)
+    load_md(self, md)
+    self.md_state_loaded = True
 
-    methods = dict(
-        _md_wrapper=True,
-        md_expect_state=True,
-        md_state_loaded=True,
-        sharded_state_dict=sharded_state_dict,
-        load_state_dict=load_state_dict,
-        reload_model_params=reload_model_params,
-        __doc__=f"{base_cls.__name__} with the MD step (megatron-md).",
-    )
-    return type(f"MD{base_cls.__name__}", (base_cls,), {**methods, **extra})
+
+def md_reload_model_params(self, state_dict=None) -> None:
+    """megatron's reload of main params from the model, then MD state made from them."""
+    self._md_base.reload_model_params(self, state_dict)
+    self.optimizer.reinit_from_weights()
+    self.md_state_loaded = True
+
+
+def md_wrapper(cls):
+    """Class decorator of an MD wrapper class (one megatron base class, nothing else): adds
+    the shared methods above and the attributes ``enable_md`` and the loads read."""
+    (base,) = cls.__bases__
+    cls._md_wrapper, cls._md_base = True, base
+    cls._md_fix_step = cls.__dict__.get("_md_fix_step", False)
+    cls.md_expect_state = True  # whether the checkpoint being loaded has MD state
+    cls.md_state_loaded = True  # whether the last load gave this optimizer state
+    cls.sharded_state_dict = md_sharded_state_dict
+    cls.load_state_dict = md_load_state_dict
+    cls.reload_model_params = md_reload_model_params
+    return cls

@@ -14,10 +14,9 @@ copy of the slice in ``MDInner.md_state``.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron.md import tensor_parallel
 from megatron.md.config import MDConfig, spec_for
@@ -25,7 +24,7 @@ from megatron.md.inner import MDInner, MDSlot
 from megatron.md.mains import main_params
 from megatron.md.roles import residual_write
 from megatron.md.sliced import SliceMD
-from megatron.md.wrappers import wrapper_class
+from megatron.md.wrappers import md_wrapper
 
 
 def _copy_main_params_to_model_params(self):
@@ -46,11 +45,13 @@ def _copy_main_params_to_model_params(self):
                     out.data.copy_(shard)
 
 
-@functools.cache
-def md_class(base_cls):
-    """megatron's DistributedOptimizer with MD checkpoints and the fused main→model copy."""
-    extra = {"_copy_main_params_to_model_params": _copy_main_params_to_model_params}
-    return wrapper_class(base_cls, extra, fix_step=True)
+@md_wrapper
+class MDDistributedOptimizer(DistributedOptimizer):
+    """megatron's DistributedOptimizer with the MD step: MD state in its checkpoints and the
+    fused W = Γ ⊙ Ŵ as its main→model copy (``enable_md`` sets it as the leaf's class)."""
+
+    _md_fix_step = True  # see wrappers.py
+    _copy_main_params_to_model_params = _copy_main_params_to_model_params
 
 
 def _first_owner(opt, model_param) -> int:
@@ -65,7 +66,6 @@ def _first_owner(opt, model_param) -> int:
 
 def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
     """Swap the (still stateless) inner AdamW of one DistributedOptimizer for ``MDInner``."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     if opt.is_stub_optimizer:
         return
@@ -112,5 +112,5 @@ def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
         slot.replica = tensor_parallel.replica_id(slot.replica, expert)
         inner.bind(mp.main, slot)
     opt.optimizer = inner
-    opt.__class__ = md_class(DistributedOptimizer)
+    opt.__class__ = MDDistributedOptimizer
     inner.init_state()

@@ -37,6 +37,8 @@ cpu_mode.maybe_activate()
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "md_decoupling"))
 import cpu_demo  # noqa: E402
 
+from megatron.md import testing  # noqa: E402
+
 LR, CLIP = 1e-2, 1.0
 DEV = "cpu"
 
@@ -97,54 +99,27 @@ def split_qkv(args) -> bool:
 def build(args, world):
     """A DDP-wrapped tiny GPT and megatron's optimizer for it (not yet MD)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel as DDP
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer.layer_wise_optimizer import (
-        LayerWiseDistributedOptimizer,
-        tag_params_for_buffer_routing,
-    )
     from megatron.core.transformer.module import Float16Module
 
     tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
-    model = cpu_demo.build_model(11, 32, 2, 16, experts=args.experts).to(DEV)
-    distopt = args.dist != "replicated"
-    ddpc = DistributedDataParallelConfig(
-        use_distributed_optimizer=distopt, grad_reduce_in_fp32=True, overlap_grad_reduce=False
-    )
+    model = testing.tiny_gpt(11, 32, 2, 16, experts=args.experts).to(DEV)
     inner = model
     if args.dtype == "bf16":
         model.config.bf16 = True
         inner = Float16Module(model.config, model)
-    extra = {}
-    if args.dist == "layerwise":
-        tag_params_for_buffer_routing([model])
-        extra["full_param_layout"] = LayerWiseDistributedOptimizer.compute_full_param_layout(
-            list(model.parameters()), None, world, ddpc, expert_data_parallel_world_size=world
-        )
-    dmodel = DDP(model.config, ddpc, inner, **extra)
-    cfg = OptimizerConfig(
-        optimizer="muon" if args.dist == "layerwise" else args.optimizer,
-        lr=LR,
-        weight_decay=0.0,
-        adam_beta1=0.9,
-        adam_beta2=0.99,
-        adam_eps=1e-8,
-        clip_grad=CLIP,
+    dmodel, opt = testing.megatron_optimizer(
+        inner, model.config, args.dist, world, args.optimizer,
+        lr=LR, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99, adam_eps=1e-8, clip_grad=CLIP,
         # LayerWise needs bf16=True even for fp32 params (layer_wise_optimizer.py:505)
         bf16=args.dtype == "bf16" or args.dist == "layerwise",
-        use_distributed_optimizer=distopt,
-        use_layer_wise_distributed_optimizer=args.dist == "layerwise",
-        muon_momentum=0.95,
-        muon_nesterov=True,
-        muon_split_qkv=split_qkv(args),
+        muon_momentum=0.95, muon_nesterov=True, muon_split_qkv=split_qkv(args),
         # under TP, MuonMD orthogonalizes full matrices (and compares with megatron doing so);
         # layer-wise AdamMD, built as Muon, against megatron's default (no Muon gathers)
         muon_tp_mode="duplicated" if args.optimizer == "muon" and tp > 1 else "blockwise",
         muon_scale_mode="shape_scaling",  # the MD-off config's (md_config)
         muon_fp32_matmul_prec="highest",
-    )
-    return model, dmodel, get_megatron_optimizer(cfg, [dmodel])
+    )  # fmt: skip
+    return model, dmodel, opt
 
 
 def oracle_for(model, md, base, full=None):

@@ -38,6 +38,7 @@ WARM = ["--weight-decay=0.1"]  # + 10 % warmup, added per run length
 MUON = ["--optimizer=muon", "--muon-momentum=0.95", "--muon-nesterov",
         "--muon-scale-mode=unit_rms_norm"]  # fmt: skip
 MUONMD = ["--optimizer=muon", "--md-decoupling", "--muon-scale-mode=shape_up"]
+NGPT = ["--arch=ngpt", "--transformer-impl=local"]
 #: arm -> (flags, warmup?, first LR of the grid)
 ARMS = {
     "adamw": (["--optimizer=adam", *WARM], True, 4e-3),
@@ -47,6 +48,25 @@ ARMS = {
     "muonmd": (MUONMD, False, 8e-3),
     "muonmd-gainlr1e-3": ([*MUONMD, "--md-gain-lr=1e-3"], False, 8e-3),
     "muonmd-nogains": ([*MUONMD, "--md-gains=none"], False, 8e-3),
+    # the nGPT comparison (paper appendix): nGPT as proposed (unit vectors after a plain Adam
+    # step, one LR for every parameter: {lr} is the swept LR), nGPT's architecture with MD
+    "ngpt": (
+        [
+            "--optimizer=adam",
+            "--md-decoupling",
+            *NGPT,
+            "--md-sphere=hidden",
+            "--md-radius=unit",
+            "--md-gains=none",
+            "--lr={lr}",
+            "--embedding-lr={lr}",
+            "--output-lr={lr}",
+        ],
+        False,
+        2e-3,
+    ),  # fmt: skip
+    "adammd-ngptarch": (["--optimizer=adam", "--md-decoupling", *NGPT], False, 2e-3),
+    "muonmd-ngptarch": ([*MUONMD, *NGPT], False, 8e-3),
 }
 SEEDS = (1234, 1235)
 LONG = ("adamw", "adammd", "muon", "muonmd")
@@ -54,6 +74,7 @@ LONG = ("adamw", "adammd", "muon", "muonmd")
 
 def spec(args, part: str, arm: str, lr: float, seed: int, iters: int) -> dict:
     flags, warm, _ = ARMS[arm]
+    flags = [f.format(lr=f"{lr:.4g}") for f in flags]
     warmup = [f"--lr-warmup-iters={max(1, iters // 10)}"] if warm else []
     name = f"{part}-{arm}-lr{lr:.4g}-s{seed}"
     evals = iters if part == "sweep" else 200

@@ -214,44 +214,6 @@ def _check_tensor_parallel(args) -> None:
         )
 
 
-def check_ngpt(args) -> None:
-    """What ``--arch ngpt`` is built for (megatron/md/train/ngpt.py): nGPT's weights live on
-    spheres that only the MD step keeps, and its pieces are written for the local, dense,
-    unsplit model."""
-    if not args.md_decoupling:
-        _fail(
-            "--arch ngpt keeps its weights on spheres through the optimizer: add --md-decoupling "
-            "(nGPT as proposed: --md-sphere hidden --md-radius unit --md-gains none)"
-        )
-    if args.transformer_impl != "local":
-        _fail("--arch ngpt is built on megatron-core's local layer spec: --transformer-impl local")
-    for flag, value in (
-        ("--tensor-model-parallel-size", args.tensor_model_parallel_size),
-        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
-        ("--context-parallel-size", args.context_parallel_size),
-    ):
-        if value != 1:
-            _fail(f"--arch ngpt runs with {flag} 1 (got {value})")
-    if args.num_experts:
-        _fail("--arch ngpt is dense: drop --num-experts")
-    if not args.swiglu:
-        _fail("--arch ngpt uses SwiGLU (its s_u, s_nu scales): add --swiglu")
-    if args.add_bias_linear or args.add_qkv_bias:
-        _fail("--arch ngpt has no biases: add --disable-bias-linear (and no --add-qkv-bias)")
-    if args.hidden_dropout or args.attention_dropout:
-        _fail("--arch ngpt has no dropout: --hidden-dropout 0 --attention-dropout 0")
-    if not args.untie_embeddings_and_output_weights:
-        _fail("--arch ngpt has its own LM head: add --untie-embeddings-and-output-weights")
-    if args.sandwich_norm or args.embedding_scale:
-        _fail("--arch ngpt has no Sandwich Norm and no embedding scale: drop --sandwich-norm / "
-              "--embedding-scale")  # fmt: skip
-    if args.mtp_num_layers or args.use_mup or args.apply_query_key_layer_scaling:
-        _fail("--arch ngpt does not combine with --mtp-num-layers, --use-mup or "
-              "--apply-query-key-layer-scaling")  # fmt: skip
-    if not (math.isfinite(args.ngpt_alpha_init) and args.ngpt_alpha_init > 0):
-        _fail(f"--ngpt-alpha-init={args.ngpt_alpha_init} must be > 0")
-
-
 def _fail(msg: str):
     raise SystemExit(f"pretrain_gpt.py: error: {msg}")
 
@@ -340,7 +302,11 @@ def validate(args) -> MDConfig | None:
             f"(--train-iters={args.train_iters})"
         )
     if args.arch == "ngpt":
-        check_ngpt(args)
+        from megatron.md.train.ngpt import check_args
+
+        err = check_args(args)
+        if err:
+            _fail(err)
     if args.md_from_plain_checkpoint and not (args.md_decoupling and args.load):
         _fail("--md-from-plain-checkpoint needs --md-decoupling and --load")
     if args.init_weights_only and not args.init_from:

@@ -35,6 +35,46 @@ import torch
 import torch.nn.functional as F
 
 
+def check_args(args) -> str | None:
+    """What ``--arch ngpt`` is built for, checked with the other flags (args.validate): nGPT's
+    weights live on spheres that only the MD step keeps, and its pieces are written for the
+    local, dense, unsplit model. Returns the problem, or None."""
+    if not args.md_decoupling:
+        return (
+            "--arch ngpt keeps its weights on spheres through the optimizer: add --md-decoupling "
+            "(nGPT as proposed: --md-sphere hidden --md-radius unit --md-gains none)"
+        )
+    if args.transformer_impl != "local":
+        return "--arch ngpt is built on megatron-core's local layer spec: --transformer-impl local"
+    for flag, value in (
+        ("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
+        ("--context-parallel-size", args.context_parallel_size),
+    ):
+        if value != 1:
+            return f"--arch ngpt runs with {flag} 1 (got {value})"
+    if args.num_experts:
+        return "--arch ngpt is dense: drop --num-experts"
+    if not args.swiglu:
+        return "--arch ngpt uses SwiGLU (its s_u, s_nu scales): add --swiglu"
+    if args.add_bias_linear or args.add_qkv_bias:
+        return "--arch ngpt has no biases: add --disable-bias-linear (and no --add-qkv-bias)"
+    if args.hidden_dropout or args.attention_dropout:
+        return "--arch ngpt has no dropout: --hidden-dropout 0 --attention-dropout 0"
+    if not args.untie_embeddings_and_output_weights:
+        return "--arch ngpt has its own LM head: add --untie-embeddings-and-output-weights"
+    if args.sandwich_norm or args.embedding_scale:
+        return "--arch ngpt has no Sandwich Norm or embedding scale: drop those flags"
+    if args.mtp_num_layers or args.use_mup or args.apply_query_key_layer_scaling:
+        return (
+            "--arch ngpt does not combine with --mtp-num-layers, --use-mup or "
+            "--apply-query-key-layer-scaling"
+        )
+    if not (math.isfinite(args.ngpt_alpha_init) and args.ngpt_alpha_init > 0):
+        return f"--ngpt-alpha-init={args.ngpt_alpha_init} must be > 0"
+    return None
+
+
 def _unit(x: torch.Tensor) -> torch.Tensor:
     """x / ‖x‖ along the last axis, computed in fp32 (bf16 norms would round every layer)."""
     return F.normalize(x.float(), dim=-1)
