@@ -595,20 +595,22 @@ def test_tensor_parallel_follows_the_single_rank_run_on_cpu(tmp_path):
 @pytest.mark.parametrize(
     "method",
     [
-        [],
+        ["--bf16"],
         # MuonMD with the Q/K/V split needs whole query groups on each TP rank: two groups
-        ["--optimizer=muon", "--matrix-lr=2e-2", "--num-query-groups=2"],
+        ["--bf16", "--optimizer=muon", "--matrix-lr=2e-2", "--num-query-groups=2"],
+        [],  # fp32: the direction is MD's own copy, saved as rectangles of the full matrix
     ],
-    ids=["adam_md", "muon_md"],
+    ids=["adam_md", "muon_md", "adam_md_fp32"],
 )
 def test_tensor_parallel_md_resumes_exactly_and_reshards(tmp_path, method):
     """AdamMD and MuonMD (Q/K/V split; the full matrix orthogonalized, the MD recipe's
-    --muon-tp-mode duplicated) bf16 at TP2·DP1 saved at iteration 2: resumed at TP2·DP1 it
-    repeats iterations 3-4 exactly; at TP1·DP2 (gains, radius and MuonMD's momentum are the full
-    matrix's, Ŵ is megatron's main param, sharded like the weight) it follows within bf16's
-    TP1-vs-TP2 arithmetic (seen: AdamMD 6e-6, 1.3e-4; MuonMD 3.8e-5, 3.5e-6 relative)."""
+    --muon-tp-mode duplicated) bf16, and AdamMD fp32, at TP2·DP1 saved at iteration 2: resumed
+    at TP2·DP1 it repeats iterations 3-4 exactly; at TP1·DP2 (gains, radius and MuonMD's
+    momentum are the full matrix's; Ŵ is megatron's main param with bf16, MD's fp32 copy saved
+    in full-matrix coordinates otherwise) it follows within the TP1-vs-TP2 arithmetic (seen:
+    AdamMD 6e-6, 1.3e-4; MuonMD 3.8e-5, 3.5e-6; AdamMD fp32 1.1e-7, 7e-8 relative)."""
     ck = tmp_path / "ck"
-    flags = ["--md-decoupling", "--bf16", "--train-iters=4", *method]
+    flags = ["--md-decoupling", "--train-iters=4", *method]
     full = tp_run(tmp_path, "full", 2, *flags, "--tensor-model-parallel-size=2", f"--save={ck}",
                   "--save-interval=2")  # fmt: skip
     assert full[3]["lm loss"] < full[0]["lm loss"]
@@ -617,8 +619,24 @@ def test_tensor_parallel_md_resumes_exactly_and_reshards(tmp_path, method):
     tp1 = tp_run(tmp_path, "res1", 2, *flags, *again, "--micro-batch-size=4")  # DP = 2
     assert [r["iteration"] for r in tp2] == [r["iteration"] for r in tp1] == [3, 4]
     assert [r["lm loss"] for r in tp2] == [r["lm loss"] for r in full[2:]]
-    assert [r["lm loss"] for r in tp1] == pytest.approx([r["lm loss"] for r in full[2:]], rel=1e-3)
+    tol = 1e-3 if "--bf16" in method else 1e-5
+    assert [r["lm loss"] for r in tp1] == pytest.approx([r["lm loss"] for r in full[2:]], rel=tol)
     assert max(full[1]["md"]["sphere_drift"].values()) < 1e-5
+
+
+def test_tensor_and_pipeline_parallel_md_reshards_to_one_rank(tmp_path):
+    """AdamMD bf16 at TP2 x PP2 (4 ranks; replicated optimizer: megatron's dp_reshardable
+    format does not reshard TP) saved at iteration 2 resumes on ONE rank (TP1, PP1): gains and
+    radius are the full matrix's under global keys, Ŵ is megatron's main param; iterations 3-4
+    follow within bf16's TP arithmetic (seen 8e-5 and 5e-6 relative)."""
+    ck = tmp_path / "ck"
+    flags = ["--md-decoupling", "--bf16", "--train-iters=4"]
+    layout = ["--tensor-model-parallel-size=2", "--pipeline-model-parallel-size=2"]
+    full = tp_run(tmp_path, "tp2pp2", 4, *flags, *layout, f"--save={ck}", "--save-interval=2")
+    one = tp_run(tmp_path, "one", 1, *flags, f"--load={ck}", "--ckpt-step=2")
+    assert [r["iteration"] for r in one] == [3, 4]
+    assert [r["lm loss"] for r in one] == pytest.approx([r["lm loss"] for r in full[2:]], rel=1e-3)
+    assert full[3]["lm loss"] < full[0]["lm loss"]
 
 
 def test_muown_trains_in_megatrons_layer_wise_optimizer(tmp_path):

@@ -217,19 +217,19 @@ def test_contradictory_flags_stop(capsys, extra, needle):
         ),
         (["--optimizer=muown"], "(Muown) with TP > 1 is not supported"),
         (["--optimizer=muon", "--num-query-groups=1"], "do not divide over TP = 2"),
-        (["--save=/tmp/x", "--save-interval=2"], "add --bf16"),
         (["--num-experts=4", "--sequence-parallel"], "--expert-tensor-parallel-size 1"),
     ],
 )
 def test_md_under_tensor_parallelism_refuses_what_it_lacks(capsys, monkeypatch, extra, needle):
     """MD under TP (megatron/md/tensor_parallel.py): AdamMD and MuonMD run (MuonMD with the
-    full matrix orthogonalized, the MD recipe's --muon-tp-mode); not yet Muown, TP-split
-    experts, or checkpoints of fp32 MD state."""
+    full matrix orthogonalized, the MD recipe's --muon-tp-mode), fp32 or bf16 checkpoints;
+    not yet Muown or TP-split experts."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     tp = ["--md-decoupling", "--tensor-model-parallel-size=2"]
     assert needle in fails(capsys, *tp, *extra)
-    args, md = parse(*tp, "--bf16", "--save=/tmp/x", "--save-interval=2")
-    assert md is not None and args.tensor_model_parallel_size == 2
+    for dtype in ([], ["--bf16"]):
+        args, md = parse(*tp, *dtype, "--save=/tmp/x", "--save-interval=2")
+        assert md is not None and args.tensor_model_parallel_size == 2
     args, md = parse(*tp, "--optimizer=muon", "--bf16", "--num-query-groups=2")
     assert md is not None and args.muon_tp_mode == "duplicated" and md.split_qkv
 

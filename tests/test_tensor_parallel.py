@@ -121,6 +121,33 @@ def test_shard_addresses_the_full_matrix():
     assert md.shape == SHAPE and {(b.c0, b.nc) for b in md.blocks} == {(11, 1), (9, 3), (9, 1)}
 
 
+@pytest.mark.parametrize(
+    "tp", [None, TPShard(0, 1, 2), TPShard(0, 0, 2, stride=2), TPShard(1, 1, 2), TPShard(1, 2, 4)]
+)
+def test_fp32_direction_checkpoint_pieces_tile_the_full_matrix(tp):
+    """checkpoint.direction_pieces: every ZeRO-1 slice of a rank's TP piece, as rectangles of
+    the full matrix, holds exactly the full matrix's values there, and the rank's slices cover
+    its piece once (what makes the fp32 direction load at any TP/DP size)."""
+    from megatron.md.checkpoint import direction_pieces
+
+    full = torch.arange(SHAPE[0] * SHAPE[1], dtype=torch.float64).view(SHAPE)
+    piece = full if tp is None else local_piece(full, tp)
+    seen = torch.zeros(SHAPE, dtype=torch.long)
+    bounds = [0, 5, 11, 12, 40, piece.numel() - 1, piece.numel()]  # cuts inside rows too
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        flat = piece.reshape(-1)[lo:hi].clone()
+        for view, (r, c) in direction_pieces(flat, lo, tuple(piece.shape), tp):
+            h, w = view.shape
+            assert torch.equal(view, full[r : r + h, c : c + w])
+            seen[r : r + h, c : c + w] += 1
+    mine = torch.ones(SHAPE, dtype=torch.long) if tp is None else torch.zeros(SHAPE).long()
+    if tp is not None:  # the rank's chunks of the full matrix
+        chunks = mine.chunk(tp.size * tp.stride, tp.axis)
+        for k in range(tp.stride):
+            chunks[k * tp.size + tp.rank].fill_(1)
+    assert torch.equal(seen, mine)
+
+
 def test_unsupported_layouts_are_refused():
     """MuonMD takes whole TP pieces (it gathers them); a QKV split needs whole query groups on
     each rank (rows, stride 1); Muown's per-row step needs whole rows."""

@@ -8,8 +8,11 @@ ShardedTensors keyed by the model parameter's global checkpoint key:
 - raw gains, their Adam moments and the radius: full tensors, replicated over data-parallel
   ranks (replica id = the rank's data-parallel rank, so one copy is written) and, under tensor
   parallelism, over TP ranks (they are the full matrix's: any TP size loads them);
-- the fp32 direction (fp32 params only): a 1-D ShardedTensor over the flattened matrix at the
-  rank's offset — a ZeRO-1 slice or the whole matrix — so any DP size can load it.
+- the fp32 direction (fp32 params only): the rank's part of it — a ZeRO-1 slice or the whole
+  matrix, of its tensor-parallel piece — as rectangles of the FULL matrix (``direction_pieces``),
+  so any DP and TP size can load it. Checkpoints written before this layout keep the direction
+  as one 1-D tensor over the flattened matrix (no TP): ``prepare_md_load`` recognises them and
+  loads them as they are.
 
 Loading a checkpoint without MD state (say, trained with AdamW) into an MD run recreates the MD
 state from the loaded weights (radius = their norm, gains 1): the model's function is unchanged.
@@ -61,8 +64,10 @@ def prepare_md_load(optimizer, ckpt_dir: str) -> bool:
         common = dist_checkpointing.load_common_state_dict(ckpt_dir)
         for saved in _find_md_configs(common.get("optimizer", common)):
             _check_same_config(saved, wrappers[0].optimizer.md)
+    flat = any(k.endswith(".direction") and len(m.size) == 1 for k, m in keys.items())
     for opt in wrappers:
         opt.md_expect_state = present
+        opt.md_flat_direction = flat
     return present
 
 
@@ -87,6 +92,78 @@ def _flat_slice(key: str, t: torch.Tensor, start: int, numel: int, replica: int)
         allow_shape_mismatch=False,
         replica_id=replica,
     )
+
+
+def row_rects(a: int, b: int, cols: int) -> list[tuple[int, int, int, int]]:
+    """The flat range [a, b) of a row-major matrix with ``cols`` columns as rectangles
+    (row0, row1, col0, col1): a partial first row, whole rows, a partial last row."""
+    (r0, c0), (r1, c1) = divmod(a, cols), divmod(b, cols)
+    if r0 == r1:
+        return [(r0, r0 + 1, c0, c1)] if c1 > c0 else []
+    out = []
+    if c0:
+        out.append((r0, r0 + 1, c0, cols))
+        r0 += 1
+    if r1 > r0:
+        out.append((r0, r1, 0, cols))
+    if c1:
+        out.append((r1, r1 + 1, 0, c1))
+    return out
+
+
+def direction_pieces(t: torch.Tensor, start: int, shape: tuple[int, int], tp) -> list:
+    """Where the flat slice ``t`` = [start, start + numel) of a rank's matrix piece (local
+    ``shape``, row-major; ``tp``: its blocks.TPShard, None when whole) lies in the full matrix:
+    a list of (view of ``t``, full-matrix offset (row, col)), the rectangles of ``row_rects``
+    cut where megatron's TP chunks end."""
+    rows_n, cols_n = shape
+    rows = tp.pieces(rows_n) if tp is not None and tp.axis == 0 else [(0, rows_n, 0)]
+    cols = tp.pieces(cols_n) if tp is not None and tp.axis == 1 else [(0, cols_n, 0)]
+    out = []
+    for r0, r1, c0, c1 in row_rects(start, start + t.numel(), cols_n):
+        for lr, n, fr in rows:
+            a, b = max(r0, lr), min(r1, lr + n)
+            for lc, m, fc in cols if a < b else ():
+                c, d = max(c0, lc), min(c1, lc + m)
+                if c < d:
+                    off = t.storage_offset() + a * cols_n + c - start
+                    view = t.as_strided((b - a, d - c), (cols_n, 1), off)
+                    out.append((view, (fr + a - lr, fc + c - lc)))
+    return out
+
+
+def _direction_entry(self, key: str, t: torch.Tensor, slot) -> list:
+    """The fp32 direction's ShardedTensors (rectangles of the full matrix, see module doc)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from megatron.md import tensor_parallel
+
+    tp, local = slot.md.tp, slot.md.local_shape
+    if getattr(self, "md_flat_direction", False):  # a checkpoint of the earlier 1-D layout
+        if tp is not None:
+            raise ValueError(f"{slot.name}: the checkpoint's fp32 direction cannot load under TP")
+        return _flat_slice(key, t, slot.md.start, local[0] * local[1], slot.dir_replica)
+    replica = slot.dir_replica
+    if tp is None:  # a matrix every TP rank holds whole (the MoE router): TP rank 0 writes
+        expert = not getattr(slot.model_param, "allreduce", True)
+        replica = tensor_parallel.replica_id(replica, expert)
+    pieces = direction_pieces(t, slot.md.start, local, tp)
+    self._md_dir_views[key] = [v for v, _ in pieces]
+    return [
+        ShardedTensor(
+            key,
+            v.contiguous(),
+            v.dtype,
+            tuple(v.shape),
+            slot.md.shape,
+            offset,
+            axis_fragmentations=None,
+            flattened_range=None,
+            allow_shape_mismatch=False,
+            replica_id=replica,
+        )  # fmt: skip
+        for v, offset in pieces
+    ]
 
 
 def _check_same_config(saved: dict | None, md) -> None:
@@ -128,7 +205,7 @@ def md_entry(self, model_sharded_state_dict) -> dict:
     ids = get_param_id_to_sharded_param_map(
         model_sharded_state_dict, [inner.slots[m].model_param for m in mains]
     )
-    state, self._md_keys = {}, {}
+    state, self._md_keys, self._md_dir_views = {}, {}, {}
     for i, main in enumerate(mains):
         slot = inner.slots[main]
         if i not in ids:
@@ -143,13 +220,7 @@ def md_entry(self, model_sharded_state_dict) -> dict:
                 continue
             full = f"{MD_KEY_PREFIX}{key}.{name}"
             if name == "direction":
-                if slot.md.tp is not None:  # refused at start-up (train/args.py)
-                    raise ValueError(
-                        f"{slot.name}: fp32 MD state under tensor parallelism cannot be saved "
-                        "yet; use --bf16"
-                    )
-                numel = slot.md.shape[0] * slot.md.shape[1]
-                fields[name] = _flat_slice(full, t, slot.md.start, numel, slot.dir_replica)
+                fields[name] = _direction_entry(self, full, t, slot)
             else:
                 fields[name] = _replicated(full, t, slot.replica)
         state[key] = fields
@@ -170,5 +241,11 @@ def load_md(self, md: dict | None) -> None:
             if key not in loaded:
                 raise ValueError(f"the checkpoint has MD state, but none for {key}")
             for name, t in inner.md_state[main].items():
-                if t is not None:
-                    t.copy_(loaded[key][name].view(t.shape))
+                got = loaded[key][name] if t is not None else None
+                if isinstance(got, list):  # the direction's rectangles (direction_pieces)
+                    full = f"{MD_KEY_PREFIX}{key}.direction"
+                    for view, piece in zip(self._md_dir_views[full], got, strict=True):
+                        if piece.data_ptr() != view.data_ptr():  # else loaded in place
+                            view.copy_(piece.view(view.shape))
+                elif got is not None:
+                    t.copy_(got.view(t.shape))

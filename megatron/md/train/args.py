@@ -186,7 +186,7 @@ def md_config_from_args(args) -> MDConfig:
 
 def _check_tensor_parallel(args) -> None:
     """What MD runs under TP > 1 (megatron/md/tensor_parallel.py): AdamMD and MuonMD (the full
-    matrix orthogonalized); not yet Muown, TP-split experts, or checkpoints of fp32 MD state."""
+    matrix orthogonalized); not yet Muown or TP-split experts."""
     muon_md = args.optimizer == "muon" and not args.md_adam_layer_wise
     if muon_md and args.md_variant != "md":
         _fail(f"--md-variant {args.md_variant} (Muown) with TP > 1 is not supported: use TP=1")
@@ -205,13 +205,6 @@ def _check_tensor_parallel(args) -> None:
     etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
     if args.num_experts and etp > 1:
         _fail("--md-decoupling with TP > 1 needs --expert-tensor-parallel-size 1")
-    loads_md_state = args.load and not (args.no_load_optim or args.finetune)
-    if not args.bf16 and (args.save or loads_md_state):
-        _fail(
-            "--md-decoupling with TP > 1 checkpoints only bf16 runs (the fp32 direction "
-            "has no TP-resharding layout yet): add --bf16, or run without --save and "
-            "load weights only (--no-load-optim)"
-        )
 
 
 def _fail(msg: str):
