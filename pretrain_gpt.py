@@ -20,6 +20,7 @@ import sys
 import traceback
 
 from megatron.md import cpu_mode
+from megatron.md.launch import flag_value
 
 if cpu_mode.maybe_activate():  # without CUDA: first, before megatron.training is imported
     # the compiled MD step (--md-fused-step auto on CPU): one compile worker per rank keeps
@@ -41,15 +42,7 @@ def _given(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
-def _value(argv: list[str], flag: str) -> str | None:
-    """The last value given for ``flag`` (argparse semantics)."""
-    found = None
-    for i, a in enumerate(argv):
-        if a.startswith(flag + "="):
-            found = a.split("=", 1)[1]
-        elif a == flag and i + 1 < len(argv):
-            found = argv[i + 1]
-    return found
+_value = flag_value  # the last value given for a flag (argparse semantics)
 
 
 def muown(argv: list[str]) -> list[str]:

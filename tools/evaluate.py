@@ -172,9 +172,7 @@ def main(argv: list[str] | None = None) -> None:
 
     saved, path = restore.saved_args(a.load, a.ckpt_step)
     check_tokenizer(saved, a)
-    flags = restore.argv_for(saved, a.load, a.ckpt_step, a.valid_loss)
-    if a.tokenizer_model:
-        flags.append(f"--tokenizer-model={a.tokenizer_model}")
+    flags = restore.argv_for(saved, a.load, a.ckpt_step, a.valid_loss, a.tokenizer_model)
     net, args, iteration = restore.build(flags, pretrain_gpt)
 
     import torch

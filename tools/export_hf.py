@@ -52,9 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(
             "export_hf: error: the exported model cannot compute: " + "; ".join(missing)
         )
-    flags = restore.argv_for(saved, a.load, a.ckpt_step, valid=False)
-    if a.tokenizer_model:
-        flags.append(f"--tokenizer-model={a.tokenizer_model}")
+    flags = restore.argv_for(saved, a.load, a.ckpt_step, False, a.tokenizer_model)
     net, args, iteration = restore.build(flags, pretrain_gpt)
 
     import megatron.core

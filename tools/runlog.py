@@ -121,13 +121,9 @@ def read_manifest(path: str | Path) -> dict:
 
 def flag(flags: list[str], name: str) -> str | None:
     """The value of ``--name=V`` or ``--name V`` in a flag list (last one wins)."""
-    val = None
-    for i, f in enumerate(flags):
-        if f.startswith(f"--{name}="):
-            val = f.split("=", 1)[1]
-        elif f == f"--{name}" and i + 1 < len(flags):
-            val = flags[i + 1]
-    return val
+    from megatron.md.launch import flag_value
+
+    return flag_value(flags, f"--{name}")
 
 
 def run_pretrain(nproc: int, flags: list[str], log: Path, cwd: Path) -> int:

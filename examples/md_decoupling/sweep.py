@@ -184,8 +184,10 @@ def _tail_rows(metrics: Path, nbytes: int = 1 << 18) -> list[dict]:
 def progress(entry: dict, running: bool) -> tuple[int, int, str] | None:
     """(iterations logged, --train-iters, a note) of a run from its metrics: the last logged
     iteration and, running, an ETA from the median step time of the last 20 logged steps."""
-    total = next((int(f.split("=", 1)[1]) for f in reversed(entry.get("flags", []))
-                  if f.startswith("--train-iters=")), None)  # fmt: skip
+    from megatron.md.launch import flag_value
+
+    total = flag_value(entry.get("flags", []), "--train-iters")
+    total = int(total) if total else None
     metrics = Path(entry["run_dir"]) / "metrics.jsonl"
     rows = _tail_rows(metrics) if total and metrics.is_file() else []
     if not rows:

@@ -102,9 +102,12 @@ def replay(saved, names) -> list[str]:
     return out
 
 
-def argv_for(saved, load: str, ckpt_step: int | None, valid: bool) -> list[str]:
+def argv_for(
+    saved, load: str, ckpt_step: int | None, valid: bool, tokenizer_model: str | None = None
+) -> list[str]:
     """The ``pretrain_gpt.py`` command line that rebuilds the run's model to evaluate it
-    (megatron's batch sizes are placeholders: the harness adapter makes its own batches)."""
+    (megatron's batch sizes are placeholders: the harness adapter makes its own batches);
+    ``tokenizer_model``: where the run's tokenizer is now, when it moved."""
     argv = replay(saved, set(ARCH) | (set(DATA) if valid else set()))
     argv += [
         f"--load={load}",
@@ -113,8 +116,10 @@ def argv_for(saved, load: str, ckpt_step: int | None, valid: bool) -> list[str]:
         "--exit-on-missing-checkpoint",
         "--micro-batch-size=1",
     ]
-    if getattr(saved, "arch", "gpt") == "ngpt":  # trained only with MD (args.check_ngpt)
+    if getattr(saved, "arch", "gpt") == "ngpt":  # trained only with MD (ngpt.check_args)
         argv.append("--md-decoupling")
+    if tokenizer_model:
+        argv.append(f"--tokenizer-model={tokenizer_model}")
     if not valid:  # megatron wants data, a batch and a length of training even to evaluate
         argv += ["--mock-data", "--global-batch-size=1", "--train-iters=1"]
     if ckpt_step is not None:
