@@ -197,6 +197,27 @@ def test_bench_md_step_smoke(tmp_path):
     assert 1.0 < ratios["state bytes md/base (bf16 params)"] <= 1.02
 
 
+@pytest.mark.distributed
+def test_bench_md_step_under_tensor_parallelism(tmp_path):
+    """--tp 2: every matrix split as megatron splits it (column/row-parallel, SwiGLU stride 2,
+    vocab-parallel rows); MD's all-reduce payload is the FULL matrices' partials (the TP sum
+    folded in, independent of the TP size), set against megatron's TP activation all-reduces
+    at the paper's batch."""
+    out = run_tool("bench_md_step.py", "--model", "smoke-tp", "--vocab", "512", "--steps", "2",
+                   "--tp", "2", "--runs", "adam", "adam_md", "--json", str(tmp_path / "b.json"),
+                   timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    (world,) = json.loads((tmp_path / "b.json").read_text())
+    row = world["results"]["smoke-tp fp32"]
+    assert (world["world"], world["tp"]) == (2, 2) and set(row["pairs"]) == {"adam_md/adam"}
+    # full shapes: 2 layers × (qkv 768×128, proj 128×256, fc1 512×128, fc2 128×256), rows of
+    # the 512-row embedding and LM head
+    matrices = 2 * ((768 + 128 + 1) + (128 + 256 + 1) + (512 + 128 + 1) + (128 + 256 + 1))
+    assert row["bytes"]["md_allreduce"] == 4 * (matrices + 2 * 512)
+    assert row["bytes"]["megatron_tp_activations"] == 4 * 2 * (128 * 4096) * 128 * 2
+    assert 0 < row["ratios"]["md all-reduce / megatron TP all-reduce bytes"] < 1e-4
+
+
 def test_figure_style_is_one_colour_per_method_and_sizes_in_numeric_order(tmp_path):
     """Every figure colours a method the same way whatever its spelling (MuonMD red, as in the
     paper), orders sizes by their numbers, and lr_sweep.py --replot redraws from its CSV."""

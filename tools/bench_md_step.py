@@ -54,13 +54,25 @@ SHAPES = {  # d, layers, heads, kv groups, d_ff (recipe §3); head dim 128
     "827M": (1536, 12, 12, 6, 6144),
     "1.29B": (2048, 12, 16, 8, 8192),
     "smoke": (128, 2, 1, 1, 256),  # not the paper's: the test suite's quick check of this tool
+    "smoke-tp": (128, 2, 2, 2, 256),  # the same under TP 2 (whole query groups per rank)
 }
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB = 131072
+GBS_TOKENS = 128 * 4096  # the paper's global batch in tokens (128 sequences of 4096)
 
 
-def shape_model(name: str, vocab: int) -> torch.nn.Module:
-    """Parameters with megatron-core GPT names and the paper's shapes (no forward)."""
+#: megatron's tensor-parallel split of each matrix: (axis, stride) by name (column-parallel
+#: QKV/fc1/embedding/LM head split rows, fc1 as SwiGLU's two halves; row-parallel proj/fc2)
+TP_SPLIT = {"linear_qkv": (0, 1), "linear_fc1": (0, 2), "linear_proj": (1, 1),
+            "linear_fc2": (1, 1), "word_embeddings": (0, 1), "output_layer": (0, 1)}  # fmt: skip
+
+
+def shape_model(name: str, vocab: int, tp: int = 1) -> torch.nn.Module:
+    """Parameters with megatron-core GPT names and the paper's shapes (no forward); under
+    tensor parallelism (``tp`` > 1, megatron's model parallelism initialized) this rank's
+    piece of each split matrix, with megatron's TP attributes."""
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
     d, layers, heads, kv, ff = SHAPES[name]
     shapes = {"embedding.word_embeddings.weight": (vocab, d)}
     for i in range(layers):
@@ -76,6 +88,9 @@ def shape_model(name: str, vocab: int) -> torch.nn.Module:
     root = torch.nn.Module()
     gen = torch.Generator(DEV).manual_seed(0)
     for full, shape in shapes.items():
+        split = next((v for k, v in TP_SPLIT.items() if k in full), None) if tp > 1 else None
+        if split is not None:
+            shape = tuple(n // tp if i == split[0] else n for i, n in enumerate(shape))
         mod = root
         *path, leaf = full.split(".")
         for part in path:
@@ -83,13 +98,17 @@ def shape_model(name: str, vocab: int) -> torch.nn.Module:
                 mod.add_module(part, torch.nn.Module())
             mod = getattr(mod, part)
         p = torch.nn.Parameter(torch.randn(shape, generator=gen, device=DEV) * d**-0.5)
+        if split is not None:
+            set_tensor_model_parallel_attributes(p, True, split[0], split[1])
         if "embedding" in full or "output_layer" in full:
             p.is_embedding_or_output_parameter = True
         mod.register_parameter(leaf, p)
     return root
 
 
-def build(name: str, optimizer: str, md_on: bool, dtype: str, vocab: int, fused: str = "auto"):
+def build(
+    name: str, optimizer: str, md_on: bool, dtype: str, vocab: int, fused: str = "auto", tp: int = 1
+):
     from megatron.core.transformer import TransformerConfig
 
     from megatron.md.config import MDConfig
@@ -100,15 +119,17 @@ def build(name: str, optimizer: str, md_on: bool, dtype: str, vocab: int, fused:
     # the attention layout of shape_model's QKV (megatron tags it for Muon's Q/K/V split from it)
     cfg = TransformerConfig(
         num_layers=layers, hidden_size=d, num_attention_heads=heads, num_query_groups=kv,
-        kv_channels=128, use_cpu_initialization=True,
+        kv_channels=128, use_cpu_initialization=True, tensor_model_parallel_size=tp,
     )  # fmt: skip
-    module = shape_model(name, vocab)
+    module = shape_model(name, vocab, tp)
     if dtype == "bf16":
         module = module.to(torch.bfloat16)
     layer_wise = optimizer in ("muon", "adam_lw")  # adam_lw: --md-adam-layer-wise
     dmodel, opt = megatron_optimizer(
-        module, cfg, "layerwise" if layer_wise else "zero1", torch.distributed.get_world_size(),
-        optimizer, lr=1e-3, weight_decay=0.0, clip_grad=1.0,
+        module, cfg, "layerwise" if layer_wise else "zero1",
+        torch.distributed.get_world_size() // tp, optimizer, lr=1e-3, weight_decay=0.0, clip_grad=1.0,
+        # under TP, Muon and MuonMD orthogonalize full matrices (MD's recipe; tensor_parallel.py)
+        muon_tp_mode="duplicated" if tp > 1 else "blockwise",
         bf16=dtype == "bf16" or layer_wise,  # LayerWise needs bf16=True
         muon_split_qkv=True,  # megatron's default, and MuonMD's (MDConfig.split_qkv)
         muon_nesterov=True, muon_scale_mode="unit_rms_norm",
@@ -322,7 +343,7 @@ def worker(args) -> None:
     torch.distributed.init_process_group("nccl" if DEV == "cuda" else "gloo")
     from megatron.core import parallel_state as ps
 
-    ps.initialize_model_parallel(1, 1)
+    ps.initialize_model_parallel(args.tp, 1)
     rank = torch.distributed.get_rank()
     if args.profile:
         return profile(args.model[0], args.vocab, args.dtype)
@@ -333,7 +354,8 @@ def worker(args) -> None:
     if rank == 0:
         world = torch.distributed.get_world_size()
         where = torch.cuda.get_device_name() if DEV == "cuda" else "CPU/gloo"
-        print(f"\nMD optimizer-step cost, {where}, {world} ranks, median of {args.steps} steps")
+        print(f"\nMD optimizer-step cost, {where}, {world} ranks (TP {args.tp}), median of "
+              f"{args.steps} steps")  # fmt: skip
         print(f"{'model':<12} {'ratio':<40} {'value':>7}   (seconds: base -> MD)")
         for name, row in results.items():
             for key, val in row["ratios"].items():
@@ -344,7 +366,8 @@ def worker(args) -> None:
                     b, m = (t[f"{which}_s"] for t in got.values())
                     secs = f"   {b:.3f} -> {m:.3f}"
                 print(f"{name:<12} {key:<40} {val:>7.4g}{secs}")
-        summary = {"world": world, "steps": args.steps, "device": where, "results": results}
+        summary = {"world": world, "tp": args.tp, "steps": args.steps, "device": where,
+                   "results": results}  # fmt: skip
         print(JSON_TAG + json.dumps(summary))
     torch.distributed.destroy_process_group()
 
@@ -377,7 +400,7 @@ def measure(name: str, dtype: str, args, rank: int) -> dict:
             opt_name, md_on = run.split("_md")[0], "_md" in run
             fused = {"fused": "on", "eager": "off"}.get(run.rsplit("_", 1)[-1], "auto")
             t0 = time.perf_counter()
-            dmodel, opts[run] = build(name, opt_name, md_on, dtype, args.vocab, fused)
+            dmodel, opts[run] = build(name, opt_name, md_on, dtype, args.vocab, fused, args.tp)
             models.append(dmodel)
             log(rank, f"{name} {dtype} {run}: built in {time.perf_counter() - t0:.1f} s")
         got = time_interleaved(opts, args.steps)
@@ -400,7 +423,7 @@ def measure(name: str, dtype: str, args, rank: int) -> dict:
         return row
     sb = {}
     for md_on in (False, True):
-        dmodel, opt = build(name, "adam", md_on, "bf16", args.vocab)
+        dmodel, opt = build(name, "adam", md_on, "bf16", args.vocab, tp=args.tp)
         opt.step()  # torch AdamW creates its state lazily
         t = torch.tensor(float(state_bytes(opt)), device=DEV)
         torch.distributed.all_reduce(t)
@@ -409,6 +432,15 @@ def measure(name: str, dtype: str, args, rank: int) -> dict:
         free(gc)
     row["ratios"]["state bytes md/base (bf16 params)"] = sb[True] / sb[False]
     row["ratios"]["md all-reduce / param all-gather bytes"] = row["bytes"]["ratio"]
+    if args.tp > 1:  # megatron's TP activation all-reduces at the paper's batch, by formula
+        d, layers = SHAPES[name][:2]
+        dp = torch.distributed.get_world_size() // args.tp
+        # 4 per layer (attention and MLP, forward and backward) of tokens × d bf16 values
+        tp_bytes = 4 * layers * (GBS_TOKENS // dp) * d * 2
+        row["bytes"]["megatron_tp_activations"] = tp_bytes
+        row["ratios"]["md all-reduce / megatron TP all-reduce bytes"] = (
+            row["bytes"]["md_allreduce"] / tp_bytes
+        )
     return row
 
 
@@ -423,6 +455,8 @@ def main(argv=None) -> None:
     ap.add_argument("--runs", nargs="+", choices=RUNS, default=RUNS,
                     help="which optimizer builds to time (ratios need both of a pair)")  # fmt: skip
     ap.add_argument("--world", type=int, nargs="+", help="world sizes to run in turn (ladder)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel size (must divide every world size)")  # fmt: skip
     ap.add_argument("--json", type=Path, help="write every world size's results here")
     ap.add_argument("--profile", action="store_true", help="kernel table of one MD step instead")
     args = ap.parse_args(argv)
@@ -432,6 +466,12 @@ def main(argv=None) -> None:
         args.dtype = args.dtype[:1]
     ladder = []
     for world in args.world or [args.nproc]:
+        if world % args.tp:
+            raise SystemExit(f"bench_md_step: error: --tp {args.tp} does not divide {world} ranks")
+        for name in args.model:
+            if SHAPES[name][3] % args.tp:
+                raise SystemExit(f"bench_md_step: error: --model {name}'s {SHAPES[name][3]} "
+                                 f"query groups do not divide over --tp {args.tp}")  # fmt: skip
         own = [a for a in (argv if argv is not None else sys.argv[1:])]
         cmd = torchrun(__file__, world, own)
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world))}
