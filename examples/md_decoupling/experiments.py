@@ -204,27 +204,35 @@ NGPT = ["--arch=ngpt", "--transformer-impl=local"]
 
 def ngpt_runs(lrs: list[float]) -> list[Run]:
     """The nGPT comparison (appendix "Comparison to nGPT", fig. ngpt): the 181M base, 50k
-    iterations, every arm over the matrix-LR grid. Adam family: nGPT as proposed (its
-    architecture, unit vectors after a plain Adam step, one LR for every parameter as nGPT
-    trains), the same with its residual scales stored at 1 (the grey line), nGPT's architecture
-    with our Frobenius sphere and no gains, and with AdamMD; Muon family: nGPT's unit vectors
-    under Muon (no gains) and nGPT's architecture with MuonMD; our base AdamMD and MuonMD
-    (Sandwich Norm) for reference. Assumed where the paper is silent: the recipe's schedule
-    (linear decay, no warmup) and side LRs for every arm but nGPT as proposed."""
+    iterations, every arm over the matrix-LR grid. Adam family, all at one LR for every
+    parameter as nGPT trains (its scaling vectors, embeddings and LM head at the swept LR):
+    nGPT as proposed (its architecture, unit vectors after a plain Adam step), the same with its
+    residual scales stored at 1 (the grey line), nGPT's architecture with our Frobenius sphere
+    and no gains, and with AdamMD. Muon family (Muon's LR is not Adam's: the Adam-stepped
+    parameters get a fixed LR): nGPT's unit vectors under Muon (no gains) and nGPT's
+    architecture with MuonMD, each with the recipe's side LRs and with 1e-2 for every
+    Adam-stepped parameter (at the recipe's 3e-3 nGPT's scaling vectors learned too slowly in
+    the laptop run, docs/cpu_repro.md). Our base AdamMD and MuonMD (Sandwich Norm) for
+    reference. Assumed where the paper is silent: the recipe's schedule (linear decay, no
+    warmup) for every arm, and the Adam-group LRs of the Muon family."""
 
     def one_lr(lr):  # nGPT trains every parameter at one LR
         return [f"--lr={fmt(lr)}", f"--embedding-lr={fmt(lr)}", f"--output-lr={fmt(lr)}"]
 
-    arms = {  # variant -> (method, extra flags; a callable gets the matrix LR)
+    side = one_lr(1e-2)
+    arms = {  # variant -> (methods, extra flags for a matrix LR)
         "base": (("adammd", "muonmd"), lambda lr: []),
         "ngpt": (("adammd",), lambda lr: [*NGPT, *NGPT_SPHERE, *one_lr(lr)]),
         "ngpt-alpha1": (
             ("adammd",),
             lambda lr: [*NGPT, *NGPT_SPHERE, *one_lr(lr), "--ngpt-residual-scale=1"],
         ),  # fmt: skip
-        "ngpt-arch-frobenius": (("adammd",), lambda lr: [*NGPT, "--md-gains=none"]),
-        "ngpt-arch-md": (("adammd", "muonmd"), lambda lr: NGPT),
+        "ngpt-arch-frobenius": (("adammd",), lambda lr: [*NGPT, "--md-gains=none", *one_lr(lr)]),
+        "ngpt-arch-md": (("adammd",), lambda lr: [*NGPT, *one_lr(lr)]),
         "ngpt-muon": (("muonmd",), lambda lr: [*NGPT, *NGPT_SPHERE]),
+        "ngpt-muon-side1e-2": (("muonmd",), lambda lr: [*NGPT, *NGPT_SPHERE, *side]),
+        "ngpt-arch-muonmd": (("muonmd",), lambda lr: NGPT),
+        "ngpt-arch-muonmd-side1e-2": (("muonmd",), lambda lr: [*NGPT, *side]),
     }
     return [
         _dense_run("dense-181M", m, lr, tag, extra(lr), axis="ngpt", variant=tag)

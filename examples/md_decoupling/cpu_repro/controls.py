@@ -66,6 +66,19 @@ ARMS = {
         2e-3,
     ),  # fmt: skip
     "adammd-ngptarch": (["--optimizer=adam", "--md-decoupling", *NGPT], False, 2e-3),
+    # the same at nGPT's one LR: its scaling vectors, embeddings and LM head at the swept LR
+    "adammd-ngptarch-onelr": (
+        [
+            "--optimizer=adam",
+            "--md-decoupling",
+            *NGPT,
+            "--lr={lr}",
+            "--embedding-lr={lr}",
+            "--output-lr={lr}",
+        ],
+        False,
+        4e-3,
+    ),  # fmt: skip
     "muonmd-ngptarch": ([*MUONMD, *NGPT], False, 8e-3),
 }
 SEEDS = (1234, 1235)
