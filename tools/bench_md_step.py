@@ -127,7 +127,8 @@ def build(
     layer_wise = optimizer in ("muon", "adam_lw")  # adam_lw: --md-adam-layer-wise
     dmodel, opt = megatron_optimizer(
         module, cfg, "layerwise" if layer_wise else "zero1",
-        torch.distributed.get_world_size() // tp, optimizer, lr=1e-3, weight_decay=0.0, clip_grad=1.0,
+        torch.distributed.get_world_size() // tp, optimizer,
+        lr=1e-3, weight_decay=0.0, clip_grad=1.0,
         # under TP, Muon and MuonMD orthogonalize full matrices (MD's recipe; tensor_parallel.py)
         muon_tp_mode="duplicated" if tp > 1 else "blockwise",
         bf16=dtype == "bf16" or layer_wise,  # LayerWise needs bf16=True
