@@ -14,6 +14,7 @@ import cpu_demo  # noqa: E402
 from megatron.md.config import MDConfig  # noqa: E402
 from megatron.md.optimizer import MDOptimizer, model_param_groups  # noqa: E402
 from megatron.md.roles import tag_qkv  # noqa: E402
+from megatron.md.testing import tiny_gpt  # noqa: E402
 
 LAYERS = 4
 
@@ -21,7 +22,7 @@ LAYERS = 4
 def _relative_direction_updates(md: MDConfig, lr: float = 1e-4) -> dict[str, float]:
     """‖ΔŴ‖/‖Ŵ‖ / lr of every MuonMD matrix after one step of a DeepSeekMoE-style model whose
     output projections are initialized at σ/sqrt(2L) (megatron's scaled init)."""
-    model = cpu_demo.build_model(5, 64, LAYERS, 16, experts=4)
+    model = tiny_gpt(5, 64, LAYERS, 16, experts=4)
     tag_qkv(model)
     groups = model_param_groups(model, lr)
     opt = MDOptimizer(groups, md=md, base="muon")
