@@ -42,9 +42,6 @@ def _given(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
-_value = flag_value  # the last value given for a flag (argparse semantics)
-
-
 def muown(argv: list[str]) -> list[str]:
     """``--optimizer muown`` (the Muown baseline: MDConfig.variant) is MuonMD's machinery with
     Muown's per-row treatment: ``--optimizer=muon --md-decoupling --md-variant=muown`` in its
@@ -65,7 +62,7 @@ def expand_argv(argv: list[str], on_cpu: bool) -> list[str]:
     """Preset, CPU and MD-recipe flags placed before the user's own (later flags win)."""
     argv = muown(argv)
     front: list[str] = []
-    preset = _value(argv, "--preset")
+    preset = flag_value(argv, "--preset")
     if preset is not None:
         try:
             front += presets.preset_flags(preset)
@@ -75,8 +72,8 @@ def expand_argv(argv: list[str], on_cpu: bool) -> list[str]:
         front += patches.cpu_flags()
     if "--md-decoupling" in argv:
         front += MD_RECIPE
-    if _value(argv, "--wandb-project"):  # read while megatron parses (global_vars.py:139-140)
-        save = _value(argv, "--save") or "runs"
+    if flag_value(argv, "--wandb-project"):  # read while megatron parses (global_vars.py:139-140)
+        save = flag_value(argv, "--save") or "runs"
         # megatron logs wandb history only beside a TensorBoard writer (training.py:2681)
         front.append(f"--tensorboard-dir={os.path.join(save, 'tensorboard')}")
         front.append(f"--wandb-exp-name={os.path.basename(os.path.normpath(save))}")
@@ -112,11 +109,11 @@ def parse(argv: list[str], on_cpu: bool):
     from megatron.training.arguments import parse_and_validate_args
 
     patches.widen_choices()
-    tok = _value(argv, "--tokenizer-model")  # megatron loads it while validating its args
-    if _value(argv, "--tokenizer-type") == "HuggingFaceTokenizer":
+    tok = flag_value(argv, "--tokenizer-model")  # megatron loads it while validating its args
+    if flag_value(argv, "--tokenizer-type") == "HuggingFaceTokenizer":
         md_args.check_tokenizer_dir(tok)
     for flag in ("--save", "--load"):
-        md_args.check_not_a_file(flag, _value(argv, flag))
+        md_args.check_not_a_file(flag, flag_value(argv, flag))
     sys.argv = [sys.argv[0]] + expand_argv(argv, on_cpu)
     try:
         args = parse_and_validate_args(extra_args_provider=md_args.add_md_args)

@@ -139,7 +139,7 @@ def _direction_entry(self, key: str, t: torch.Tensor, slot) -> list:
     from megatron.md import tensor_parallel
 
     tp, local = slot.md.tp, slot.md.local_shape
-    if getattr(self, "md_flat_direction", False):  # a checkpoint of the earlier 1-D layout
+    if self.md_flat_direction:  # a checkpoint of the earlier 1-D layout
         if tp is not None:
             raise ValueError(f"{slot.name}: the checkpoint's fp32 direction cannot load under TP")
         return _flat_slice(key, t, slot.md.start, local[0] * local[1], slot.dir_replica)

@@ -25,8 +25,7 @@ from megatron.md.base_steps import AdamHParams, MuonHParams, adam_multi_
 from megatron.md.batched import SliceItem, identity_reduce, md_init_batched, md_step_batched
 from megatron.md.config import MDConfig
 from megatron.md.sliced import SliceMD
-from megatron.md.state import BASE_FIELDS as BASE_KEYS
-from megatron.md.state import MatrixState
+from megatron.md.state import BASE_FIELDS, MatrixState
 
 
 @dataclass
@@ -104,9 +103,9 @@ class MDInner(torch.optim.Optimizer):
                     self.state[p] = {
                         k: v if k == "step" else v.view(p.shape)
                         for k, v in full.items()
-                        if k in BASE_KEYS
+                        if k in BASE_FIELDS
                     }
-                extra.update({k: v for k, v in full.items() if k not in BASE_KEYS})
+                extra.update({k: v for k, v in full.items() if k not in BASE_FIELDS})
                 items.append(SliceItem(slot.md, direction, None, full, slot=slot.index))
                 owners.append(p)
         md_init_batched(items, self.reduce, self.norm_layout)

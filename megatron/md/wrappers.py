@@ -139,6 +139,7 @@ def md_wrapper(cls):
     cls._md_fix_step = cls.__dict__.get("_md_fix_step", False)
     cls.md_expect_state = True  # whether the checkpoint being loaded has MD state
     cls.md_state_loaded = True  # whether the last load gave this optimizer state
+    cls.md_flat_direction = False  # the loaded checkpoint keeps the earlier 1-D fp32 direction
     cls.sharded_state_dict = md_sharded_state_dict
     cls.load_state_dict = md_load_state_dict
     cls.reload_model_params = md_reload_model_params

@@ -83,14 +83,14 @@ def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
     dp_rank = dp_group.rank() if dp_group is not None else 0
     # Every rank lays out partials for ALL MD matrices of the instance in buffer order, so one
     # all-reduce lines up even though ranks own different slices.
-    index = {}
+    index, specs = {}, {}
     inner.layout, inner.norm_layout, inner.pre_layout = [], [], []
     for buf in opt.buffers:
         for p in buf.params:
             if roles[p] != "vector":
                 tp, _ = tensor_parallel.placement(p)
-                spec = spec_for(roles[p], md, residual_write(names[p]))
-                empty = SliceMD(tuple(p.shape), 0, 0, spec, "adam", tp=tp)
+                specs[p] = spec_for(roles[p], md, residual_write(names[p]))
+                empty = SliceMD(tuple(p.shape), 0, 0, specs[p], "adam", tp=tp)
                 index[p] = len(inner.layout)
                 inner.layout.append(empty.n_partials())
                 inner.norm_layout.append(empty.n_norm)
@@ -99,9 +99,8 @@ def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
     elements = sum(mp.main.numel() for mp in mains)
     fused = bool(mains) and md.use_fused(mains[0].main.device.type, elements)
     for mp in mains:
-        role = roles[mp.model]
         shape = tuple(mp.model.shape)
-        spec = spec_for(role, md, residual_write(names[mp.model]))
+        spec = specs[mp.model]
         end = mp.start + mp.main.numel()
         tp, counts = tensor_parallel.placement(mp.model)
         sm = SliceMD(shape, mp.start, end, spec, "adam", fused=fused, tp=tp, counts=counts)

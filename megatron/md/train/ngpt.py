@@ -102,7 +102,7 @@ class Interpolate(torch.nn.Module):
     def forward(self, training: bool, fused: bool):  # called like get_bias_dropout_add
         def step(x_with_bias, residual, prob):
             x, bias = x_with_bias
-            if bias is not None:  # refused at start-up (args.check_ngpt); kept for the signature
+            if bias is not None:  # refused at start-up (check_args); kept for the signature
                 x = x + bias
             h = _unit(residual)
             h = h + self.alpha.value().abs() * (_unit(x) - h)  # nGPT's eigen learning rates
