@@ -30,6 +30,39 @@ def test_cpu_mode_redirects_devices_and_types():
     assert torch.cuda.device_count() == 1
 
 
+class _GatherLike(torch.autograd.Function):
+    """Like megatron's backward all-gathers (core/tensor_parallel/mappings.py:152): the
+    backward allocates its output on ``torch.cuda.current_device()``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, g):
+        out = torch.empty(g.shape, dtype=g.dtype, device=torch.cuda.current_device())
+        return out.copy_(g).mul_(2)
+
+
+@pytest.mark.parametrize("entry", ["tensor", "autograd", "autograd-grad-tensors"])
+def test_cpu_mode_redirects_inside_the_backward_pass(entry):
+    """The backward pass runs under the redirection whichever entry starts it (loss.backward(),
+    torch.autograd.backward as megatron's schedules call it); before, autograd functions'
+    backwards ran unredirected and allocating on the CUDA device index failed."""
+    x = torch.arange(3.0, requires_grad=True)
+    y = _GatherLike.apply(x)
+    if entry == "tensor":
+        y.sum().backward()
+        assert torch.equal(x.grad, torch.full((3,), 2.0))
+    elif entry == "autograd":
+        torch.autograd.backward(y.sum())
+        assert torch.equal(x.grad, torch.full((3,), 2.0))
+    else:
+        torch.autograd.backward([y], grad_tensors=[torch.ones(3) * 3], retain_graph=True)
+        torch.autograd.backward([y], grad_tensors=[torch.ones(3)])
+        assert torch.equal(x.grad, torch.full((3,), 8.0))  # retained graph, grads accumulate
+
+
 def _args(steps):
     return argparse.Namespace(steps=steps, hidden=32, layers=2, seq=32, batch=4, seed=3)
 

@@ -42,6 +42,13 @@ MD_OFF = {
 }
 # --md-fused-step (compiled kernels): fp32 with cuts inside rows (4 ranks), bf16 MoE (2)
 FUSED = {4: (), 2: ("--dtype", "bf16", "--experts", "4")}
+# context parallelism (--cp 2): CP2 with ZeRO-1 AdamMD and layer-wise MuonMD, DP2 × CP2 MoE
+CP = {
+    "cp2-zero1": (2, "--dist", "zero1"),
+    "cp2-muon-layerwise": (2, *MUON_LW),
+    "dp2xcp2-zero1": (4, "--dist", "zero1"),
+    "dp2xcp2-zero1-moe": (4, "--dist", "zero1", "--experts", "4"),
+}
 # Every check below, so that each world size runs as ONE torchrun (tests/_torchrun.py:Batches).
 md_check = Batches(
     "md_check.py",
@@ -62,6 +69,7 @@ md_check = Batches(
         ],
         *[(2, "--vs", "megatron", *args) for args in MD_OFF.values()],
         *[(n, "--dist", "zero1", "--fused-step", *a) for n, a in FUSED.items()],
+        *[(n, "--cp", "2", *a) for n, *a in CP.values()],
     ],
 )
 
@@ -155,12 +163,31 @@ def test_adam_md_zero1_fused_kernels(nproc):
     assert res["payload"] == res["expected_payload"]
 
 
-# Tensor parallelism (megatron/md/tensor_parallel.py): AdamMD on TP2 and TP2 × DP2 against the
-# reference on the full matrices (tests/distributed/md_tp_check.py). Not on CPU: TP4 with this
-# model (megatron's backward all-gather allocates on torch.cuda.current_device() inside
-# autograd, tensor_parallel/mappings.py:185, out of the CPU mode's reach), sequence parallelism
-# (core/transformer/torch_norm.py:50 refuses it with torch norms) and so MoE under TP; the
-# arithmetic of TP4, of SwiGLU's strided fc1 and of the TP-replicated router is
+@pytest.mark.parametrize("job", CP)
+def test_md_under_context_parallelism(job):
+    """Context parallelism changes nothing in the MD step: each rank's gradient comes from its
+    share of the sequence (megatron's get_batch_on_this_cp_rank), megatron's DDP averages over
+    DP × CP and its optimizer shards over that group, and MD's one all-reduce goes over the
+    optimizer's group, so the result is the reference's fed the DP × CP mean gradient, with the
+    DP tolerances. megatron-core runs CP attention only with Transformer Engine
+    (core/transformer/dot_product_attention.py:57-59), so the model here is built with CP 1 and
+    run with megatron's CP groups (md_check.py says how). Seen: ≤ 1.0e-7 relative."""
+    nproc, *args = CP[job]
+    res = md_check(nproc, "--cp", "2", *args)
+    assert res["cp"] == 2 and res["grads_differ"] > 1e-2  # the ranks' gradients do differ
+    check(res, nproc)
+    assert res["md_group_sizes"] == [nproc] and res["md_group_is_dp_cp"]
+    assert all(res["md_group_is_dp_cp"])  # megatron's DP × CP group, every ZeRO-1 instance
+    assert res["collectives_per_step"] == 1.0 and res["payload"] == res["expected_payload"]
+    assert res["extra_collectives"] == md_collectives(res, nproc)
+    if job == "dp2xcp2-zero1":
+        assert res["cut_inside_row"]  # partials of cut rows must meet over all 4 ranks
+
+
+# Tensor parallelism (megatron/md/tensor_parallel.py): AdamMD on TP2, TP2 × DP2 and TP4 against
+# the reference on the full matrices (tests/distributed/md_tp_check.py). Not on CPU: sequence
+# parallelism (core/transformer/torch_norm.py:50 refuses it with torch norms) and so MoE under
+# TP; the arithmetic of SwiGLU's strided fc1 and of the TP-replicated router is also
 # tests/test_tensor_parallel.py's.
 TP_JOBS = {
     "zero1": ("--dist", "zero1"),
@@ -175,11 +202,19 @@ TP_MUON = {
     "split-bf16": (*MUON_LW, "--split-qkv", "--dtype", "bf16"),
     "whole-qkv": MUON_LW,
 }
+# TP4 (4 ranks): AdamMD ZeRO-1 fp32 and bf16, MuonMD with Q, K and V whole (the test model's 2
+# query groups do not split over 4 ranks)
+TP4 = {
+    "zero1": ("--dist", "zero1"),
+    "zero1-bf16": ("--dist", "zero1", "--dtype", "bf16"),
+    "muon-whole-qkv": MUON_LW,
+}
 md_tp_check = Batches(
     "md_tp_check.py",
     [(n, "--tp", "2", *a) for n in (2, 4) for a in TP_JOBS.values()]
     + [(n, "--tp", "2", *a) for n, *a in TP_SPHERES]
-    + [(n, "--tp", "2", *a) for n in (2, 4) for a in TP_MUON.values()],
+    + [(n, "--tp", "2", *a) for n in (2, 4) for a in TP_MUON.values()]
+    + [(4, "--tp", "4", *a) for a in TP4.values()],
 )
 
 
@@ -234,3 +269,19 @@ def test_muon_md_tensor_parallel(nproc, job):
 def test_adam_md_tensor_parallel_row_col_spheres(sphere):
     res = md_tp_check(2, "--tp", "2", "--dist", "zero1", "--sphere", sphere)
     check(res, 2)
+
+
+@pytest.mark.parametrize("job", TP4)
+def test_md_tensor_parallel_4(job):
+    """TP 4 with megatron's GPT (runnable on CPU since the CPU mode redirects inside the backward
+    pass, where megatron's all-gathers allocate on the CUDA device index). Seen: fp32 ≤ 1.9e-7
+    relative, bf16 every weight one rounding of the reference's."""
+    res = md_tp_check(4, "--tp", "4", *TP4[job])
+    assert (res["tp"], res["dp"]) == (4, 1)
+    check(res, 4, "bf16" if "bf16" in job else "fp32")
+    assert res["tp_split_matrices"] >= 5 and res["stride2_matrices"] >= 1
+    assert res["row_parallel_matrices"] >= 2 and res["replicas_dropped"] == 0
+    assert res["payload"] == res["expected_payload"] and res["missing_collectives"] == []
+    extra = res["extra_collectives"]  # MuonMD's gathers are megatron's duplicated-mode gathers
+    assert all(k[0] == "all_reduce" for k in extra) and sum(k[1] for k in extra) == res["payload"]
+    assert res["collectives_per_step"] == (2 if "muon" in job else 1)

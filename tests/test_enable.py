@@ -132,16 +132,22 @@ def test_fused_step_reaches_the_slices(mode, fused):
     assert {s.md.fused for s in slots if s.md.spec.gains != "none"} == {fused}
 
 
-def test_one_matrix_for_all_experts_is_refused():
-    """megatron-core's legacy GroupedMLP keeps every local expert in one ``weight1``/``weight2``
-    matrix; MD needs a sphere and gains per expert, so enable_md refuses it (TE's grouped
-    experts are one parameter per expert: ``weight{i}``)."""
+def test_one_parameter_for_all_experts_is_refused():
+    """TE's grouped experts with ``--moe-single-grouped-weight`` keep every local expert in one
+    parameter (stacked 3-D or concatenated 2-D; TE's ``single_grouped_weight`` attribute says
+    which modules). MD needs a sphere and gains per expert matrix, so enable_md refuses both
+    before touching the optimizer, instead of stepping one big matrix or a "vector"."""
     from megatron.md.config import MDConfig
     from megatron.md.enable import enable_md
 
+    grouped = torch.nn.Module()  # as TE's GroupedLinear sets it up
+    grouped.single_grouped_weight = True
+    grouped.weight = torch.nn.Parameter(torch.zeros(4 * 8, 32))
     experts = torch.nn.Module()
-    experts.weight1 = torch.nn.Parameter(torch.zeros(8, 32))
-    mlp = torch.nn.Module()
-    mlp.experts = experts
-    with pytest.raises(ValueError, match="one matrix per\\s+expert|every local expert"):
-        enable_md(None, [mlp], MDConfig())
+    experts.linear_fc1 = grouped
+    with pytest.raises(ValueError, match="linear_fc1 keeps every local expert in one parameter"):
+        enable_md(None, [experts], MDConfig())
+    stacked = torch.nn.Module()
+    stacked.weight = torch.nn.Parameter(torch.zeros(4, 8, 32))
+    with pytest.raises(ValueError, match="stacks 4 matrices in one 3-D parameter"):
+        enable_md(None, [stacked], MDConfig())

@@ -202,6 +202,15 @@ def test_load_names_a_missing_or_partial_checkpoint(tmp_path):
         (["--optimizer=muon", "--use-torch-fsdp2"], "FSDP"),
         (["--md-adam-layer-wise"], "--md-adam-layer-wise needs --md-decoupling"),
         (["--md-decoupling", "--md-adam-layer-wise", "--optimizer=muon"], "needs --optimizer adam"),
+        (
+            [
+                "--md-decoupling",
+                "--num-experts=4",
+                "--moe-grouped-gemm",
+                "--moe-single-grouped-weight",
+            ],
+            "--moe-single-grouped-weight stores every local expert in one parameter",
+        ),  # fmt: skip
     ],
 )
 def test_contradictory_flags_stop(capsys, extra, needle):
@@ -232,6 +241,17 @@ def test_md_under_tensor_parallelism_refuses_what_it_lacks(capsys, monkeypatch, 
         assert md is not None and args.tensor_model_parallel_size == 2
     args, md = parse(*tp, "--optimizer=muon", "--bf16", "--num-query-groups=2")
     assert md is not None and args.muon_tp_mode == "duplicated" and md.split_qkv
+
+
+def test_md_refuses_tensor_parallel_experts_at_any_tp_size(capsys, monkeypatch):
+    """Expert TP > 1 splits each expert over the expert-TP group, which MD does not reduce over
+    (megatron/md/tensor_parallel.py): refused at start-up with TP 1 as with TP 2."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for tp in ("1", "2"):
+        err = fails(capsys, "--md-decoupling", "--num-experts=4",
+                    f"--tensor-model-parallel-size={tp}", "--expert-tensor-parallel-size=2",
+                    "--micro-batch-size=1")  # fmt: skip
+        assert "--md-decoupling needs whole experts: --expert-tensor-parallel-size 1" in err
 
 
 def test_save_or_load_pointing_at_a_file(capsys, tmp_path):

@@ -17,6 +17,7 @@ than the one that activated it see no redirection), Python overhead on every tor
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import sys
 
@@ -55,6 +56,8 @@ class _CpuRedirect(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func in _BACKWARDS and kwargs.get("inputs") is None:
+            return _backward_redirected(self, func, args, kwargs)
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs["device"] = "cpu"
         kwargs.pop("pin_memory", None)
@@ -80,6 +83,53 @@ class _CpuRedirect(TorchFunctionMode):
 
 
 _ALL_TO_ALL_SINGLE = getattr(torch.distributed, "all_to_all_single", None)  # resolved once
+_BACKWARDS = (torch.Tensor.backward, torch.autograd.backward)
+
+
+def _backward_redirected(mode, func, args, kwargs):
+    """``loss.backward()`` / ``torch.autograd.backward`` with the redirection on. A mode's
+    handler runs with the mode popped, and autograd's engine runs the backward pass under the
+    modes present when it starts, so without this every autograd function's backward ran
+    unredirected: megatron's backward all-gathers allocate on ``torch.cuda.current_device()``
+    (core/tensor_parallel/mappings.py:152, expert-TP and TP > 2) and failed. Calling the public
+    entry again would dispatch back here, so the engine is started directly, after torch's own
+    argument handling (torch/autograd/__init__.py: ``_make_grads``); ``check_backward_seam``
+    fails at activation if those names move. Calls with ``inputs`` (not made by megatron or
+    the tests) keep torch's own path, unredirected."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    bound = inspect.signature(func).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    if func is torch.Tensor.backward:
+        tensors, grads = (a["self"],), a["gradient"]
+    else:
+        t = a["tensors"]
+        tensors, grads = ((t,) if torch.is_tensor(t) else tuple(t)), a["grad_tensors"]
+    grads = _make_grads(
+        tensors, _tensor_or_tensors_to_tuple(grads, len(tensors)), is_grads_batched=False
+    )
+    retain = a["create_graph"] if a["retain_graph"] is None else a["retain_graph"]
+    with mode:
+        _engine_run_backward(
+            tensors, grads, retain, a["create_graph"], (),
+            allow_unreachable=True, accumulate_grad=True,
+        )  # fmt: skip
+
+
+def check_backward_seam() -> None:
+    """The torch internals ``_backward_redirected`` uses, checked once at activation."""
+    import torch.autograd as ag
+    import torch.autograd.graph as graph
+
+    missing = [n for n, m in (("_make_grads", ag), ("_tensor_or_tensors_to_tuple", ag),
+                              ("_engine_run_backward", graph)) if not hasattr(m, n)]  # fmt: skip
+    if missing:
+        raise RuntimeError(
+            f"CPU mode: torch {torch.__version__} lacks torch.autograd's {', '.join(missing)} "
+            "(the backward pass under device redirection, cpu_mode._backward_redirected)"
+        )
 
 
 class _Dummy:
@@ -167,6 +217,7 @@ def activate(quiet: bool = False) -> None:
         return
     if torch.cuda.is_available():
         raise RuntimeError("CPU mode must not be activated on a machine with a GPU")
+    check_backward_seam()
     _patch_cuda()
     _patch_process_group()
     _CpuRedirect().__enter__()  # stays pushed for the life of the process

@@ -44,6 +44,26 @@ def check_config(config, ddp_config=None) -> None:
             )
 
 
+def check_one_matrix_per_parameter(chunk) -> None:
+    """MD gives every matrix its own sphere and gains, so each must be its own parameter. TE's
+    grouped experts with ``--moe-single-grouped-weight`` hold all local experts in one
+    parameter, stacked or concatenated (megatron-core reads TE's ``single_grouped_weight``
+    attribute, core/extensions/transformer_engine.py:2380, and splits either layout, :2400);
+    a parameter of more than 2 dimensions would otherwise be stepped as a vector."""
+    for name, mod in chunk.named_modules():
+        if getattr(mod, "single_grouped_weight", False):
+            raise ValueError(
+                f"{name} keeps every local expert in one parameter "
+                "(--moe-single-grouped-weight): MD needs one parameter per expert matrix"
+            )
+    for name, p in chunk.named_parameters():
+        if p.ndim > 2:
+            raise ValueError(
+                f"{name} stacks {p.shape[0]} matrices in one {p.ndim}-D parameter: MD needs "
+                "one parameter per matrix"
+            )
+
+
 def enable_md(optimizer, model_chunks, md: MDConfig):
     """Give every leaf optimizer of ``optimizer`` the MD step; returns ``optimizer``."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -58,13 +78,8 @@ def enable_md(optimizer, model_chunks, md: MDConfig):
     compat.check()
     names, roles = {}, {}
     for i, chunk in enumerate(model_chunks):
+        check_one_matrix_per_parameter(chunk)
         for n, p in chunk.named_parameters():
-            if n.endswith(("experts.weight1", "experts.weight2")):  # legacy GroupedMLP
-                raise ValueError(
-                    f"{n} holds every local expert in one matrix: MD needs one matrix per "
-                    "expert (megatron-core's legacy GroupedMLP; TE's grouped experts are one "
-                    "parameter per expert)"
-                )
             names[p] = n if len(model_chunks) == 1 else f"chunk{i}.{n}"
             roles[p] = param_role(n, p)
 

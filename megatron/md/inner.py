@@ -61,6 +61,7 @@ class MDInner(torch.optim.Optimizer):
         self.slots: dict[torch.Tensor, MDSlot] = {}
         self.md_state: dict[torch.Tensor, MatrixState] = {}  # MD's fields (state.py)
         self.reduce = identity_reduce
+        self.reduce_group = None  # the process group ``reduce`` sums over (None: no collective)
         self.layout: list[int] | None = None  # ZeRO-1: partial sizes of every MD matrix
         self.norm_layout: list[int] | None = None
         self.pre_layout: list[int] | None = None

@@ -120,6 +120,7 @@ def setup_whole(opt, roles: dict, names: dict, md: MDConfig, layer_wise: bool) -
     group = tensor_parallel.reduce_group(None, expert)  # under TP: the TP group
     if group is not None and dist.get_world_size(group) > 1:
         inner.reduce = lambda buf: dist.all_reduce(buf, group=group)
+        inner.reduce_group = group
     elements = sum(mp.main.numel() for mp in mains)
     fused = bool(mains) and md.use_fused(mains[0].main.device.type, elements)
     for mp in mains:

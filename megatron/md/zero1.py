@@ -79,6 +79,7 @@ def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
     group = tensor_parallel.reduce_group(dp_group, expert)  # under TP: TP × DP, one collective
     if group is not None and dist.get_world_size(group) > 1:
         inner.reduce = lambda buf: dist.all_reduce(buf, group=group)
+        inner.reduce_group = group
     inner.timers = getattr(opt.config, "timers", None)
     dp_rank = dp_group.rank() if dp_group is not None else 0
     # Every rank lays out partials for ALL MD matrices of the instance in buffer order, so one

@@ -4,9 +4,16 @@
         [--dtype fp32|bf16] [--experts 4] [--sphere frobenius] [--vs reference|megatron]
         [--device cuda]   (NCCL, one rank per GPU; the oracle then runs on the GPU too)
         [--fused-step]    (AdamMD's compiled kernels, megatron/md/fused.py)
+        [--cp 2]          (megatron's context-parallel groups: DP × CP = W)
 
 Every rank feeds the same batch, so the data-parallel mean gradient equals each rank's local
-gradient; the check isolates the optimizer.
+gradient; the check isolates the optimizer. With ``--cp`` each rank feeds its context-parallel
+share of the sequence (megatron's ``get_batch_on_this_cp_rank``: zigzag chunks, RoPE positions
+of those chunks), so the ranks' gradients differ and the oracle gets their DP × CP mean, the
+gradient megatron's DDP reduces over its DP × CP group. megatron-core runs CP attention only
+with Transformer Engine (core/transformer/dot_product_attention.py:57-59): the model is built
+with CP 1 in its config, so its local attention sees only the rank's chunks (not the ring
+attention of a real CP run); the optimizer, which is what is checked, gets megatron's CP groups.
 
 --vs reference: the oracle is the single-process ``MDOptimizer`` (reference MD step) fed the
     gradient megatron computed (captured before the DP reduction), clipped like megatron.
@@ -54,6 +61,7 @@ def parse(argv=None):
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--fused-step", action="store_true", help="MDConfig.fused_step")
+    ap.add_argument("--cp", type=int, default=1, help="context-parallel size (DP = W / cp)")
     ap.add_argument(
         "--no-split-qkv", dest="split_qkv", action="store_false", help="--muon-no-split-qkv"
     )
@@ -103,6 +111,9 @@ def build(args, world):
 
     tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
     model = testing.tiny_gpt(11, 32, 2, 16, experts=args.experts).to(DEV)
+    # built with CP 1 (the local attention refuses more), run with megatron's CP groups: RoPE
+    # sizes its table from the config's CP size and slices it by the CP group
+    model.config.context_parallel_size = ps.get_context_parallel_world_size()
     inner = model
     if args.dtype == "bf16":
         model.config.bf16 = True
@@ -259,6 +270,42 @@ def main():
     run_jobs(parse, check)
 
 
+def init_model_parallel(cp: int) -> None:
+    """megatron's model-parallel groups for one job: TP = PP = 1, context parallel ``cp``."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 1, context_parallel_size=cp)
+
+
+def cp_share(x, y):
+    """This rank's share of a [batch, seq] batch under megatron's context parallelism."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if ps.get_context_parallel_world_size() == 1:
+        return x, y
+    got = get_batch_on_this_cp_rank(
+        {"tokens": x, "labels": y, "cu_seqlens": None},
+        is_hybrid_cp=False,
+        cp_group=ps.get_context_parallel_group(),
+    )
+    return got["tokens"], got["labels"]
+
+
+def grads_differ(grads) -> float:
+    """max |Δ| between any rank's local gradients and rank 0's (0: every rank the same batch)."""
+    worst = 0.0
+    for g in grads:
+        g0 = g.clone()
+        dist.broadcast(g0, 0)
+        worst = max(worst, float((g - g0).abs().max()))
+    t = torch.tensor(worst, device=DEV)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
 def check(args) -> dict:
     """One check (fresh model and optimizers, reseeded); the result rank 0 prints."""
     if args.device != DEV:
@@ -269,6 +316,7 @@ def check(args) -> dict:
 
     torch.use_deterministic_algorithms(args.deterministic)
     md = md_config(args)
+    init_model_parallel(args.cp)
     model, dmodel, opt = build(args, world)
     enable_md(opt, [dmodel], md)
     if args.vs == "megatron":
@@ -286,8 +334,13 @@ def check(args) -> dict:
     grad_diff = []  # --vs megatron: per step, max |local grad of model - of model2|
     md_calls = []  # the collectives of the last MD step
     for x, y in cpu_demo.batches(data, args.steps, 4, 16, 0):
-        x, y = x.to(DEV), y.to(DEV)
+        x, y = cp_share(x.to(DEV), y.to(DEV))
         grads = step(dmodel, opt, x, y, md_calls)
+        differ = grads_differ(grads)
+        if args.cp > 1:  # what DDP averages over DP × CP (here every rank)
+            for g in grads:
+                dist.all_reduce(g)
+                g.div_(world)
         if args.vs == "megatron":
             grads2 = step(dmodel2, opt2, x, y)
             grad_diff.append(max(float((a - b).abs().max()) for a, b in zip(grads, grads2)))
@@ -380,12 +433,26 @@ def check(args) -> dict:
     base_calls = []
     _, dmodel3, opt3 = build(args, world)
     for x, y in cpu_demo.batches(data, args.steps, 4, 16, 0):
-        step(dmodel3, opt3, x.to(DEV), y.to(DEV), base_calls)
+        step(dmodel3, opt3, *cp_share(x.to(DEV), y.to(DEV)), base_calls)
     extra, missing = Counter(md_calls), Counter(base_calls)
     extra.subtract(base_calls)
     missing.subtract(md_calls)
+    from megatron.core import parallel_state as ps
+
+    zero1 = [i for i in inners if i.layout is not None]
+    dp_cp = dist.get_process_group_ranks(ps.get_data_parallel_group(with_context_parallel=True))
     return {
         "world": world,
+        "cp": ps.get_context_parallel_world_size(),
+        # the size of the group MD's all-reduce goes over (ZeRO-1 instances; 0: none)
+        "md_group_sizes": sorted({dist.get_world_size(i.reduce_group) for i in zero1}),
+        # the dense ZeRO-1 instance's all-reduce goes over megatron's DP × CP group
+        "md_group_is_dp_cp": [
+            dist.get_process_group_ranks(i.reduce_group) == dp_cp
+            for i in zero1
+            if i.reduce_group is not None
+        ],
+        "grads_differ": differ,
         "worst_rel": worst,
         "grad_diff": grad_diff,
         "worst_param": worst_name,

@@ -186,7 +186,7 @@ def md_config_from_args(args) -> MDConfig:
 
 def _check_tensor_parallel(args) -> None:
     """What MD runs under TP > 1 (megatron/md/tensor_parallel.py): AdamMD and MuonMD (the full
-    matrix orthogonalized); not yet Muown or TP-split experts."""
+    matrix orthogonalized); not yet Muown."""
     muon_md = args.optimizer == "muon" and not args.md_adam_layer_wise
     if muon_md and args.md_variant != "md":
         _fail(f"--md-variant {args.md_variant} (Muown) with TP > 1 is not supported: use TP=1")
@@ -202,9 +202,6 @@ def _check_tensor_parallel(args) -> None:
             f"MuonMD with TP > 1 orthogonalizes each full matrix, as at TP=1: --muon-tp-mode "
             f"duplicated (got {args.muon_tp_mode}, which orthogonalizes each TP piece alone)"
         )
-    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
-    if args.num_experts and etp > 1:
-        _fail("--md-decoupling with TP > 1 needs --expert-tensor-parallel-size 1")
 
 
 def _fail(msg: str):
@@ -239,6 +236,18 @@ def validate(args) -> MDConfig | None:
             _fail("--md-decoupling does not support FSDP (use --use-distributed-optimizer)")
         if args.tensor_model_parallel_size > 1:
             _check_tensor_parallel(args)
+        etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+        if args.num_experts and etp > 1:  # megatron's default ETP is the TP size
+            _fail(
+                "--md-decoupling needs whole experts: --expert-tensor-parallel-size 1 (the "
+                "dense layers may still be TP-split)"
+            )
+        if getattr(args, "moe_single_grouped_weight", False):
+            _fail(
+                "--md-decoupling needs one matrix per expert, and --moe-single-grouped-weight "
+                "stores every local expert in one parameter: leave it off (TE's grouped "
+                "GEMM then keeps one parameter per expert, weight0 ... weight{E-1})"
+            )
 
         if args.md_adam_layer_wise:
             if args.optimizer != "adam" or not (
