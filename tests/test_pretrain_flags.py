@@ -224,15 +224,14 @@ def test_contradictory_flags_stop(capsys, extra, needle):
             ["--optimizer=muon", "--muon-tp-mode=blockwise", "--num-query-groups=2"],
             "--muon-tp-mode duplicated",
         ),
-        (["--optimizer=muown"], "(Muown) with TP > 1 is not supported"),
+        (["--optimizer=muown"], "(Muown) with (expert) TP > 1 is not supported"),
         (["--optimizer=muon", "--num-query-groups=1"], "do not divide over TP = 2"),
-        (["--num-experts=4", "--sequence-parallel"], "--expert-tensor-parallel-size 1"),
     ],
 )
 def test_md_under_tensor_parallelism_refuses_what_it_lacks(capsys, monkeypatch, extra, needle):
     """MD under TP (megatron/md/tensor_parallel.py): AdamMD and MuonMD run (MuonMD with the
     full matrix orthogonalized, the MD recipe's --muon-tp-mode), fp32 or bf16 checkpoints;
-    not yet Muown or TP-split experts."""
+    not Muown."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     tp = ["--md-decoupling", "--tensor-model-parallel-size=2"]
     assert needle in fails(capsys, *tp, *extra)
@@ -243,15 +242,19 @@ def test_md_under_tensor_parallelism_refuses_what_it_lacks(capsys, monkeypatch, 
     assert md is not None and args.muon_tp_mode == "duplicated" and md.split_qkv
 
 
-def test_md_refuses_tensor_parallel_experts_at_any_tp_size(capsys, monkeypatch):
-    """Expert TP > 1 splits each expert over the expert-TP group, which MD does not reduce over
-    (megatron/md/tensor_parallel.py): refused at start-up with TP 1 as with TP 2."""
+def test_md_under_expert_tensor_parallelism(capsys, monkeypatch):
+    """Expert TP > 1 (experts split over megatron's expert-TP group) runs with AdamMD and
+    MuonMD at TP 1 (megatron/md/tensor_parallel.py); MuonMD there needs the full-matrix
+    Newton–Schulz as under TP, and Muown is refused."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    for tp in ("1", "2"):
-        err = fails(capsys, "--md-decoupling", "--num-experts=4",
-                    f"--tensor-model-parallel-size={tp}", "--expert-tensor-parallel-size=2",
-                    "--micro-batch-size=1")  # fmt: skip
-        assert "--md-decoupling needs whole experts: --expert-tensor-parallel-size 1" in err
+    etp = ["--md-decoupling", "--num-experts=4", "--expert-tensor-parallel-size=2",
+           "--micro-batch-size=1"]  # fmt: skip
+    for opt in ("adam", "muon"):
+        args, md = parse(*etp, f"--optimizer={opt}", "--bf16")
+        assert md is not None and args.expert_tensor_parallel_size == 2
+    err = fails(capsys, *etp, "--optimizer=muon", "--muon-tp-mode=blockwise")
+    assert "--muon-tp-mode duplicated" in err
+    assert "(Muown) with (expert) TP > 1" in fails(capsys, *etp, "--optimizer=muown")
 
 
 def test_save_or_load_pointing_at_a_file(capsys, tmp_path):

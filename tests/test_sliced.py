@@ -179,7 +179,7 @@ def test_batched_step_uses_one_reduction():
         md = sliced.SliceMD(shape, 0, d.numel(), spec, "adam")
         st = md.init_state(d)
         items.append(batched.SliceItem(md, d, None, st))
-    batched.md_init_batched(items, lambda b: calls.append(b.numel()))
+    batched.md_init_batched(items, lambda b, items, segs: calls.append(b.numel()))
     assert calls == [2]
     calls.clear()
     step_items = [
@@ -193,7 +193,7 @@ def test_batched_step_uses_one_reduction():
         )
         for it in items
     ]
-    batched.md_step_batched(step_items, lambda b: calls.append(b.numel()))
+    batched.md_step_batched(step_items, lambda b, items, segs: calls.append(b.numel()))
     assert calls == [(6 + 4 + 1) + (3 + 8 + 1)]
 
 

@@ -14,10 +14,11 @@ from megatron.md import maps
 from megatron.md.base_steps import AdamHParams, MuonHParams, adam_multi_
 from megatron.md.sliced import SliceMD
 
-ReduceFn = Callable[[torch.Tensor], None]
+#: sums a partial buffer over the ranks: (buffer, its items, each item's segment of it)
+ReduceFn = Callable[[torch.Tensor, list, list], None]
 
 
-def identity_reduce(buf: torch.Tensor) -> None:
+def identity_reduce(buf: torch.Tensor, items=(), segs=()) -> None:
     """Reduction for whole matrices: the partials already are the totals."""
 
 
@@ -129,7 +130,7 @@ def md_init_batched(items: list[SliceItem], reduce_fn: ReduceFn, layout=None) ->
         it.md.norm_partials(it.direction, buf[s])
     _drop_replicas(items, segs, buf)
     if total:  # the same on every rank (global layout), so skipping is collective-safe
-        reduce_fn(buf)
+        reduce_fn(buf, items, segs)
     for it, s in zip(items, segs):
         it.md.finish_init(it.direction, it.state, buf[s])
 
@@ -150,7 +151,7 @@ def md_step_batched(
         for it, s in zip(items, pre_segs):
             it.md.pre_partials(it.direction, it.grad, it.state, pre[s])
         _drop_replicas(items, pre_segs, pre)
-        reduce_fn(pre)
+        reduce_fn(pre, items, pre_segs)
     segs, total = _layout(items, lambda it: it.md.n_partials(), layout)
     buf = _zeros(total, items)
     dirs = DirAdamBatch(cap)
@@ -160,7 +161,7 @@ def md_step_batched(
     dirs.run()
     _drop_replicas(items, segs, buf)
     if total:
-        reduce_fn(buf)
+        reduce_fn(buf, items, segs)
     gains = GainBatch()
     for it, s in zip(items, segs):
         it.md.project_and_step_gains(it.direction, it.state, it.gain_hp, buf[s], gains)

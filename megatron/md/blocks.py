@@ -63,6 +63,9 @@ class TPShard:
     """The tensor-parallel group's size."""
     stride: int = 1
     """megatron's ``partition_stride``."""
+    expert: bool = False
+    """A routed expert's piece: split over megatron's expert-tensor-parallel group
+    (``--expert-tensor-parallel-size``), not the tensor-parallel group."""
 
     def full_shape(self, local: tuple[int, int]) -> tuple[int, int]:
         out = list(local)

@@ -12,7 +12,7 @@ ZeRO-1 ``DistributedOptimizer`` (AdamMD on slices, one all-reduce per step), the
 
 from __future__ import annotations
 
-from megatron.md import compat
+from megatron.md import compat, tensor_parallel
 from megatron.md.config import MDConfig
 from megatron.md.roles import param_role
 from megatron.md.whole import setup_whole
@@ -76,6 +76,7 @@ def enable_md(optimizer, model_chunks, md: MDConfig):
 
     md.validate()
     compat.check()
+    tensor_parallel.prepare_groups()  # collective: before any rank-dependent branch
     names, roles = {}, {}
     for i, chunk in enumerate(model_chunks):
         check_one_matrix_per_parameter(chunk)

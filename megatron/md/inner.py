@@ -62,6 +62,9 @@ class MDInner(torch.optim.Optimizer):
         self.md_state: dict[torch.Tensor, MatrixState] = {}  # MD's fields (state.py)
         self.reduce = identity_reduce
         self.reduce_group = None  # the process group ``reduce`` sums over (None: no collective)
+        # whole-matrix leaves whose matrices sum over different groups (dense TP pieces, expert-
+        # TP pieces, whole matrices): each matrix's group (None: not summed), else None
+        self.item_groups: dict[int, object] | None = None  # id(SliceMD) -> process group
         self.layout: list[int] | None = None  # ZeRO-1: partial sizes of every MD matrix
         self.norm_layout: list[int] | None = None
         self.pre_layout: list[int] | None = None
@@ -109,7 +112,9 @@ class MDInner(torch.optim.Optimizer):
                 extra.update({k: v for k, v in full.items() if k not in BASE_FIELDS})
                 items.append(SliceItem(slot.md, direction, None, full, slot=slot.index))
                 owners.append(p)
-        md_init_batched(items, self.reduce, self.norm_layout)
+        counted = self.n_collectives, self.last_payload  # the step's collectives only
+        md_init_batched(items, self._counting_reduce, self.norm_layout)
+        self.n_collectives, self.last_payload = counted
         for p, it in zip(owners, items):  # finish_init set the radius on the merged dict
             self.md_state[p]["radius"] = it.state["radius"]
 
@@ -133,12 +138,36 @@ class MDInner(torch.optim.Optimizer):
 
         return span()
 
-    def _counting_reduce(self, buf: torch.Tensor) -> None:
+    def _counting_reduce(self, buf: torch.Tensor, items: list, segs: list) -> None:
+        if self.item_groups is not None:
+            self._reduce_by_group(buf, items, segs)
+            return
         self.n_collectives += 1
         self.last_payload = buf.numel()
         self.last_payload_bytes = buf.numel() * buf.element_size()
         with self._timer("md-reduce"):
             self.reduce(buf)
+
+    def _reduce_by_group(self, buf: torch.Tensor, items: list, segs: list) -> None:
+        """One all-reduce per group of the matrices' segments (in item order: the members of a
+        group hold the same matrices of it, in the same order)."""
+        import torch.distributed as dist
+
+        by_group: dict[int, tuple] = {}
+        for it, s in zip(items, segs):
+            group = self.item_groups[id(it.md)]
+            if group is not None:
+                by_group.setdefault(id(group), (group, []))[1].append(s)
+        self.last_payload = 0
+        with self._timer("md-reduce"):
+            for group, parts in by_group.values():
+                flat = torch.cat([buf[s] for s in parts])
+                dist.all_reduce(flat, group=group)
+                for s, v in zip(parts, flat.split([s.stop - s.start for s in parts])):
+                    buf[s] = v
+                self.n_collectives += 1
+                self.last_payload += flat.numel()
+        self.last_payload_bytes = self.last_payload * buf.element_size()
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -5,12 +5,13 @@ A TP-split matrix is MD's *full* matrix: gains, radius and norms are the full ma
 whole on every rank; each rank adds the partials of its own rows/columns (``TPShard``), and the
 sum over the TP group is folded into the one all-reduce MD makes per step: over TP × DP for
 ZeRO-1, over TP for whole-matrix optimizers. A matrix megatron keeps whole on every TP rank
-(the MoE router) is added once, by TP rank 0. Experts must not be TP-split
-(``--expert-tensor-parallel-size 1``): their optimizer reduces over the expert-DP group only.
+(the MoE router) is added once, by TP rank 0. Routed experts are split over megatron's
+expert-TP group instead (``--expert-tensor-parallel-size``): their pieces' partials are summed
+over expert-TP × expert-DP, a group megatron-core does not make (``prepare_groups``).
 
 Reads megatron's parameter attributes ``tensor_model_parallel``, ``partition_dim``,
 ``partition_stride`` (core/tensor_parallel/layers.py:136, set_tensor_model_parallel_attributes)
-and ``allreduce`` (False on experts, core/transformer/moe/experts.py).
+and ``allreduce`` (False on routed experts, core/tensor_parallel/layers.py:1017).
 """
 
 from __future__ import annotations
@@ -47,37 +48,105 @@ def tp_size() -> int:
     return ps.get_tensor_model_parallel_world_size()
 
 
-def shard(param) -> TPShard | None:
-    """Where ``param``'s local piece lies in the full matrix (None: held whole; experts)."""
+def etp_size() -> int:
     from megatron.core import parallel_state as ps
 
-    if not getattr(param, "allreduce", True) or tp_size() == 1:
+    return ps.get_expert_tensor_parallel_world_size()
+
+
+def is_expert(param) -> bool:
+    """megatron marks routed experts' parameters ``allreduce=False`` (reduced over expert
+    groups, core/tensor_parallel/layers.py:1017)."""
+    return not getattr(param, "allreduce", True)
+
+
+def group_of(piece: TPShard):
+    """The group a piece is split over: expert-TP for routed experts, else TP."""
+    from megatron.core import parallel_state as ps
+
+    if piece.expert:
+        return ps.get_expert_tensor_parallel_group()
+    return ps.get_tensor_model_parallel_group()
+
+
+def shard(param) -> TPShard | None:
+    """Where ``param``'s local piece lies in the full matrix (None: held whole)."""
+    from megatron.core import parallel_state as ps
+
+    expert = is_expert(param)
+    size = etp_size() if expert else tp_size()
+    if size == 1 or not getattr(param, "tensor_model_parallel", False):
         return None
-    if not getattr(param, "tensor_model_parallel", False):
-        return None
-    rank, stride = ps.get_tensor_model_parallel_rank(), getattr(param, "partition_stride", 1)
-    return TPShard(int(param.partition_dim), rank, tp_size(), int(stride))
+    if expert:
+        rank = ps.get_expert_tensor_parallel_rank()
+    else:
+        rank = ps.get_tensor_model_parallel_rank()
+    stride = int(getattr(param, "partition_stride", 1))
+    return TPShard(int(param.partition_dim), rank, size, stride, expert)
 
 
 def placement(param) -> tuple[TPShard | None, bool]:
     """MD's view of ``param``: (its ``shard``, whether this rank adds its partials)."""
     from megatron.core import parallel_state as ps
 
-    if not getattr(param, "allreduce", True) and ps.get_expert_tensor_parallel_world_size() > 1:
-        raise ValueError(
-            "MD with tensor-parallel experts is not supported: use --expert-tensor-parallel-size 1"
-        )
     piece = shard(param)
-    held_whole_by_all = piece is None and getattr(param, "allreduce", True) and tp_size() > 1
+    held_whole_by_all = piece is None and not is_expert(param) and tp_size() > 1
     return piece, not (held_whole_by_all and ps.get_tensor_model_parallel_rank() != 0)
+
+
+#: expert-TP × expert-DP group of this rank, made by ``prepare_groups`` (None: ETP = 1)
+_EXPERT_TP_DP = None
+
+
+def prepare_groups() -> None:
+    """Make the expert-TP × expert-DP group MD's expert partials are summed over in one
+    all-reduce (megatron-core 0.19.2 makes expert-TP, expert-DP and expert-TP × EP groups,
+    core/parallel_state.py, but not this product). Collective: every rank calls it, once per
+    ``enable_md`` (torch's ``new_group`` must be called by the whole world, in one order);
+    the ranks of one group share their EP and PP ranks."""
+    global _EXPERT_TP_DP
+    from megatron.core import parallel_state as ps
+
+    _EXPERT_TP_DP = None
+    if not ps.model_parallel_is_initialized() or etp_size() == 1:
+        return
+    key = (ps.get_expert_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+    keys = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, key)
+    members = {}
+    for rank, k in enumerate(keys):
+        members.setdefault(tuple(k), []).append(rank)
+    for k in sorted(members):
+        group = dist.new_group(members[k])
+        if k == key:
+            _EXPERT_TP_DP = group
+    ranks = set(members[key])
+    edp = ps.get_expert_data_parallel_group()
+    want = set(dist.get_process_group_ranks(edp)) | set(
+        dist.get_process_group_ranks(ps.get_expert_tensor_parallel_group())
+    )
+    if len(ranks) != etp_size() * dist.get_world_size(edp) or not want <= ranks:
+        raise RuntimeError(
+            f"the ranks sharing this rank's EP and PP ranks ({sorted(ranks)}) are not "
+            "expert-TP × expert-DP: MD cannot sum its expert partials over them"
+        )
 
 
 def reduce_group(dp_group, expert: bool):
     """The group MD's partials are summed over: ``dp_group`` (the optimizer's data-parallel
-    group, None for whole matrices) times the TP group for non-expert matrices under TP."""
+    group, None for whole matrices) times the TP group for non-expert matrices under TP, times
+    the expert-TP group for routed experts under expert TP."""
     from megatron.core import parallel_state as ps
 
-    if expert or tp_size() == 1:
+    if expert:
+        if etp_size() == 1:
+            return dp_group
+        if dp_group is None or dist.get_world_size(dp_group) == 1:
+            return ps.get_expert_tensor_parallel_group()
+        if _EXPERT_TP_DP is None:
+            raise RuntimeError("expert TP × DP group missing: enable_md calls prepare_groups")
+        return _EXPERT_TP_DP
+    if tp_size() == 1:
         return dp_group
     tp = ps.get_tensor_model_parallel_group()
     if dp_group is None or dist.get_world_size(dp_group) == 1:
@@ -97,10 +166,12 @@ def reduce_group(dp_group, expert: bool):
 
 def replica_id(dp_replica: int, expert: bool):
     """Checkpoint replica id of MD's replicated state (gains, radius): the same full tensors on
-    every TP rank, so only TP rank 0 of the DP replica 0 writes them."""
+    every (expert-)TP rank, so only its rank 0 of the DP replica 0 writes them."""
     from megatron.core import parallel_state as ps
 
-    if expert or tp_size() == 1:
+    if expert:
+        return dp_replica if etp_size() == 1 else (ps.get_expert_tensor_parallel_rank(), dp_replica)
+    if tp_size() == 1:
         return dp_replica
     return (ps.get_tensor_model_parallel_rank(), dp_replica)
 
@@ -113,12 +184,10 @@ def piece_rank(param) -> int:
 
 
 def row_parallel_group(param):
-    """The TP group when ``param`` is split along its columns (a row-parallel linear, whose
-    output is the sum over the group), else None."""
-    from megatron.core import parallel_state as ps
-
+    """The (expert-)TP group when ``param`` is split along its columns (a row-parallel linear,
+    whose output is the sum over the group), else None."""
     piece = shard(param)
-    return ps.get_tensor_model_parallel_group() if piece and piece.axis == 1 else None
+    return group_of(piece) if piece and piece.axis == 1 else None
 
 
 class PieceGather:
@@ -128,9 +197,7 @@ class PieceGather:
     with), ``own`` takes this rank's piece back out."""
 
     def __init__(self, piece: TPShard):
-        from megatron.core import parallel_state as ps
-
-        self.piece, self.group = piece, ps.get_tensor_model_parallel_group()
+        self.piece, self.group = piece, group_of(piece)
 
     def full(self, x):
         import torch

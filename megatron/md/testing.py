@@ -19,7 +19,8 @@ def tiny_gpt(seed: int, hidden: int, layers: int, seq: int, experts: int = 0):
     RoPE, byte vocabulary, init std 1/sqrt(d)); ``experts > 0``: DeepSeekMoE-style layers
     after the first (top-2 sigmoid router with expert bias, one shared expert at half width).
     Starts a one-process gloo group and megatron's model parallelism when none is set up;
-    under megatron's tensor parallelism (initialized by the caller) experts are not TP-split."""
+    experts are split over megatron's expert-TP and expert-parallel groups (initialized by the
+    caller)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -55,7 +56,8 @@ def tiny_gpt(seed: int, hidden: int, layers: int, seq: int, experts: int = 0):
             moe_router_dtype="fp32",
             moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=False,
-            expert_tensor_parallel_size=1,
+            expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+            expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
         )
     cfg = TransformerConfig(
         num_layers=layers,
@@ -122,8 +124,13 @@ def megatron_optimizer(module, config, dist: str, world: int, optimizer: str, **
     if dist == "layerwise":
         inner = module.module if isinstance(module, Float16Module) else module
         tag_params_for_buffer_routing([inner])
+        from megatron.core import parallel_state as ps
+
+        edp = world  # the expert-DP size (megatron's groups, once initialized)
+        if ps.model_parallel_is_initialized():
+            edp = ps.get_expert_data_parallel_world_size()
         extra["full_param_layout"] = LayerWiseDistributedOptimizer.compute_full_param_layout(
-            list(inner.parameters()), None, world, ddpc, expert_data_parallel_world_size=world
+            list(inner.parameters()), None, world, ddpc, expert_data_parallel_world_size=edp
         )
     dmodel = DDP(config, ddpc, module, **extra)
     cfg = OptimizerConfig(

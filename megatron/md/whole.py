@@ -67,7 +67,8 @@ def muon_hparams(config, md: MDConfig) -> MuonHParams:
             f"megatron's Muon splits QKV ({config.muon_split_qkv}) but the MD config says "
             f"split_qkv={md.split_qkv}: MuonMD follows --muon-split-qkv / --muon-no-split-qkv"
         )
-    if tensor_parallel.tp_size() > 1 and config.muon_tp_mode != "duplicated":
+    split = max(tensor_parallel.tp_size(), tensor_parallel.etp_size()) > 1
+    if split and config.muon_tp_mode != "duplicated":
         raise ValueError(
             "MuonMD under tensor parallelism orthogonalizes each full matrix, as at TP=1: "
             f"--muon-tp-mode duplicated (got {config.muon_tp_mode!r}, which orthogonalizes "
@@ -116,14 +117,21 @@ def setup_whole(opt, roles: dict, names: dict, md: MDConfig, layer_wise: bool) -
     inner = MDInner(opt.optimizer.param_groups, md, muon)
     inner.timers = getattr(opt.config, "timers", None)
     mains = [mp for mp in main_params(opt) if roles[mp.model] != "vector"]
-    expert = any(not getattr(mp.model, "allreduce", True) for mp in mains)
-    group = tensor_parallel.reduce_group(None, expert)  # under TP: the TP group
-    if group is not None and dist.get_world_size(group) > 1:
+    # each matrix's partials sum over its TP group (dense) or expert-TP group (routed experts);
+    # None: whole here, nothing to sum
+    groups = [
+        tensor_parallel.reduce_group(None, tensor_parallel.is_expert(mp.model)) for mp in mains
+    ]
+    distinct = {id(g): g for g in groups}
+    if len(distinct) == 1 and None not in distinct.values():
+        (group,) = distinct.values()
         inner.reduce = lambda buf: dist.all_reduce(buf, group=group)
         inner.reduce_group = group
+    elif len(distinct) > 1:  # e.g. layer-wise: dense matrices and expert-TP pieces in one leaf
+        inner.item_groups = {}
     elements = sum(mp.main.numel() for mp in mains)
     fused = bool(mains) and md.use_fused(mains[0].main.device.type, elements)
-    for mp in mains:
+    for mp, mp_group in zip(mains, groups):
         role = roles[mp.model]
         shape = tuple(mp.model.shape)
         # Embeddings and LM head always use Adam (paper); matrices and router the chosen base;
@@ -140,7 +148,9 @@ def setup_whole(opt, roles: dict, names: dict, md: MDConfig, layer_wise: bool) -
         slot = MDSlot(sm, mp.is_model_weight, None, names[mp.model], mp.model)
         # LayerWise: one owner per matrix; replicated: every DP rank holds a copy.
         slot.replica = slot.dir_replica = 0 if layer_wise else _dp_rank(mp.model)
-        slot.replica = tensor_parallel.replica_id(slot.replica, expert)
+        slot.replica = tensor_parallel.replica_id(slot.replica, tensor_parallel.is_expert(mp.model))
+        if inner.item_groups is not None:
+            inner.item_groups[id(sm)] = mp_group
         inner.bind(mp.main, slot)
     opt.optimizer = inner
     opt.init_state_fn = lambda *a, **k: None  # MDInner creates all its state up front

@@ -109,7 +109,11 @@ def build(args, world):
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.module import Float16Module
 
-    tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    tp = 1  # the larger of the TP and expert-TP sizes
+    if ps.model_parallel_is_initialized():
+        tp = max(
+            ps.get_tensor_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+        )
     model = testing.tiny_gpt(11, 32, 2, 16, experts=args.experts).to(DEV)
     # built with CP 1 (the local attention refuses more), run with megatron's CP groups: RoPE
     # sizes its table from the config's CP size and slices it by the CP group

@@ -3,6 +3,7 @@ reference on the full matrices.
 
     torchrun --nproc-per-node W md_tp_check.py --tp 2 --dist zero1|replicated|layerwise
         [--dtype fp32|bf16] [--sphere frobenius|row|col] [--optimizer muon [--split-qkv]]
+        [--tp 1 --experts 4 --etp 2]   (routed experts split over megatron's expert-TP group)
 
 TP × DP = W; every rank feeds the same batch. The model is megatron's GPT built under TP with
 CPU initialization (each rank's piece is its chunk of the same full weights); the oracle is the
@@ -41,41 +42,52 @@ def parse(argv):
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--optimizer", default="adam", choices=["adam", "muon"])
     ap.add_argument("--split-qkv", action="store_true", help="MuonMD: Q, K, V orthogonalized apart")
+    ap.add_argument("--experts", type=int, default=0, help="MoE layers with this many experts")
+    ap.add_argument("--etp", type=int, default=1, help="--expert-tensor-parallel-size")
+    ap.add_argument("--ep", type=int, default=1, help="--expert-model-parallel-size")
     args = ap.parse_args(argv)
-    if args.optimizer == "muon" and args.dist != "layerwise":
-        ap.error("MuonMD runs under the layer-wise optimizer: --dist layerwise")
-    args.vs, args.fused_step, args.experts = "reference", False, 0
+    if args.experts and args.tp > 1:  # core/transformer/moe/moe_layer.py:629 refuses MoE under
+        # TP without sequence parallelism, which torch norms refuse (torch_norm.py:50)
+        ap.error("MoE under TP needs sequence parallelism, which megatron-core runs only with TE")
+    if args.optimizer == "muon" and args.dist not in ("layerwise", "replicated"):
+        ap.error("MuonMD needs whole matrices: --dist layerwise or replicated")
+    args.vs, args.fused_step, args.cp = "reference", False, 1
     return args
 
 
-def tp_split(p) -> bool:
-    """A non-expert parameter megatron splits over the TP group."""
+def split_group(p):
+    """The group megatron splits parameter ``p`` over (expert-TP for routed experts, which it
+    marks ``allreduce=False``; TP otherwise), or None when ``p`` is whole on every rank."""
     from megatron.core import parallel_state as ps
 
-    tp = ps.get_tensor_model_parallel_world_size()
-    return tp > 1 and getattr(p, "allreduce", True) and getattr(p, "tensor_model_parallel", False)
+    if not getattr(p, "tensor_model_parallel", False):
+        return None
+    if getattr(p, "allreduce", True):
+        group = ps.get_tensor_model_parallel_group()
+    else:
+        group = ps.get_expert_tensor_parallel_group()
+    return group if dist.get_world_size(group) > 1 else None
 
 
 def gather(t: torch.Tensor, p) -> torch.Tensor:
-    """The full tensor of ``t``, a TP rank's piece shaped like parameter ``p`` (megatron's
-    layout: ``size * stride`` chunks along ``partition_dim``, rank r holds r, r + size, ...)."""
-    from megatron.core import parallel_state as ps
-
-    if not tp_split(p):
+    """The full tensor of ``t``, a (expert-)TP rank's piece shaped like parameter ``p``
+    (megatron's layout: ``size * stride`` chunks along ``partition_dim``, rank r holds r,
+    r + size, ...)."""
+    group = split_group(p)
+    if group is None:
         return t
-    size, dim, s = ps.get_tensor_model_parallel_world_size(), p.partition_dim, p.partition_stride
+    size, dim, s = dist.get_world_size(group), p.partition_dim, p.partition_stride
     parts = [torch.empty_like(t) for _ in range(size)]
-    dist.all_gather(parts, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+    dist.all_gather(parts, t.contiguous(), group=group)
     chunks = [pt.chunk(s, dim) for pt in parts]
     return torch.cat([chunks[r][k] for k in range(s) for r in range(size)], dim)
 
 
 def local_piece(full: torch.Tensor, p) -> torch.Tensor:
-    from megatron.core import parallel_state as ps
-
-    if not tp_split(p):
+    group = split_group(p)
+    if group is None:
         return full
-    size, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
     chunks = full.chunk(size * p.partition_stride, p.partition_dim)
     return torch.cat([chunks[k * size + rank] for k in range(p.partition_stride)], p.partition_dim)
 
@@ -85,7 +97,9 @@ def build(args, world):
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(args.tp, 1, expert_tensor_parallel_size=1)
+    ps.initialize_model_parallel(
+        args.tp, 1, expert_tensor_parallel_size=args.etp, expert_model_parallel_size=args.ep
+    )
     return md_check.build(args, world // args.tp)
 
 
@@ -93,13 +107,23 @@ def step(dmodel, opt, x, y, calls=None):
     """md_check.step with the TP sum of Q/K-norm gradients that finalize_model_grads makes
     (each rank has its own heads; the sum commutes with the DP mean megatron takes first),
     returning the full gradients (gathered over TP, before the DP reduction)."""
+    from megatron.core import parallel_state as ps
     from megatron.core.distributed.finalize_model_grads import (
         _allreduce_non_tensor_model_parallel_grads,
     )
 
     tp_sum = lambda m: _allreduce_non_tensor_model_parallel_grads([m], m.config)
     full = lambda p: gather(p.main_grad.detach().clone(), p)
-    return md_check.step(dmodel, opt, x, y, calls, grad_of=full, after_backward=tp_sum)
+    grads = md_check.step(dmodel, opt, x, y, calls, grad_of=full, after_backward=tp_sum)
+    # what megatron's reduction makes of an expert gradient every rank computed alike: scaled
+    # by 1 / (DP × CP) (core/distributed/distributed_data_parallel.py:213), summed over expert
+    # DP. Under expert TP each rank's expert piece saw the tokens of its whole expert-TP group
+    # (all-gathered), so its local gradient is that many batches' worth.
+    scale = ps.get_expert_data_parallel_world_size() / ps.get_data_parallel_world_size(
+        with_context_parallel=True
+    )
+    experts = [getattr(p, "allreduce", True) is False for p in dmodel.module.parameters()]
+    return [g * scale if e else g for g, e in zip(grads, experts)]
 
 
 def megatron_step_elements(dmodel, opt, x, y) -> int:
@@ -131,7 +155,13 @@ def sphere_err(inner) -> float:
         i = slot.index if slot.index is not None else k
         if slot.md.counts:
             slot.md.norm_partials(inner._flat_dir(main).float(), buf[offs[i] : offs[i + 1]])
-    inner.reduce(buf)
+    if inner.item_groups is None:
+        inner.reduce(buf)
+    else:  # each matrix over its own group (whole-matrix leaf mixing dense and expert pieces)
+        counted = inner.n_collectives, inner.last_payload
+        segs = [slice(offs[k], offs[k + 1]) for k in range(len(slots))]
+        inner._reduce_by_group(buf, [s for _, s in slots], segs)
+        inner.n_collectives, inner.last_payload = counted
     worst = 0.0
     for k, (main, slot) in enumerate(slots):
         i = slot.index if slot.index is not None else k
@@ -145,12 +175,20 @@ def sphere_err(inner) -> float:
 def expected_payload(named, copies, inners) -> int:
     """Default MD, by formula on the full shapes: row+column gains and one Frobenius norm per
     hidden matrix (per block of a split QKV), one norm per row of the embedding/LM head.
-    Whole-matrix optimizers: the rank's own matrices; ZeRO-1 (also the embedding/head's under
-    layer-wise sharding): every MD matrix it holds a slice of on any rank."""
+    Whole-matrix optimizers: the rank's own matrices that are split or TP-replicated (whole
+    ones need no sum); ZeRO-1 (also the embedding/head's under layer-wise sharding): every MD
+    matrix it holds a slice of on any rank."""
+    from megatron.core import parallel_state as ps
+
     from megatron.md.roles import param_role
 
+    def summed(p) -> bool:  # a whole-matrix optimizer sums (E)TP pieces and TP replicas
+        tp_replica = ps.get_tensor_model_parallel_world_size() > 1 and getattr(p, "allreduce", True)
+        return split_group(p) is not None or tp_replica
+
     shapes = [(s.md.shape, s.md.spec.gains != "none", len(s.md.spec.row_blocks) or 1)
-              for i in inners if i.layout is None for s in i.slots.values()]  # fmt: skip
+              for i in inners if i.layout is None for s in i.slots.values()
+              if summed(s.model_param)]  # fmt: skip
     if any(i.layout is not None for i in inners):
         shapes += [(c.shape, param_role(n, p) == "matrix", 1) for (n, p), c in zip(named, copies)
                    if param_role(n, p) != "vector"
@@ -176,16 +214,27 @@ def check(args) -> dict:
 
     data = torch.tensor(list(cpu_demo.TEXT.encode()), dtype=torch.long)
     md_calls, grad_dp_diff = [], 0.0
-    dp_group = ps.get_data_parallel_group()
+    experts = [getattr(p, "allreduce", True) is False for _, p in named]
+    # DP replicas: the dense DP group; for routed experts the expert-DP group (EP ranks hold
+    # other experts)
+    dp_groups = [ps.get_expert_data_parallel_group() if e else ps.get_data_parallel_group()
+                 for e in experts]  # fmt: skip
     for x, y in cpu_demo.batches(data, args.steps, 4, 16, 0):
         grads = step(dmodel, opt, x, y, md_calls)
-        for g in grads:  # every rank fed the same batch: the same gradient
+        for g, group in zip(grads, dp_groups):  # every rank fed the same batch: the same gradient
             first = g.clone()
-            dist.broadcast(first, dist.get_process_group_ranks(dp_group)[0], group=dp_group)
+            dist.broadcast(first, dist.get_process_group_ranks(group)[0], group=group)
             grad_dp_diff = max(grad_dp_diff, float((first - g).abs().max()))
         for c, g in zip(copies, grads):
             c.grad = g.float().clone()
-        gn = torch.stack([c.grad.norm() for c in copies]).norm()
+        # megatron clips by the norm over the whole model: the experts of the other EP ranks too
+        sq = [c.grad.double().square().sum() for c in copies]
+        expert_sq = torch.stack(
+            [q for q, e in zip(sq, experts) if e] or [torch.zeros((), dtype=torch.float64)]
+        ).sum()
+        dist.all_reduce(expert_sq, group=ps.get_expert_model_parallel_group())
+        dense_sq = sum(q for q, e in zip(sq, experts) if not e)
+        gn = (dense_sq + expert_sq).sqrt().float()
         coeff = md_check.CLIP / (gn + 1e-6)
         if coeff < 1:
             for c in copies:
@@ -211,12 +260,13 @@ def check(args) -> dict:
                 if err > worst_dir:
                     worst_dir, worst_dir_name = err, slot.name
     sph = max([sphere_err(i) for i in inners] + [0.0])
-    # the DP replicas of each TP rank hold the same weights
+    # the DP replicas of each TP rank hold the same weights (experts: their full matrices)
     dp_diff = 0.0
-    for p in model.parameters():
-        first = p.detach().clone()
-        dist.broadcast(first, dist.get_process_group_ranks(dp_group)[0], group=dp_group)
-        dp_diff = max(dp_diff, float((first.float() - p.detach().float()).abs().max()))
+    for (_, p), expert, group in zip(named, experts, dp_groups):
+        here = gather(p.detach(), p) if expert else p.detach()
+        first = here.clone()
+        dist.broadcast(first, dist.get_process_group_ranks(group)[0], group=group)
+        dp_diff = max(dp_diff, float((first.float() - here.float()).abs().max()))
     facts = torch.tensor([worst_dir, sph, worst, excess, dp_diff, grad_dp_diff])
     dist.all_reduce(facts, op=dist.ReduceOp.MAX)
     worst, excess = float(facts[2]), float(facts[3])
@@ -230,9 +280,13 @@ def check(args) -> dict:
     extra.subtract(base_calls)
     missing.subtract(md_calls)
     tp_slots = [s for i in inners for s in i.slots.values() if s.md.tp is not None]
+    summing = [i for i in inners if i.reduce_group is not None or i.item_groups is not None]
     return {
         "world": world,
         "tp": ps.get_tensor_model_parallel_world_size(),
+        "etp": ps.get_expert_tensor_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "expert_split_matrices": sum(s.md.tp.expert for s in tp_slots),
         "dp": ps.get_data_parallel_world_size(),
         "worst_rel": worst,
         "bf16_excess": excess,
@@ -246,8 +300,8 @@ def check(args) -> dict:
         "stride2_matrices": sum(s.md.tp.stride == 2 for s in tp_slots),
         "row_parallel_matrices": sum(s.md.tp.axis == 1 for s in tp_slots),
         "replicas_dropped": sum(not s.md.counts for i in inners for s in i.slots.values()),
-        "collectives_per_step": sum(i.n_collectives for i in inners) / args.steps,
-        "payload": sum(i.last_payload for i in inners),
+        "collectives_per_step": sum(i.n_collectives for i in summing) / args.steps,
+        "payload": sum(i.last_payload for i in summing),
         "expected_payload": expected_payload(named, copies, inners),
         "megatron_step_elements": traffic,
         "extra_collectives": sorted(k for k, c in extra.items() for _ in range(max(c, 0))),

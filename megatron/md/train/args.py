@@ -185,11 +185,11 @@ def md_config_from_args(args) -> MDConfig:
 
 
 def _check_tensor_parallel(args) -> None:
-    """What MD runs under TP > 1 (megatron/md/tensor_parallel.py): AdamMD and MuonMD (the full
-    matrix orthogonalized); not yet Muown."""
+    """What MD runs under TP > 1 or expert TP > 1 (megatron/md/tensor_parallel.py): AdamMD and
+    MuonMD (the full matrix orthogonalized); not Muown."""
     muon_md = args.optimizer == "muon" and not args.md_adam_layer_wise
     if muon_md and args.md_variant != "md":
-        _fail(f"--md-variant {args.md_variant} (Muown) with TP > 1 is not supported: use TP=1")
+        _fail(f"--md-variant {args.md_variant} (Muown) with (expert) TP > 1 is not supported")
     groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
     if muon_md and args.muon_split_qkv and groups % args.tensor_model_parallel_size:
         _fail(
@@ -199,8 +199,9 @@ def _check_tensor_parallel(args) -> None:
         )
     if muon_md and args.muon_tp_mode != "duplicated":
         _fail(
-            f"MuonMD with TP > 1 orthogonalizes each full matrix, as at TP=1: --muon-tp-mode "
-            f"duplicated (got {args.muon_tp_mode}, which orthogonalizes each TP piece alone)"
+            "MuonMD with (expert) TP > 1 orthogonalizes each full matrix, as at TP=1: "
+            f"--muon-tp-mode duplicated (got {args.muon_tp_mode}, which orthogonalizes each TP "
+            "piece alone)"
         )
 
 
@@ -234,14 +235,9 @@ def validate(args) -> MDConfig | None:
             _fail("--md-decoupling does not support --fp16 (use --bf16)")
         if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
             _fail("--md-decoupling does not support FSDP (use --use-distributed-optimizer)")
-        if args.tensor_model_parallel_size > 1:
-            _check_tensor_parallel(args)
         etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
-        if args.num_experts and etp > 1:  # megatron's default ETP is the TP size
-            _fail(
-                "--md-decoupling needs whole experts: --expert-tensor-parallel-size 1 (the "
-                "dense layers may still be TP-split)"
-            )
+        if args.tensor_model_parallel_size > 1 or (args.num_experts and etp > 1):
+            _check_tensor_parallel(args)  # megatron's default ETP is the TP size
         if getattr(args, "moe_single_grouped_weight", False):
             _fail(
                 "--md-decoupling needs one matrix per expert, and --moe-single-grouped-weight "
