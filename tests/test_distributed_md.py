@@ -222,13 +222,31 @@ ETP = {
     "ep2xetp2-zero1": (4, "--ep", "2", "--dist", "zero1"),
     "ep2xetp2-layerwise-muon": (4, "--ep", "2", *MUON_LW),
 }
+# MoE under TP 2 (experts whole, or spread over EP 2 at 4 ranks). megatron refuses MoE under TP
+# in training without sequence parallelism (core/transformer/moe/moe_layer.py:629), which needs
+# TE's norms, so md_tp_check runs these forwards in eval mode (no router auxiliary loss).
+# Layer-wise at EP 1 without clipping: megatron's layer-wise optimizer takes another gradient
+# norm than the whole model's in this layout (seen: 9e-5 relative after 5 clipped steps; the
+# ZeRO-1 and replicated ones and EP 2 clip as the reference does)
+# TP 2 × CP 2 (4 ranks): MD's one all-reduce over megatron's TP × DP × CP group
+TP_CP = {"zero1": ("--dist", "zero1"), "muon-split": (*MUON_LW, "--split-qkv")}
+TP_MOE_ARGS = ("--tp", "2", "--experts", "4")
+TP_MOE = {
+    "tp2-zero1": (2, "--dist", "zero1"),
+    "tp2-replicated": (2, "--dist", "replicated"),
+    "tp2-layerwise-muon": (2, *MUON_LW, "--no-clip"),
+    "tp2xep2-zero1": (4, "--ep", "2", "--dist", "zero1"),
+    "tp2xep2-layerwise-muon": (4, "--ep", "2", *MUON_LW),
+}
 md_tp_check = Batches(
     "md_tp_check.py",
     [(n, "--tp", "2", *a) for n in (2, 4) for a in TP_JOBS.values()]
     + [(n, "--tp", "2", *a) for n, *a in TP_SPHERES]
     + [(n, "--tp", "2", *a) for n in (2, 4) for a in TP_MUON.values()]
     + [(4, "--tp", "4", *a) for a in TP4.values()]
-    + [(n, *ETP_MOE, *a) for n, *a in ETP.values()],
+    + [(n, *ETP_MOE, *a) for n, *a in ETP.values()]
+    + [(n, *TP_MOE_ARGS, *a) for n, *a in TP_MOE.values()]
+    + [(4, "--tp", "2", "--cp", "2", *a) for a in TP_CP.values()],
 )
 
 
@@ -301,6 +319,17 @@ def test_md_tensor_parallel_4(job):
     assert res["collectives_per_step"] == (2 if "muon" in job else 1)
 
 
+def moe_collectives(res: dict, n_reduces: int) -> None:
+    """Replicas and gradients agree over (expert-)DP; MD adds ``n_reduces`` all-reduces of the
+    formula's payload and leaves out only all-gathers of megatron's own Muon."""
+    assert res["dp_replicas_differ_by"] == 0.0 and res["dp_grads_differ_by"] == 0.0
+    assert res["payload"] == res["expected_payload"]
+    extra = res["extra_collectives"]
+    assert all(k[0] == "all_reduce" for k in extra) and sum(k[1] for k in extra) == res["payload"]
+    assert len(extra) == n_reduces
+    assert all(k[0] == "all_gather" for k in res["missing_collectives"])
+
+
 @pytest.mark.parametrize("job", ETP)
 def test_md_expert_tensor_parallel(job):
     """Routed experts split over megatron's expert-TP group (--expert-tensor-parallel-size 2):
@@ -315,12 +344,41 @@ def test_md_expert_tensor_parallel(job):
     assert (res["tp"], res["etp"]) == (1, 2) and res["ep"] == (2 if "ep2" in job else 1)
     check(res, nproc, "bf16" if "bf16" in job else "fp32")
     assert res["expert_split_matrices"] >= 4  # 8 local expert pieces, 4 under EP 2
-    assert res["dp_replicas_differ_by"] == 0.0 and res["dp_grads_differ_by"] == 0.0
-    assert res["payload"] == res["expected_payload"]
-    extra = res["extra_collectives"]
-    assert all(k[0] == "all_reduce" for k in extra) and sum(k[1] for k in extra) == res["payload"]
     # ZeRO-1: the dense and the expert instance; layer-wise: the embedding/head instance and
-    # the expert pieces; replicated: the expert pieces only
-    assert len(extra) == (1 if "replicated" in job else 2)
-    # megatron's duplicated-mode Muon all-gathers every dense matrix over its one-rank TP group
-    assert all(k[0] == "all_gather" for k in res["missing_collectives"])
+    # the expert pieces; replicated: the expert pieces only. megatron's duplicated-mode Muon
+    # all-gathers every dense matrix over its one-rank TP group, which MD does not
+    moe_collectives(res, 1 if "replicated" in job else 2)
+
+
+@pytest.mark.parametrize("job", TP_MOE)
+def test_md_moe_under_tensor_parallelism(job):
+    """The MoE under TP 2: dense matrices TP-split (the router TP-replicated, added once),
+    experts whole on each rank (expert-DP over the TP ranks, or EP 2 at 4 ranks), ZeRO-1 AdamMD,
+    replicated AdamMD and layer-wise MuonMD against the reference on the gathered full matrices
+    fed megatron's reduced gradients. Seen: ≤ 2.6e-7 relative."""
+    nproc, *args = TP_MOE[job]
+    res = md_tp_check(nproc, *TP_MOE_ARGS, *args)
+    assert (res["tp"], res["etp"]) == (2, 1) and res["ep"] == (2 if "ep2" in job else 1)
+    check(res, nproc)
+    # rank 0's TP-split matrices (layer-wise: those it owns)
+    assert res["tp_split_matrices"] >= (1 if "layerwise" in job else 5)
+    assert res["expert_split_matrices"] == 0
+    # megatron's duplicated-mode Muon gathers whole experts too; MD orthogonalizes them as held
+    moe_collectives(res, 1 if "replicated" in job else 2)
+
+
+@pytest.mark.parametrize("job", TP_CP)
+def test_md_tensor_and_context_parallel(job):
+    """TP 2 × CP 2: each rank its share of the sequence (md_check.cp_share), the reference fed
+    the DP × CP mean of the gathered gradients; ZeRO-1 AdamMD sums over megatron's TP × DP × CP
+    group, MuonMD (Q/K/V split) gathers over TP. Seen: 2.0e-7 relative."""
+    res = md_tp_check(4, "--tp", "2", "--cp", "2", *TP_CP[job])
+    assert (res["tp"], res["cp"], res["dp"]) == (2, 2, 1)
+    check(res, 4)
+    assert res["payload"] == res["expected_payload"]
+    extra, missing = res["extra_collectives"], res["missing_collectives"]
+    reduces = [k[1] for k in extra if k[0] == "all_reduce"]
+    assert sum(reduces) == res["payload"] and len(reduces) == (1 if job == "zero1" else 2)
+    gathered = lambda ks: sum(k[1] for k in ks if k[0] == "all_gather")
+    assert gathered(extra) == gathered(missing)  # MuonMD's gathers: megatron's duplicated mode's
+    assert all(k[0] == "all_gather" for k in missing)

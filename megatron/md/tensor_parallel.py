@@ -145,6 +145,12 @@ def reduce_group(dp_group, expert: bool):
             return ps.get_expert_tensor_parallel_group()
         if _EXPERT_TP_DP is None:
             raise RuntimeError("expert TP × DP group missing: enable_md calls prepare_groups")
+        if etp_size() * dist.get_world_size(dp_group) != dist.get_world_size(_EXPERT_TP_DP):
+            raise RuntimeError(  # e.g. several distributed-optimizer instances
+                f"the expert optimizer's data-parallel group ({dist.get_world_size(dp_group)} "
+                "ranks) is not megatron's whole expert-DP group: MD cannot sum its expert "
+                "partials over expert-TP × it in one all-reduce"
+            )
         return _EXPERT_TP_DP
     if tp_size() == 1:
         return dp_group

@@ -124,7 +124,8 @@ def build(args, world):
         inner = Float16Module(model.config, model)
     dmodel, opt = testing.megatron_optimizer(
         inner, model.config, args.dist, world, args.optimizer,
-        lr=LR, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99, adam_eps=1e-8, clip_grad=CLIP,
+        lr=LR, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99, adam_eps=1e-8,
+        clip_grad=getattr(args, "clip", CLIP),
         # LayerWise needs bf16=True even for fp32 params (layer_wise_optimizer.py:505)
         bf16=args.dtype == "bf16" or args.dist == "layerwise",
         muon_momentum=0.95, muon_nesterov=True, muon_split_qkv=split_qkv(args),

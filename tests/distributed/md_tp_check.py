@@ -3,14 +3,17 @@ reference on the full matrices.
 
     torchrun --nproc-per-node W md_tp_check.py --tp 2 --dist zero1|replicated|layerwise
         [--dtype fp32|bf16] [--sphere frobenius|row|col] [--optimizer muon [--split-qkv]]
-        [--tp 1 --experts 4 --etp 2]   (routed experts split over megatron's expert-TP group)
+        [--cp 2]                          (each rank its context-parallel share of the sequence)
+        [--experts 4 [--etp 2] [--ep 2]]  (MoE; experts split over megatron's expert-TP group,
+                                           spread over its expert-parallel group)
 
 TP × DP = W; every rank feeds the same batch. The model is megatron's GPT built under TP with
 CPU initialization (each rank's piece is its chunk of the same full weights); the oracle is the
 reference ``MDOptimizer`` on the full matrices gathered from the TP ranks, fed the gathered
 gradients megatron computed. Not here: sequence parallelism (megatron-core refuses it with
-torch norms, core/transformer/torch_norm.py:50) and so MoE under TP (megatron requires sequence
-parallelism there); tests/test_tensor_parallel.py covers the TP-replicated router's arithmetic.
+torch norms, core/transformer/torch_norm.py:50); MoE under TP, which megatron refuses in
+training without it, runs its forward in eval mode (``build``); tests/test_tensor_parallel.py
+covers the TP-replicated router's arithmetic.
 After the steps: gathered model weights vs. the oracle's, every rank's direction slice vs. the
 oracle's, the sphere invariant from the reduced norms, and the collectives MD adds to megatron's
 own optimizer step. One JSON line per job on rank 0 (``A + B`` runs several jobs).
@@ -45,13 +48,17 @@ def parse(argv):
     ap.add_argument("--experts", type=int, default=0, help="MoE layers with this many experts")
     ap.add_argument("--etp", type=int, default=1, help="--expert-tensor-parallel-size")
     ap.add_argument("--ep", type=int, default=1, help="--expert-model-parallel-size")
+    ap.add_argument("--cp", type=int, default=1, help="--context-parallel-size")
+    ap.add_argument(
+        "--no-clip", dest="clip", action="store_const", const=1e9, default=md_check.CLIP,
+        help="no gradient clipping (megatron's and the reference's)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
-    if args.experts and args.tp > 1:  # core/transformer/moe/moe_layer.py:629 refuses MoE under
-        # TP without sequence parallelism, which torch norms refuse (torch_norm.py:50)
-        ap.error("MoE under TP needs sequence parallelism, which megatron-core runs only with TE")
     if args.optimizer == "muon" and args.dist not in ("layerwise", "replicated"):
         ap.error("MuonMD needs whole matrices: --dist layerwise or replicated")
-    args.vs, args.fused_step, args.cp = "reference", False, 1
+    if args.cp > 1 and args.experts:
+        ap.error("--cp with --experts is not part of this check")
+    args.vs, args.fused_step = "reference", False
     return args
 
 
@@ -98,9 +105,17 @@ def build(args, world):
 
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(
-        args.tp, 1, expert_tensor_parallel_size=args.etp, expert_model_parallel_size=args.ep
-    )
-    return md_check.build(args, world // args.tp)
+        args.tp, 1, expert_tensor_parallel_size=args.etp, expert_model_parallel_size=args.ep,
+        context_parallel_size=args.cp,
+    )  # fmt: skip
+    model, dmodel, opt = md_check.build(args, world // args.tp)
+    if args.experts and args.tp > 1:
+        # megatron refuses MoE under TP without sequence parallelism in training mode
+        # (core/transformer/moe/moe_layer.py:629), and SP needs TE's norms (torch_norm.py:50):
+        # the forward runs in eval mode, which leaves out the router's auxiliary loss and
+        # expert-bias update (router.py:799, :338); the gradients still reach every matrix
+        model.train(False)
+    return model, dmodel, opt
 
 
 def step(dmodel, opt, x, y, calls=None):
@@ -219,12 +234,17 @@ def check(args) -> dict:
     # other experts)
     dp_groups = [ps.get_expert_data_parallel_group() if e else ps.get_data_parallel_group()
                  for e in experts]  # fmt: skip
+    dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
     for x, y in cpu_demo.batches(data, args.steps, 4, 16, 0):
-        grads = step(dmodel, opt, x, y, md_calls)
+        grads = step(dmodel, opt, *md_check.cp_share(x, y), md_calls)
         for g, group in zip(grads, dp_groups):  # every rank fed the same batch: the same gradient
             first = g.clone()
             dist.broadcast(first, dist.get_process_group_ranks(group)[0], group=group)
             grad_dp_diff = max(grad_dp_diff, float((first - g).abs().max()))
+        if args.cp > 1:  # each CP rank its share of the sequence: megatron's DP × CP mean
+            for g in grads:
+                dist.all_reduce(g, group=dp_cp)
+                g.div_(dist.get_world_size(dp_cp))
         for c, g in zip(copies, grads):
             c.grad = g.float().clone()
         # megatron clips by the norm over the whole model: the experts of the other EP ranks too
@@ -235,7 +255,7 @@ def check(args) -> dict:
         dist.all_reduce(expert_sq, group=ps.get_expert_model_parallel_group())
         dense_sq = sum(q for q, e in zip(sq, experts) if not e)
         gn = (dense_sq + expert_sq).sqrt().float()
-        coeff = md_check.CLIP / (gn + 1e-6)
+        coeff = args.clip / (gn + 1e-6)
         if coeff < 1:
             for c in copies:
                 c.grad.mul_(coeff)
@@ -274,6 +294,7 @@ def check(args) -> dict:
     base_calls = []
     _, dmodel3, opt3 = build(args, world)
     for x, y in cpu_demo.batches(data, args.steps, 4, 16, 0):
+        x, y = md_check.cp_share(x, y)
         step(dmodel3, opt3, x, y, base_calls)
     traffic = megatron_step_elements(dmodel3, opt3, x, y)
     extra, missing = Counter(md_calls), Counter(base_calls)
@@ -286,6 +307,7 @@ def check(args) -> dict:
         "tp": ps.get_tensor_model_parallel_world_size(),
         "etp": ps.get_expert_tensor_parallel_world_size(),
         "ep": ps.get_expert_model_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
         "expert_split_matrices": sum(s.md.tp.expert for s in tp_slots),
         "dp": ps.get_data_parallel_world_size(),
         "worst_rel": worst,
