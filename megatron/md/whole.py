@@ -1,7 +1,8 @@
 """MD on whole matrices: megatron-core's replicated optimizers (``FP32Optimizer``,
 ``Float16OptimizerWithFloat16Params``) and the children of ``LayerWiseDistributedOptimizer``
 (each rank owns whole matrices, so the MD step needs no collective at all; under tensor
-parallelism one all-reduce over the TP group: ``tensor_parallel.py``).
+parallelism one all-reduce over the TP group, and over the expert-TP group for expert pieces
+under expert TP: one per group when a leaf holds both: ``tensor_parallel.py``).
 
 bf16 params: the fp32 main param is the direction Ŵ and the fused W = Γ ⊙ Ŵ is written into the
 bf16 model param. fp32 params: the model param is W; the direction is an extra fp32 copy.

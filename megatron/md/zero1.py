@@ -4,7 +4,7 @@ Each data-parallel rank's inner optimizer sees a contiguous 1-D slice of every p
 (``_get_model_param_range_map(param)["param"]``); ``MDInner`` steps MD matrices on that slice
 with ONE all-reduce of all their partials per step over the optimizer's data-parallel group
 (the expert-data-parallel group for the expert instance), times the TP group under tensor
-parallelism (``tensor_parallel.py``).
+parallelism (the expert-TP group for the expert instance under expert TP; ``tensor_parallel.py``).
 
 bf16 params: the fp32 main shard *is* the direction Ŵ; the subclass writes the fused
 W = Γ ⊙ Ŵ into the model's param buffer instead of copying (no division, no extra copy).
