@@ -24,6 +24,10 @@ setup(
         "gpu": ["transformer-engine[pytorch]"],
         # tools/evaluate.py (the LM Evaluation Harness) and tools/export_hf.py
         "eval": ["lm-eval==0.4.13", "transformers", "safetensors"],
+        # tools/train_tokenizer.py, tools/preprocess_data.py, megatron's HuggingFaceTokenizer
+        "data": ["tokenizers", "transformers"],
+        # the analysis tools' figures (lr_sweep, scaling_law, plot_diagnostics, throughput)
+        "analysis": ["matplotlib"],
         "dev": [
             "pytest",
             "ruff",

@@ -6,7 +6,7 @@
 #   bash container/build_sqsh.sh [OUT.sqsh]     # knobs: NGC_TAG (25.10-py3), ENROOT_NAME
 #
 # The package is installed editable at /workspace/megatron-md: the launcher mounts the checkout
-# there (CONTAINER_MOUNTS=$PWD:/workspace/megatron-md), so code changes need no new image.
+# there itself (CONTAINER_WORKDIR), so code changes need no new image.
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 NGC_TAG=${NGC_TAG:-25.10-py3}

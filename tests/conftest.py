@@ -9,3 +9,12 @@ cpu_mode.maybe_activate()
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 logging.getLogger("megatron").setLevel(logging.ERROR)
+
+
+def pytest_collection_modifyitems(items):
+    """The quick tier (``bash run.sh test -m quick``): every test without a torchrun launch."""
+    import pytest
+
+    for item in items:
+        if item.get_closest_marker("distributed") is None:
+            item.add_marker(pytest.mark.quick)

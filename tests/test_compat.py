@@ -13,6 +13,54 @@ def test_every_seam_resolves_in_the_installed_megatron_core():
     assert len(compat.SEAMS) >= 20
 
 
+def test_every_replaced_attribute_has_a_row_and_apply_twice_is_harmless():
+    """compat.SEAMS is the one list of what megatron-md replaces: after applying every layer,
+    each attribute that carries megatron-md's marker (``__md_seam__``: the original it wraps)
+    has its row; applying again wraps the originals afresh, never a wrapper."""
+    import importlib
+
+    from megatron.md.train import patches
+
+    saved = [(importlib.import_module(s.module), s.path) for s in compat.SEAMS if s.replace]
+    saved = [(m, p, getattr(m, p)) for m, p in saved]
+    try:
+        _check_rows(patches, importlib)
+    finally:  # the other tests of this process see megatron as it was
+        for m, p, v in saved:
+            setattr(m, p, v)
+
+
+def _check_rows(patches, importlib):
+    patches.prepare_parsers()
+    patches.apply(None, on_cpu=True)
+    first = {(s.module, s.path): compat.resolve(s.module, s.path) for s in compat.SEAMS}
+    patches.prepare_parsers()
+    patches.apply(None, on_cpu=True)
+    rows = {(s.module, s.path) for s in compat.SEAMS if s.replace}
+    for (module, path), before in first.items():
+        now = compat.resolve(module, path)
+        if (module, path) in rows:
+            assert getattr(now, "__md_seam__", None) is getattr(before, "__md_seam__", "x")
+            assert not hasattr(now.__md_seam__, "__md_seam__"), (module, path)  # not wrapped twice
+    marked = set()
+    for module in {s.module for s in compat.SEAMS}:
+        mod = importlib.import_module(module)
+        marked |= {(module, k) for k, v in vars(mod).items() if hasattr(v, "__md_seam__")}
+    assert marked <= rows, marked - rows
+    assert rows <= marked | {(s.module, s.path) for s in compat.SEAMS if s.layer == "cpu-mode"}
+
+
+def test_enable_md_checks_the_optimizer_layer_only(monkeypatch):
+    """A library user's own loop need not have megatron.training's seams: enable_md checks
+    the optimizer rows; pretrain_gpt.py checks all of them."""
+    import megatron.training.training as mtt
+
+    monkeypatch.delattr(mtt, "training_log")
+    compat.check(layers=("optimizer",))
+    with pytest.raises(RuntimeError, match="training_log"):
+        compat.check()
+
+
 def test_a_moved_symbol_is_named(monkeypatch):
     import megatron.training.training as mtt
 

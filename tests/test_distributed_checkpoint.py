@@ -2,6 +2,8 @@
 save at 2 ranks after 2 steps, load at 1/2/4 ranks, the next 3 steps equal the uninterrupted
 run; a checkpoint without MD state loads into an MD run with the model unchanged."""
 
+import re
+
 import pytest
 from _torchrun import Batches, torchrun
 
@@ -87,4 +89,26 @@ def test_continual_training_from_checkpoint_without_md(ckpt):
 def test_other_md_settings_are_refused_before_loading(ckpt):
     _, d = ckpt
     out = torchrun("md_ckpt.py", 2, "load", d["zero1-fp32"], "--md-gains", "row", expect_fail=True)
-    assert "gains: checkpoint 'rowcol', this run 'row'" in out
+    assert "the checkpoint's --md-gains rowcol, this run's --md-gains row" in out
+
+
+def test_only_settings_that_change_what_the_state_means_are_checked():
+    """A resumed run may change rates, scales and how the step runs (a re-warming run changes
+    the gains' LR); a change of what the saved state means is named with its flags."""
+    import dataclasses
+
+    from megatron.md.checkpoint import check_same_config
+    from megatron.md.config import MDConfig
+
+    saved = dataclasses.asdict(MDConfig())
+    rates = MDConfig(gain_lr_mult=0.5, gain_lr=1e-3, gain_betas=(0.9, 0.95), gain_eps=1e-6,
+                     muon_scale="shape_up", tangent_grad=True, fused_step="on",
+                     residual_init_scale=0.5, lowrank_init_std=0.1)  # fmt: skip
+    check_same_config(saved, rates)
+    for changed, said in (
+        (MDConfig(sphere="row"), "--md-sphere frobenius, this run's --md-sphere row"),
+        (MDConfig(split_qkv=False), "--muon-split-qkv, this run's --muon-no-split-qkv"),
+        (MDConfig(variant="muown"), "--md-variant md, this run's --md-variant muown"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            check_same_config(saved, changed)

@@ -151,3 +151,47 @@ def test_one_parameter_for_all_experts_is_refused():
     stacked.weight = torch.nn.Parameter(torch.zeros(4, 8, 32))
     with pytest.raises(ValueError, match="stacks 4 matrices in one 3-D parameter"):
         enable_md(None, [stacked], MDConfig())
+
+
+def test_nonfinite_md_state_is_named_before_it_lands_or_is_saved(tmp_path):
+    """An inf in one direction entry (a damaged state): the next MD step's reduced sphere norm
+    is not finite, so MD's probe turns NaN; it rides in megatron's gradient norm (no sync of
+    its own), which is then NaN, and the check there stops the run naming the parameter and
+    the tensor; a save of that state is refused the same way, the checkpoint kept as it was."""
+    import math
+
+    from megatron.md.enable import enable_md
+    from megatron.md.leaves import leaf_optimizers
+    from megatron.md.train import nonfinite
+
+    dmodel, opt = _build()
+    enable_md(opt, [dmodel], MDConfig())
+    x = torch.randint(0, 256, (2, 16))
+
+    def step():
+        dmodel.zero_grad_buffer()
+        cpu_demo.lm_loss(dmodel, x, x).backward()
+        dmodel.finish_grad_sync()
+        return opt.step()
+
+    step()
+    (leaf,) = leaf_optimizers(opt)
+    inner = leaf.optimizer
+    assert float(inner.probe) == 0 and leaf.get_grads_for_grad_norm()[-1] is inner.probe
+    assert math.isfinite(opt.get_grad_norm())
+    nonfinite.check_before_save([dmodel], opt, 1, str(tmp_path))  # finite: nothing to say
+    main, slot = next((m, s) for m, s in inner.slots.items() if "linear_fc1" in s.name)
+    inner.direction_of(main)[5] = float("inf")
+    step()
+    assert math.isnan(float(inner.probe))
+    norm = opt.get_grad_norm()  # megatron's reduction, with the probe among the tensors
+    assert math.isnan(norm)
+    with pytest.raises(SystemExit, match=r"linear_fc1\.weight: its direction Ŵ"):
+        nonfinite.check_grad_norm(norm, leaf.get_grads_for_grad_norm(), None)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
+    with pytest.raises(
+        SystemExit,
+        match=r"after iteration 2 is not finite \(.*linear_fc1.*"
+        r"latest checkpoint in .* \(iteration 1\) is still the last good one",
+    ):
+        nonfinite.check_before_save([dmodel], opt, 2, str(tmp_path))

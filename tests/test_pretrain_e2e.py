@@ -233,10 +233,18 @@ def train_rows(rows: list[dict]) -> dict[int, dict]:
 def test_resume_is_exact(runs, tmp_path, name):
     """10 iterations + resume for 10 == 20 uninterrupted: the same loss every iteration (bit
     for bit), the same data order and LR schedule, and the same final weights and optimizer
-    state (every tensor of the iteration-20 checkpoints, MD state included)."""
+    state (every tensor of the iteration-20 checkpoints, MD state included). The AdamMD
+    resume adds --overlap-grad-reduce, --overlap-param-gather, full activation recompute and
+    --data-cache-path (docs/flags.md, "Megatron flags a cluster run uses")."""
     rows, save = runs[name]
+    # AdamMD resumes with the flags a cluster run adds (communication overlap, activation
+    # recompute, a dataset cache): none may change a number
+    cluster = [] if name != "adam_md" else [
+        "--overlap-grad-reduce", "--overlap-param-gather", "--recompute-granularity=full",
+        "--recompute-method=uniform", "--recompute-num-layers=1",
+        f"--data-cache-path={tmp_path / 'cache'}"]  # fmt: skip
     part, save2 = pretrain(tmp_path, "resumed", "--train-iters=20", f"--load={save}",
-                           "--ckpt-step=10", *RUNS[name])  # fmt: skip
+                           "--ckpt-step=10", *RUNS[name], *cluster)  # fmt: skip
     full, resumed = train_rows(rows), train_rows(part)
     assert sorted(resumed) == list(range(11, 21))
     for i in range(11, 21):
@@ -373,47 +381,129 @@ def saved_args(ckpt: Path):
 
 
 def test_bad_checkpoints_are_named(runs, tmp_path):
-    """ckpt_checks on real checkpoints: truncated or missing shard files, another model shape,
-    MD state vs --md-decoupling (both ways; the continual-training path only on purpose)."""
+    """ckpt_checks on real checkpoints, the faults a cluster user meets: truncated or missing
+    shard files, a shard changed after the save (named by its checksum), another model shape,
+    another optimizer (named as such, with the way out), MD state vs --md-decoupling (both
+    ways; the continual-training path only on purpose), megatron's other format."""
     import copy
     import shutil
 
-    from megatron.md.train import ckpt_checks
+    from megatron.md.train import ckpt_checks, digest
 
     md_ckpt, plain_ckpt = runs["adam_md"][1] / "iter_0000010", runs["adamw"][1] / "iter_0000010"
     args = copy.copy(saved_args(md_ckpt))
     args.no_load_optim = args.finetune = False
     args.md_from_plain_checkpoint = False
-    assert ckpt_checks.check_all(str(md_ckpt), args) is True  # the run that saved it
+
+    def check(path, a=args):
+        return ckpt_checks.check_all(ckpt_checks.Checkpoint(str(path), "torch_dist"), a)
+
+    assert check(md_ckpt) is True  # the run that saved it
+    assert sorted(p.name for p in md_ckpt.glob("md_checksums.*")) == [
+        "md_checksums.0.json", "md_checksums.1.json"]  # fmt: skip
+    assert digest.mismatches(str(md_ckpt)) == ([], 0)
+
+    flipped = tmp_path / "flipped"  # 4 KiB flipped inside a shard, its size unchanged
+    shutil.copytree(md_ckpt, flipped)
+    shard = flipped / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[4096:8192] = bytes(b ^ 0xFF for b in data[4096:8192])
+    shard.write_bytes(bytes(data))
+    with pytest.raises(SystemExit, match=r"__1_0.distcp does not match its checksum .* nothing "
+                       "was loaded"):  # fmt: skip
+        check(flipped)
 
     cut = tmp_path / "cut"
     shutil.copytree(md_ckpt, cut)
     shard = cut / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    with pytest.raises(RuntimeError, match=r"__1_0.distcp is \d+ bytes, its metadata needs"):
-        ckpt_checks.check_all(str(cut), args)
+    with pytest.raises(SystemExit, match=r"__1_0.distcp is \d+ bytes, its metadata needs"):
+        check(cut)
     shard.unlink()
-    with pytest.raises(RuntimeError, match="__1_0.distcp is missing"):
-        ckpt_checks.check_all(str(cut), args)
+    with pytest.raises(SystemExit, match="__1_0.distcp is missing"):
+        check(cut)
 
     other = copy.copy(args)
     other.hidden_size, other.ffn_hidden_size = 256, 1024
-    with pytest.raises(
-        RuntimeError, match="another shape.*hidden_size: checkpoint 128, this run 256"
-    ):
-        ckpt_checks.check_all(str(md_ckpt), other)
+    with pytest.raises(SystemExit, match="shape.*hidden_size: checkpoint 128, this run 256"):
+        check(md_ckpt, other)
+
+    muon = copy.copy(args)
+    muon.optimizer = "muon"
+    with pytest.raises(SystemExit, match=r"trained with AdamMD \(--optimizer adam\) and this run "
+                       r"is MuonMD \(--optimizer muon\).*--no-load-optim"):  # fmt: skip
+        check(md_ckpt, muon)
+    muon.no_load_optim = True
+    assert check(md_ckpt, muon) is True
 
     plain = copy.copy(args)
     plain.md_decoupling = False
-    with pytest.raises(RuntimeError, match="--no-load-optim to start a plain optimizer"):
-        ckpt_checks.check_all(str(md_ckpt), plain)
+    with pytest.raises(SystemExit, match="--no-load-optim to start a plain optimizer"):
+        check(md_ckpt, plain)
     plain.no_load_optim = True
-    assert ckpt_checks.check_all(str(md_ckpt), plain) is True  # weights only: allowed
+    assert check(md_ckpt, plain) is True  # weights only: allowed
 
-    with pytest.raises(RuntimeError, match="add --md-from-plain-checkpoint"):
-        ckpt_checks.check_all(str(plain_ckpt), args)
+    with pytest.raises(SystemExit, match="add --md-from-plain-checkpoint"):
+        check(plain_ckpt)
     args.md_from_plain_checkpoint = True
-    assert ckpt_checks.check_all(str(plain_ckpt), args) is False
+    assert check(plain_ckpt) is False
+
+    torch_fmt = ckpt_checks.Checkpoint(str(md_ckpt), "torch")
+    with pytest.raises(SystemExit, match="is a --ckpt-format torch checkpoint, and MD runs"):
+        ckpt_checks.check_all(torch_fmt, args)
+
+
+def inject(ckpt: Path, key_part: str, value: float, suffix: str = "") -> str:
+    """Write ``value`` into element 0 of the first tensor whose checkpoint key contains
+    ``key_part`` and ends with ``suffix``, in place in its shard, as if it had been saved so
+    (its checksums rewritten); returns the key."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+
+    from megatron.md.train import digest
+
+    meta = dcp.FileSystemReader(str(ckpt)).read_metadata()
+    idx, info = next((i, v) for i, v in meta.storage_data.items()
+                     if key_part in i.fqn and i.fqn.endswith(suffix))  # fmt: skip
+    f = ckpt / info.relative_path
+    data = bytearray(f.read_bytes())
+    blob = data[info.offset : info.offset + info.length]
+    t = torch.load(io.BytesIO(bytes(blob)), weights_only=True)
+    t.view(-1)[0] = value
+    out = io.BytesIO()
+    torch.save(t, out)
+    assert len(out.getvalue()) == info.length
+    data[info.offset : info.offset + info.length] = out.getvalue()
+    f.write_bytes(bytes(data))
+    for name in ckpt.glob("md_checksums.*.json"):
+        digest._write(str(ckpt), int(name.name.split(".")[1]))
+    return idx.fqn
+
+
+def test_a_nonfinite_checkpoint_is_refused_by_name(runs, tmp_path):
+    """An inf in one MD gain of the latest checkpoint (saved so): the resume stops before
+    training, naming the parameter and the tensor and the earlier iteration to resume from;
+    nothing is written (the tracker still names the checkpoint)."""
+    import shutil
+
+    rows, save = runs["adam_md"]
+    d = tmp_path / "run"
+    for it in ("iter_0000010", "iter_0000020"):
+        shutil.copytree(save / it, d / it)
+    (d / "latest_checkpointed_iteration.txt").write_text("20")
+    key = inject(d / "iter_0000020", "linear_fc2.weight@", float("inf"), ".gain_row")
+    before = tree(d)
+    cmd, env = command(tmp_path, "inf", "--train-iters=20", f"--load={d}", f"--save={d}",
+                       "--save-interval=10",
+                       *RUNS["adam_md"], nproc=1)  # fmt: skip
+    out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    said = [ln for ln in out.stderr.splitlines() if ln.startswith("pretrain_gpt.py: error:")]
+    assert out.returncode != 0 and len(said) == 1, out.stderr[-3000:]
+    assert "iter_0000020 holds non-finite values (decoder.layers." in said[0], said
+    assert "linear_fc2.weight: its row gains" in said[0] and "--ckpt-step N" in said[0]
+    assert "holds 10" in said[0] and "gain_row" in key
+    assert tree(d) == before
 
 
 def test_no_credential_in_logs_metrics_or_checkpoints(runs):
@@ -696,3 +786,38 @@ def test_pipeline_parallel_md_resumes_on_one_stage_exactly(tmp_path):
     assert one[-1]["md"]["rel_update"] == full[-1]["md"]["rel_update"]
     layers = {int(k.split("/")[1]) for k in full[-1]["md"]["gains_by_layer"]}
     assert layers == {0, 1, 2, 3} and max(full[-1]["md"]["sphere_drift"].values()) < 1e-6
+
+
+def test_a_state_gone_nonfinite_is_never_saved(tmp_path):
+    """A gain LR so large that the gains' map overflows (exp of ~200 in fp32) turns the model
+    non-finite after the first step. megatron's NaN check then reruns the iteration and asks
+    for a checkpoint: that save is refused, naming MD's gains, and the run stops with status
+    2 — no checkpoint of the broken state exists, so a requeue cannot loop on it."""
+    flags = [*RUNS["adam_md"], "--md-gain-lr=200", "--train-iters=6", "--save-interval=5"]
+    cmd, env = command(tmp_path, "blowup", *flags, f"--save={tmp_path / 'run'}", nproc=1)
+    out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    said = [ln for ln in out.stderr.splitlines() if ln.startswith("pretrain_gpt.py: error:")]
+    assert out.returncode != 0 and len(said) == 1, out.stderr[-3000:]
+    assert "is not finite (decoder.layers." in said[0] and "gains (φ(ĝ) overflows)" in said[0]
+    assert "it was not saved" in said[0]
+    assert not (tmp_path / "run" / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_resume_refusals_name_the_real_change(runs, tmp_path):
+    """At --load: a requeued job (--exit-on-missing-checkpoint, the launcher's on a requeue)
+    whose run directory holds no checkpoint stops (megatron's own exit there has status 0: a
+    requeue would loop); another LR schedule is named with megatron's override flags."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cmd, env = command(tmp_path, "missing", "--train-iters=20", f"--load={empty}",
+                       "--exit-on-missing-checkpoint", *RUNS["adam_md"], nproc=1)  # fmt: skip
+    out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0 and "holds no checkpoint" in out.stderr, out.stderr[-3000:]
+    save = runs["adam_md"][1]
+    cmd, env = command(tmp_path, "longer", "--train-iters=30", f"--load={save}",
+                       "--ckpt-step=10", *RUNS["adam_md"], nproc=1)  # fmt: skip
+    out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    said = [ln for ln in out.stderr.splitlines() if ln.startswith("pretrain_gpt.py: error:")]
+    assert out.returncode != 0 and len(said) == 1, out.stderr[-3000:]
+    assert "total number of iterations do not match" in said[0]
+    assert "--override-opt_param-scheduler" in said[0]

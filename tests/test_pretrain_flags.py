@@ -1,7 +1,6 @@
 """pretrain_gpt.py's command line: every --md-* flag parses and reaches the MD config, the
 paper's defaults apply with --md-decoupling, and bad input stops with a message naming it."""
 
-import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -9,9 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("pretrain_gpt", ROOT / "pretrain_gpt.py")
-pg = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pg)
+from megatron.md.train import cli as pg  # noqa: E402  (what pretrain_gpt.py runs)
 
 BASE = [
     "--preset=tiny",
@@ -70,7 +67,8 @@ FLAGS = [
 
 @pytest.mark.parametrize("flag,value,field,expected", FLAGS)
 def test_md_flag_reaches_config(flag, value, field, expected):
-    _, md = parse("--md-decoupling", f"{flag}={value}")
+    needs = ["--md-gains=lowrank"] if flag == "--md-gain-rank" else []  # (refused without)
+    _, md = parse("--md-decoupling", *needs, f"{flag}={value}")
     assert getattr(md, field) == expected
 
 
@@ -176,22 +174,114 @@ def test_wsd_cooldown_fraction_sets_decay_iters():
 
 
 def test_load_names_a_missing_or_partial_checkpoint(tmp_path):
-    from megatron.md.train.patches import checkpoint_dir
+    """The loader names what it found: nothing to resume, a missing or half-written iteration,
+    a tracker naming no iteration, and a checkpoint in megatron's other format."""
+    from megatron.md.train.ckpt_checks import locate
 
-    assert checkpoint_dir(str(tmp_path)) is None  # nothing to resume: a fresh run
+    assert locate(str(tmp_path)) is None  # nothing to resume: a fresh run
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("8\n")
-    with pytest.raises(RuntimeError, match="iter_0000008 is missing or not a complete"):
-        checkpoint_dir(str(tmp_path))
+    with pytest.raises(SystemExit, match="iter_0000008 is missing or not a complete"):
+        locate(str(tmp_path))
     (tmp_path / "iter_0000008").mkdir()  # a save killed before its metadata was written
-    with pytest.raises(RuntimeError, match="nothing was read or changed"):
-        checkpoint_dir(str(tmp_path))
+    with pytest.raises(SystemExit, match="nothing was read or changed"):
+        locate(str(tmp_path))
     (tmp_path / "iter_0000008" / ".metadata").write_bytes(b"")
-    assert checkpoint_dir(str(tmp_path)) == str(tmp_path / "iter_0000008")
-    with pytest.raises(RuntimeError, match="iter_0000004"):
-        checkpoint_dir(str(tmp_path), step=4)
+    found = locate(str(tmp_path))
+    assert (found.path, found.format) == (str(tmp_path / "iter_0000008"), "torch_dist")
+    with pytest.raises(SystemExit, match="iter_0000004"):
+        locate(str(tmp_path), step=4)
+    (tmp_path / "iter_0000004" / "mp_rank_00").mkdir(parents=True)  # --ckpt-format torch
+    assert locate(str(tmp_path), step=4).format == "torch"
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("eight\n")
-    with pytest.raises(RuntimeError, match="not an iteration"):
-        checkpoint_dir(str(tmp_path))
+    with pytest.raises(SystemExit, match="not an iteration"):
+        locate(str(tmp_path))
+
+
+def test_help_prints(capsys):
+    """``--help`` lists megatron's flags and ours (upstream's help strings hold a bare ``%``,
+    which argparse's formatting would choke on)."""
+    with pytest.raises(SystemExit) as e:
+        parse("--help")
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    assert "--md-decoupling" in out and "--moe-paged-stash-buffer-size-factor-cuda" in out
+    assert "10%)" in out
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--md-decoupling", "--ckpt-format=torch", "--save=/tmp/x", "--save-interval=2"],
+         "--ckpt-format torch: MD runs save and load their state in torch_dist only"),
+        (["--md-decoupling", "--md-gain-rank=3"], "--md-gain-rank 3 needs --md-gains lowrank"),
+    ],
+)  # fmt: skip
+def test_md_refusals_name_the_flag(capsys, extra, needle):
+    assert needle in fails(capsys, *extra)
+    args, md = parse("--md-decoupling", "--md-gains=lowrank", "--md-gain-rank=3")
+    assert md.gain_rank == 3
+
+
+def test_missing_lr_is_named(capsys):
+    base = [f for f in BASE if not f.startswith("--lr=")]
+    for extra in ([], ["--md-decoupling"]):
+        assert "give --lr (the peak learning rate" in fails(capsys, *extra, base=base)
+
+
+def test_a_refusal_is_one_line_from_rank_0(capsys, monkeypatch, tmp_path):
+    """errors.one_line: rank 0 says the sentence once (and leaves it for the launcher in
+    MEGATRON_MD_ERROR_FILE); other ranks leave silently; the exit status is 2, no traceback."""
+    from megatron.md import errors
+
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("MEGATRON_MD_ERROR_FILE", str(tmp_path / f"err{rank}"))
+        with pytest.raises(SystemExit) as e:
+            with errors.one_line():
+                errors.fail("--thing is wrong")
+        out = capsys.readouterr()
+        assert e.value.code == 2 and not out.out
+        said = "pretrain_gpt.py: error: --thing is wrong\n"
+        assert out.err == (said if rank == "0" else "")
+        assert (tmp_path / f"err{rank}").exists() == (rank == "0")
+
+
+@pytest.mark.parametrize(
+    "env,argv,why",
+    [
+        ({"MEGATRON_MD_LAUNCHER": "slurm"}, [], "started by launch.sbatch"),
+        ({"SLURM_GPUS_ON_NODE": "4"}, [], "SLURM allocated GPUs to it (SLURM_GPUS_ON_NODE=4)"),
+        ({"SLURM_JOB_GPUS": "0,1"}, [], "SLURM_JOB_GPUS=0,1"),
+        ({}, ["--distributed-backend", "nccl"], "asks for --distributed-backend nccl"),
+        ({"SLURM_GPUS_ON_NODE": "0"}, ["--distributed-backend=gloo"], None),
+        ({}, [], None),
+    ],
+)
+def test_a_gpu_job_without_a_gpu_is_named(env, argv, why):
+    """What makes a run a GPU job (cpu_mode.gpu_job), which then stops instead of training on
+    the CPU unless MEGATRON_MD_CPU_MODE=1 asks for the CPU."""
+    from megatron.md import cpu_mode
+
+    got = cpu_mode.gpu_job(argv, env)
+    assert (got is None) if why is None else (why in got), got
+
+
+def test_a_gpu_job_stops_and_cpu_mode_on_purpose_runs(capsys, monkeypatch):
+    from megatron.md import cpu_mode
+
+    monkeypatch.setenv("MEGATRON_MD_LAUNCHER", "slurm")
+    monkeypatch.delenv("MEGATRON_MD_CPU_MODE", raising=False)
+    with pytest.raises(SystemExit) as e:
+        cpu_mode.start([])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device is visible, but this is a GPU job" in err
+    assert "MEGATRON_MD_CPU_MODE=1" in err
+    monkeypatch.setenv("MEGATRON_MD_CPU_MODE", "1")
+    assert cpu_mode.start([]) is True  # (already active in this process: idempotent)
+    monkeypatch.setenv("MEGATRON_MD_CPU_MODE", "yes")
+    with pytest.raises(SystemExit):
+        cpu_mode.start([])
 
 
 @pytest.mark.parametrize(
@@ -353,6 +443,15 @@ def test_paper_architecture_is_explicit_and_announced():
     assert (
         args.paper_arch and not args.sandwich_norm and "Sandwich" not in startup.banner(args, None)
     )
+    assert "never run by the maintainers" not in startup.banner(args, None)  # the CPU path
+    args.transformer_impl = "transformer_engine"
+    args.distributed_backend, args.sequence_parallel = "nccl", True
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("WORLD_SIZE", "16")
+        m.setenv("LOCAL_WORLD_SIZE", "8")
+        line = startup.banner(args, None).splitlines()[-1]
+    assert line.startswith("[megatron-md] never run by the maintainers: Transformer Engine")
+    assert "several nodes; NCCL with more than one rank" in line and "sequence parallel" in line
 
 
 def test_decoupled_lr_is_refused_with_the_flags_to_use(capsys):
@@ -375,7 +474,9 @@ def test_stack_check_names_a_megatron_core_mismatch(monkeypatch):
 
 def test_container_install_keeps_the_environments_torch():
     """container/install.sh pins the environment's torch (and TE, apex, ...) as constraints:
-    resolving our requirements then installs nothing but megatron-md (dry run, no index)."""
+    resolving our requirements, the data and analysis extras included (tokenizers,
+    transformers, matplotlib: present in the test venv), then installs nothing but megatron-md
+    (dry run, no index)."""
     import json
     import os
     import subprocess
@@ -386,6 +487,7 @@ def test_container_install_keeps_the_environments_torch():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "[install]   torch==" in out.stderr
     report = json.loads(out.stdout)
+    assert set(report["install"][0]["requested_extras"]) == {"data", "analysis"}
     assert [i["metadata"]["name"] for i in report["install"]] == ["megatron-md"]
 
 

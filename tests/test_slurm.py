@@ -30,9 +30,16 @@ def slurm(tmp_path_factory):
     if out.returncode == 3:
         pytest.skip(out.stderr.strip())
     assert out.returncode == 0, out.stderr
-    env = {**os.environ, "SLURM_CONF": str(d / "slurm.conf"), "PYTHON": sys.executable,
-           "GPUS_PER_NODE": "0", "NPROC_PER_NODE": "2", "PRECISION_ARGS": "",
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "SLURM_CONF": str(d / "slurm.conf"),
+        "PYTHON": sys.executable,
+        "GPUS_PER_NODE": "0",
+        "NPROC_PER_NODE": "2",
+        "PRECISION_ARGS": "",
+        "OMP_NUM_THREADS": "1",
+        "MEGATRON_MD_CPU_MODE": "1",
+    }  # a CPU job on purpose
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_JOB_ID"):
         env.pop(k, None)
     yield env, d
@@ -69,8 +76,16 @@ def train_rows(metrics: Path) -> list[dict]:
 def test_sweep_submits_each_run_once(slurm, tmp_path):
     """sweep.py on SLURM: both smoke runs complete (checkpoint, metrics, finished marker,
     the manifest written); submitting the same experiment again with --resume while they are
-    queued or after they finished submits nothing; `status` reports them."""
+    queued or after they finished submits nothing; `status` reports them. The jobs run in a
+    container (the launcher's pyxis branch, with a stand-in runtime, tests/container/srun,
+    that refuses a training path outside its mounts): checkpoints and markers land in the
+    host's run directories through the launcher's mounts."""
     env, _ = slurm
+    ctr = tmp_path / "container"  # the container's own paths (made inside its namespace)
+    env = {**env, "PATH": f"{ROOT / 'tests' / 'container'}:{env['PATH']}",
+           "CONTAINER_IMAGE": str(tmp_path / "megatron-md.sqsh"),
+           "CONTAINER_WORKDIR": str(ctr / "megatron-md"), "CONTAINER_RUN_ROOT": str(ctr / "runs"),
+           "CONTAINER_STANDIN_LOG": str(tmp_path / "standin.log")}  # fmt: skip
     root = tmp_path / "sweep"
     cmd = [sys.executable, str(EX / "sweep.py"), "smoke", f"--run-root={root}",
            "--gpus-per-node=0", "--time=10"]  # fmt: skip
@@ -90,6 +105,12 @@ def test_sweep_submits_each_run_once(slurm, tmp_path):
     again = subprocess.run([*cmd, "--resume", "--no-validate"], capture_output=True, text=True,
                            env=env, timeout=120)  # fmt: skip
     assert "0 submitted, 2 skipped" in again.stderr
+    steps = (tmp_path / "standin.log").read_text().splitlines()
+    assert len(steps) == 2 and all(
+        f"{ROOT}:{ctr / 'megatron-md'},{root}:{ctr / 'runs'}" in s for s in steps
+    ), steps
+    log = root / "logs" / f"{manifest['runs'][0]['name']}-{manifest['runs'][0]['job_id']}.out"
+    assert f"(in the container: {ctr / 'runs'}/smoke-" in log.read_text()
     status = subprocess.run([sys.executable, str(EX / "sweep.py"), "status", f"--run-root={root}"],
                             capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
     assert "2 finished" in status.stderr, status.stdout + status.stderr

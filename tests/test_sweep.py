@@ -28,7 +28,8 @@ def _load(name, path):
     return mod
 
 
-pg = _load("pretrain_gpt", ROOT / "pretrain_gpt.py")
+from megatron.md.train import cli as pg  # noqa: E402  (what pretrain_gpt.py runs)
+
 sweep = _load("sweep", EX / "sweep.py")
 experiments = sweep.experiments
 # what the launcher adds on a cluster (data/tokenizer come from the site's DATA_ARGS)
@@ -129,23 +130,72 @@ def test_every_command_parses_and_builds(parse_env, tmp_path):
             assert abs(total / preset.params - 1) < (0.02 if preset.experts else 0.01)
 
 
-def test_dry_run_prints_every_command_and_writes_a_manifest(tmp_path, capsys):
-    sweep.main(["moe-ladder", "--dry-run", "--run-root", str(tmp_path), "--ep", "4"])
+def test_dry_run_prints_every_command_and_writes_nothing(tmp_path, capsys):
+    """--dry-run says what would be submitted and leaves the run root as it was: an earlier
+    manifest (with its job ids) is not rewritten, no log folder appears."""
+    old = {"experiment": "moe-ladder", "runs": [{"name": "x", "job_id": "41", "run_dir": "d"}]}
+    (tmp_path / "manifest.json").write_text(json.dumps(old))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    sweep.main(["moe-ladder", "--dry-run", "--mock-data", "--run-root", str(tmp_path),
+                "--ep", "4"])  # fmt: skip
+    out, err = capsys.readouterr()
+    lines = out.strip().splitlines()
+    assert len(lines) == 48 and all(ln.startswith("would submit: sbatch --job-name=moe-")
+                                    for ln in lines)  # fmt: skip
+    assert all("--expert-model-parallel-size=4" in ln and ",REQUEUE=1" in ln for ln in lines)
+    assert "dry run: 48 would be submitted, 0 skipped; nothing written" in err
+    assert json.loads((tmp_path / "manifest.json").read_text()) == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    sweep.main(["ablation-rewarm", "--dry-run", "--mock-data", "--run-root", str(tmp_path)])
     out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 48 and all(line.startswith("sbatch --job-name=moe-") for line in out)
-    assert all("--expert-model-parallel-size=4" in line for line in out)
-    manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert manifest["experiment"] == "moe-ladder" and len(manifest["runs"]) == 48
-    assert manifest["runs"][0]["run_dir"].startswith(str(tmp_path))
-    sweep.main(["ablation-rewarm", "--dry-run", "--run-root", str(tmp_path)])
-    out = capsys.readouterr().out.strip().splitlines()
-    src = [
-        ln
-        for ln in out
-        if ln.startswith("sbatch --job-name=dense-150M-adamw-lr0.003-rewarm-source ")
-    ]
+    src = [ln for ln in out if "--job-name=dense-150M-adamw-lr0.003-rewarm-source " in ln]
     assert len(src) == 1 and all(f"--init-from={tmp_path}/" in ln for ln in out if ln not in src)
     assert sum("--init-weights-only" in ln for ln in out) == 4 * 2 * 9  # fresh: every method
+
+
+def test_data_arguments_are_explicit(tmp_path, capsys, monkeypatch):
+    """Three named cases: DATA_ARGS unset is refused (every job would start without data)
+    unless --mock-data asks for mock data; data the login node cannot see is said, and the
+    flags are still validated; an experiment that brings its own mock data needs neither."""
+    monkeypatch.delenv("DATA_ARGS", raising=False)
+    with pytest.raises(SystemExit, match="DATA_ARGS is not set: every job would start without"):
+        sweep.main(["ablation-tangent", "--dry-run", "--run-root", str(tmp_path)])
+    monkeypatch.setenv("DATA_ARGS", "--data-path /data/corpus_text_document --tokenizer-type "
+                       "HuggingFaceTokenizer --tokenizer-model /data/tok")  # fmt: skip
+    sweep.main(["ablation-tangent", "--dry-run", "--run-root", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "not visible on this node: /data/corpus_text_document.bin" in err
+    assert "/data/tok; the flags are checked here" in err and "36 would be submitted" in err
+    with pytest.raises(SystemExit, match="DATA_ARGS is set and --mock-data"):
+        sweep.main(["ablation-tangent", "--dry-run", "--mock-data", "--run-root", str(tmp_path)])
+    monkeypatch.delenv("DATA_ARGS")
+    sweep.main(["smoke", "--dry-run", "--run-root", str(tmp_path), "--no-requeue"])
+    out = capsys.readouterr().out
+    assert out.count("would submit") == 2 and ",REQUEUE=0" in out
+
+
+def test_a_login_node_without_torch_is_named(tmp_path):
+    """sweep.py under a Python without torch (here the system's) refuses to submit unvalidated
+    commands, naming --no-validate; with it, the dry run goes through."""
+    py = shutil.which("python3", path="/usr/bin:/bin")
+    probe = subprocess.run([py or "false", "-c", "import torch"], capture_output=True)
+    if py is None or probe.returncode == 0:
+        pytest.skip("no Python without torch on this machine")
+    cmd = [py, str(EX / "sweep.py"), "ablation-tangent", "--dry-run", "--mock-data",
+           f"--run-root={tmp_path}"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "cannot import torch and megatron-core" in out.stderr
+    assert "--no-validate" in out.stderr and "Traceback" not in out.stderr
+    out = subprocess.run([*cmd, "--no-validate"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "36 would be submitted" in out.stderr, out.stderr
+
+
+def test_list_shows_runs_and_gpu_hours(capsys):
+    sweep.main(["--list"])
+    out = capsys.readouterr().out
+    rows = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines()[1:]}
+    assert rows["dense-grid"][0] == "432" and float(rows["dense-grid"][1].replace(",", "")) > 1e3
+    assert rows["smoke"] == ["2", "0"] and "all" in rows
 
 
 def test_status_shows_progress_and_eta(tmp_path, capsys, monkeypatch):
@@ -248,6 +298,18 @@ def test_launcher_runs_locally(tmp_path):
     assert (run / "finished").exists() and (run / "iter_0000004").is_dir()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").open()]
     assert [r["iteration"] for r in rows if r["type"] == "train"][-1] == 4
+
+
+@pytest.mark.distributed
+def test_a_refusal_is_the_launchers_last_line(tmp_path):
+    """A flag refused at start-up: said once by rank 0 (no traceback from the workers) and
+    once more as the job's last line, after torchrun's own summary; exit status non-zero."""
+    cmd, env = launcher(tmp_path, "--train-iters=4", "--md-decoupling", "--md-gain-rank=3")
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    said = "pretrain_gpt.py: error: --md-gain-rank 3 needs --md-gains lowrank"
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and out.stderr.strip().splitlines()[-1].startswith(said), text
+    assert text.count(said) == 2 and text.count("Traceback") == 1  # torchrun's summary alone
 
 
 @pytest.mark.distributed

@@ -148,7 +148,7 @@ def build(
 
 def state_bytes(opt) -> int:
     """Bytes the optimizer holds: fp32 main shards of bf16 params, moments, MD extras."""
-    from megatron.md.wrappers import leaf_optimizers
+    from megatron.md.leaves import leaf_optimizers
 
     seen, total = set(), 0
 
@@ -176,7 +176,7 @@ def state_bytes(opt) -> int:
 def collective_bytes(dmodel, opt) -> dict:
     """Per step: MD's extra all-reduce payload (all ZeRO-1 instances) vs the param all-gather
     (the full param buffers; each rank receives (world-1)/world of them)."""
-    from megatron.md.wrappers import leaf_optimizers
+    from megatron.md.leaves import leaf_optimizers
 
     md = sum(getattr(o.optimizer, "last_payload_bytes", 0) for o in leaf_optimizers(opt))
     gather = sum(
@@ -222,7 +222,7 @@ def timed_step(opt):
     each the slowest rank's."""
     from megatron.core.optimizer.optimizer import ChainedOptimizer
 
-    from megatron.md.wrappers import leaf_optimizers
+    from megatron.md.leaves import leaf_optimizers
 
     sinks = {name: [] for name in ("inner", *PHASES.values())}
 

@@ -167,13 +167,15 @@ def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     for name, path in a.local.items():
         check_local(name, path)
-    import pretrain_gpt  # first: on a machine without CUDA it activates megatron-md's CPU mode
+    from megatron.md import cpu_mode
+
+    cpu_mode.maybe_activate()  # first: CPU mode on a machine without CUDA, before megatron
     from megatron.md.evaluation import restore
 
     saved, path = restore.saved_args(a.load, a.ckpt_step)
     check_tokenizer(saved, a)
     flags = restore.argv_for(saved, a.load, a.ckpt_step, a.valid_loss, a.tokenizer_model)
-    net, args, iteration = restore.build(flags, pretrain_gpt)
+    net, args, iteration = restore.build(flags)
 
     import torch
     from megatron.training import get_tokenizer

@@ -42,7 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
-    import pretrain_gpt  # first: on a machine without CUDA it activates megatron-md's CPU mode
+    from megatron.md import cpu_mode
+
+    cpu_mode.maybe_activate()  # first: CPU mode on a machine without CUDA, before megatron
     from megatron.md.evaluation import restore
     from megatron.md.export import hf_export
 
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
             "export_hf: error: the exported model cannot compute: " + "; ".join(missing)
         )
     flags = restore.argv_for(saved, a.load, a.ckpt_step, False, a.tokenizer_model)
-    net, args, iteration = restore.build(flags, pretrain_gpt)
+    net, args, iteration = restore.build(flags)
 
     import megatron.core
     import torch

@@ -6,7 +6,6 @@ in sync: after changing a flag, run ``python tools/flags_doc.py``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron.md.train import args as md_args  # noqa: E402
-from megatron.md.train import patches, presets  # noqa: E402
+from megatron.md.train import patches, presets, recipes  # noqa: E402
 
 HEAD = """# Flags
 
@@ -28,18 +27,52 @@ keeps it in sync. Every megatron flag works as upstream (`--help` lists them all
 """
 
 
-def _pretrain_gpt():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", ROOT / "pretrain_gpt.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+#: megatron flags that take more values here: (flag, values, meaning)
+WIDENED_ROWS = (
+    ("`--optimizer`", "`adam`, `muon`, … and `muown`",
+     "`muown`: the Muown baseline (`--optimizer=muon --md-decoupling --md-variant=muown` in "
+     "its place)"),
+    ("`--muon-scale-mode`", "megatron's `spectral`, `unit_rms_norm`, `shape_scaling`, and "
+     "`rms_match`, `shape_up`, `sphere_rms`, `none`",
+     "the Muon update scale: `rms_match` 0.2·sqrt(max(d_out, d_in)), `shape_up` "
+     "sqrt(max(d_out/d_in, d_in/d_out)) (also for plain Muon), `sphere_rms` "
+     "c/sqrt(min(d_out, d_in)) for a sphere of radius c and `none` (MD only); `spectral` "
+     "means `sphere_rms` for MD matrices"),
+)  # fmt: skip
+
+#: megatron flags a cluster run uses, with MD (tests: test_pretrain_e2e.py's resume and fault
+#: tests, test_pretrain_flags.py): (flag, state)
+CLUSTER_ROWS = (
+    ("`--overlap-grad-reduce`, `--overlap-param-gather`", "tested: an AdamMD resume with them "
+     "repeats the run without them bit for bit (ZeRO-1, 2 ranks, CPU)"),
+    ("`--recompute-granularity full` (`--recompute-method uniform`), `selective`",
+     "tested: the same resume with full recompute is bit for bit; selective ran once by hand "
+     "(CPU), not in the suite"),
+    ("`--data-cache-path`", "tested: the dataset indices are cached there, the same run"),
+    ("`--async-save`", "refused on a CPU (megatron's persistent checkpoint worker needs CUDA; "
+     "without `--use-persistent-ckpt-worker` megatron turns it off itself); untested with MD "
+     "on a GPU; async saves get no checksums"),
+    ("`--ckpt-format torch` (any format but `torch_dist`)",
+     "refused with MD at start-up: MD state is saved in `torch_dist` only"),
+    ("`--no-check-for-nan-in-loss-and-grad` (megatron checks by default)",
+     "tested both ways (docs/troubleshooting.md, the fault table)"),
+    ("megatron's TE/apex fused Adam (`HAVE_APEX_OR_TE`) with MD", "untested: the MD step "
+     "replaces the inner optimizer, but such checkpoints have never been loaded"),
+)  # fmt: skip
+
+
+def _table(head: str, rows) -> str:
+    cols = head.count("|") - 1
+    out = [head, "|" + " --- |" * cols]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out) + "\n"
 
 
 def _row(action) -> str:
     flag = ", ".join(f"`{o}`" for o in action.option_strings)
     if isinstance(action, argparse.BooleanOptionalAction):
         flag = f"`{action.option_strings[0]}` / `{action.option_strings[1]}`"
-    default = "—" if action.default in (None, False) else f"`{action.default}`"
+    default = "—" if action.default is None or action.default is False else f"`{action.default}`"
     if isinstance(action, argparse._StoreTrueAction):
         default = "off"
     text = " ".join((action.help or "").split()).replace("|", "\\|")
@@ -52,16 +85,17 @@ def markdown() -> str:
     parser = argparse.ArgumentParser(add_help=False)
     md_args.add_md_args(parser)
     rows = [_row(a) for a in parser._actions if a.option_strings]
-    pg = _pretrain_gpt()
     out = HEAD + "\n".join(rows) + "\n"
     out += "\n## Upstream defaults this entry point changes\n\n"
     out += "Placed in front of your flags (yours win):\n\n"
     out += "| when | flags |\n| --- | --- |\n"
-    out += f"| `--md-decoupling` (the MD recipe) | `{' '.join(pg.MD_RECIPE)}` |\n"
+    out += f"| `--md-decoupling` (the MD recipe) | `{' '.join(recipes.MD_RECIPE)}` |\n"
     out += f"| `--preset` (any) | `{' '.join(presets.COMMON)}` |\n"
     out += f"| no CUDA device | `{' '.join(patches.cpu_flags())}` |\n"
     out += ("| `--wandb-project` | `--tensorboard-dir=<save>/tensorboard "
             "--wandb-exp-name=<basename of save>` |\n")  # fmt: skip
+    out += "\n## Megatron flags with more values\n\n"
+    out += _table("| flag | values | meaning |", WIDENED_ROWS)
     out += "\nSet after parsing:\n\n"
     out += ("- `--paper-arch`: `--init-method-std` 1/sqrt(hidden size) unless given; Sandwich "
             "Norm and the embedding scale on unless `--no-…`; output projections at the same "
@@ -70,7 +104,8 @@ def markdown() -> str:
             "fails while sizing the datasets).\n"
             "- `--muon-scale-mode spectral` (megatron's default) means `sphere_rms` for MD "
             "matrices.\n")  # fmt: skip
-    return out
+    out += "\n## Megatron flags a cluster run uses, with MD\n\n"
+    return out + _table("| flag | state |", CLUSTER_ROWS)
 
 
 def main(argv=None) -> None:

@@ -274,6 +274,36 @@ def smoke_runs() -> list[Run]:
     ]  # fmt: skip
 
 
+#: the throughput assumed by ``gpu_hours``: a fraction of one H100's dense bf16 peak
+PEAK_FLOPS, MFU = 989e12, 0.40
+
+
+def _flag(flags: list[str], name: str, default=None):
+    for f in reversed(flags):
+        if f.startswith(name + "="):
+            return f.split("=", 1)[1]
+    return default
+
+
+def gpu_hours(run: Run) -> float:
+    """An estimate of the GPU-hours one run takes: training FLOPs (6 × active parameters
+    outside the input embedding, plus attention's 12 · L · heads · head dim · sequence, per
+    token; megatron's own FLOP count) over ``MFU`` × ``PEAK_FLOPS``. Reported by
+    ``sweep.py --list`` for planning; tools/throughput.py measures the real rate."""
+    from megatron.md.train.presets import PRESETS, count_params
+
+    p = PRESETS.get(run.meta.get("size", ""))
+    if p is None or p.hidden < 256:  # the tiny CPU presets
+        return 0.0
+    _, active = count_params(p)
+    seq = int(_flag(run.flags, "--seq-length", SEQ))
+    tokens = int(_flag(run.flags, "--train-iters", 0)) * int(
+        _flag(run.flags, "--global-batch-size", GBS)
+    ) * seq  # fmt: skip
+    per_token = 6 * (active - p.vocab * p.hidden) + 12 * p.layers * p.heads * p.head_dim * seq
+    return per_token * tokens / (MFU * PEAK_FLOPS) / 3600
+
+
 def experiment(name: str, lrs: list[float] | None = None) -> list[Run]:
     """Every run of a named experiment (see ``EXPERIMENTS``)."""
     lrs = lrs or lr_grid()
@@ -396,4 +426,6 @@ if __name__ == "__main__":
         print(markdown(), end="")
     else:
         for name in EXPERIMENTS:
-            print(f"{name:<26} {len(experiment(name)):>4} runs")
+            runs = experiment(name)
+            hours = sum(gpu_hours(r) for r in runs)
+            print(f"{name:<26} {len(runs):>4} runs  {hours:>9,.0f} GPU-hours")

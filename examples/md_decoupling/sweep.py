@@ -14,11 +14,17 @@ RUN_NAME = the run's name (which encodes size, method, matrix LR and variant) an
 site settings (data, container, NCCL, wandb) go through the launcher's environment knobs.
 
 Before anything is submitted every distinct command is validated with ``pretrain_gpt.py``'s own
-parser on this (login) node, with the site's DATA_ARGS (megatron's mock data when unset). The
-manifest (JSON: experiment, git commit, and per run its name, job id, flags, metadata and run
-directory) is written after each submission, so a failing ``sbatch`` midway leaves every job
-already queued in it; the analysis tools read it back. ``--resume`` skips runs that finished
-(``<run>/finished``) or whose job is still queued or running.
+parser on this (login) node, with the site's DATA_ARGS (``validate``: three cases, each said by
+name — data and tokenizer visible here: checked too; not visible here, e.g. ``/data`` mounted
+on compute nodes only: the flags are checked, the files when each job starts; DATA_ARGS unset:
+refused, since every job would start without data, unless ``--mock-data`` asks for megatron's
+mock data on purpose). Without torch here validation is refused by name (``--no-validate``
+submits unvalidated). The manifest (JSON: experiment, git commit, and per run its name, job
+id, flags, metadata and run directory) is written after each submission, so a failing
+``sbatch`` midway leaves every job already queued in it; the analysis tools read it back.
+``--resume`` skips runs that finished (``<run>/finished``) or whose job is still queued or
+running. ``--dry-run`` prints what would be submitted and writes nothing. Jobs are requeued at
+their time limit (the launcher's REQUEUE=1; ``--no-requeue`` not).
 """
 
 from __future__ import annotations
@@ -63,6 +69,15 @@ def site_options(args) -> list[str]:
     return out + ([f"--partition={args.partition}"] if args.partition else [])
 
 
+def exports(args, run_root: str, **more) -> str:
+    """sbatch's ``--export``: the whole environment (the site's knobs) plus the run's; every
+    job requeues itself at its time limit unless ``--no-requeue`` (launch.sbatch's REQUEUE)."""
+    env = {"RUN_ROOT": run_root, **more, "REQUEUE": "0" if args.no_requeue else "1"}
+    if args.mock_data:  # a value with spaces: sbatch splits --export at commas only
+        env["DATA_ARGS"] = MOCK_DATA
+    return "--export=ALL," + ",".join(f"{k}={v}" for k, v in env.items())
+
+
 def sbatch_command(run: experiments.Run, args, run_root: str, dependency: str | None) -> list[str]:
     nodes = run.meta.get("nodes", args.nodes)
     cmd = [
@@ -71,7 +86,7 @@ def sbatch_command(run: experiments.Run, args, run_root: str, dependency: str | 
         f"--nodes={nodes}",
         f"--time={args.time}",
         f"--output={run_root}/logs/%x-%j.out",
-        f"--export=ALL,RUN_NAME={run.name},RUN_ROOT={run_root}",
+        exports(args, run_root, RUN_NAME=run.name),
         *site_options(args),
     ]
     if dependency:
@@ -90,7 +105,7 @@ def array_command(runs: list, args, run_root: str, tasks: Path) -> list[str]:
     cmd = ["sbatch", f"--job-name={args.experiment}", f"--array={spec}",
            f"--nodes={nodes.pop()}", f"--time={args.time}",
            f"--output={run_root}/logs/%x-%A_%a.out", *site_options(args),
-           f"--export=ALL,ARRAY_TASKS={tasks},RUN_ROOT={run_root}"]  # fmt: skip
+           exports(args, run_root, ARRAY_TASKS=tasks)]  # fmt: skip
     return [*cmd, str(LAUNCHER)]
 
 
@@ -129,17 +144,70 @@ def run_state(entry: dict, jobs: dict[str, str]) -> str:
     return "not started" if entry.get("job_id") else "not submitted"
 
 
-def validate(runs: list[experiments.Run]) -> None:
-    """Parse every distinct command (numeric values aside) as the job would, on this node."""
-    import importlib.util
+#: the data arguments ``--mock-data`` gives every job (megatron's mock data, the paper's vocab)
+MOCK_DATA = "--mock-data --tokenizer-type NullTokenizer --vocab-size 131072"
 
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", ROOT / "pretrain_gpt.py")
-    pg = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pg)
-    import megatron.training.global_vars as gv
 
-    site = shlex.split(os.environ.get("DATA_ARGS", "")) or [
-        "--mock-data", "--tokenizer-type=NullTokenizer", "--vocab-size=131072"]  # fmt: skip
+def data_args(mock: bool, runs: list) -> list[str]:
+    """The site's DATA_ARGS as the jobs will get them (``MOCK_DATA`` with ``--mock-data``);
+    unset without ``--mock-data``: refused, every job would start without data, unless every
+    run brings its own mock data (the smoke experiment)."""
+    given = os.environ.get("DATA_ARGS", "").strip()
+    if not (mock or given) and all("--mock-data" in r.flags for r in runs):
+        return []
+    if mock:
+        if given:
+            sys.exit("[sweep] DATA_ARGS is set and --mock-data asks for mock data: choose one")
+        return shlex.split(MOCK_DATA)
+    if not given:
+        sys.exit("[sweep] DATA_ARGS is not set: every job would start without data. Set it "
+                 "(examples/md_decoupling/site_env.example: --data-path ... --tokenizer-model "
+                 "...), or pass --mock-data to train on megatron's mock data on purpose; "
+                 "nothing was submitted")  # fmt: skip
+    return shlex.split(given)
+
+
+def unseen_paths(data: list[str]) -> list[str]:
+    """Data files and tokenizer folders DATA_ARGS names that this node cannot see."""
+    from megatron.md.train.args import data_prefixes
+
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--data-path", nargs="*", default=[])
+    ap.add_argument("--tokenizer-type")
+    ap.add_argument("--tokenizer-model")
+    known, _ = ap.parse_known_args(data)
+    out = [p + ext for p in data_prefixes(known.data_path) for ext in (".bin", ".idx")
+           if not os.path.isfile(p + ext)]  # fmt: skip
+    tok = known.tokenizer_model
+    if known.tokenizer_type == "HuggingFaceTokenizer" and tok:
+        if not os.path.isfile(os.path.join(tok, "tokenizer.json")):
+            out.append(tok)
+    return out
+
+
+def validate(runs: list[experiments.Run], data: list[str]) -> None:
+    """Parse every distinct command (numeric values aside) as the job would, on this node,
+    with the jobs' data arguments ``data``; where this node cannot see the data or tokenizer,
+    the flags only (the files are checked when each job starts)."""
+    try:
+        from megatron.md import cpu_mode
+
+        cpu_mode.maybe_activate()  # a login node without CUDA parses as a CPU run would
+        import megatron.training.global_vars as gv
+
+        from megatron.md.train import cli
+    except ImportError as e:
+        sys.exit(f"[sweep] this Python ({sys.executable}) cannot import torch and megatron-core "
+                 f"({e}), so the commands cannot be validated here: run sweep.py with the "
+                 "Python of the image or venv the jobs use, or pass --no-validate to submit "
+                 "without validation; nothing was submitted")  # fmt: skip
+
+    unseen = unseen_paths(data)
+    site = list(data)
+    if unseen:
+        print(f"[sweep] not visible on this node: {', '.join(unseen)}; the flags are checked "
+              "here, the data and tokenizer when each job starts", file=sys.stderr)  # fmt: skip
+        site = shlex.split(MOCK_DATA)  # megatron builds the tokenizer while parsing
     site += ["--save=/nonexistent-run-dir", "--load=/nonexistent-run-dir", "--save-interval=1"]
     seen = set()
     saved = dict(os.environ), list(sys.argv)
@@ -153,7 +221,7 @@ def validate(runs: list[experiments.Run]) -> None:
             gv.unset_global_variables()
             try:
                 with contextlib.redirect_stdout(io.StringIO()):  # megatron prints every arg
-                    pg.parse(run.flags + site, on_cpu=True)
+                    cli.parse(run.flags + site, on_cpu=True)
             except SystemExit as e:
                 sys.exit(f"[sweep] {run.name}: its command does not validate: {e.code}\n"
                          "[sweep] nothing was submitted")  # fmt: skip
@@ -239,7 +307,7 @@ def submit_array(runs: list, args, run_root: str, manifest: dict, path: Path) ->
     lines = "".join(shlex.join([r.name, *r.flags]) + "\n" for r in runs)
     array_id = None
     if args.dry_run:
-        print(shlex.join(cmd))
+        print("would submit: " + shlex.join(cmd))
         print(lines, end="")
     else:
         tasks.parent.mkdir(parents=True, exist_ok=True)
@@ -263,14 +331,47 @@ def submit_array(runs: list, args, run_root: str, manifest: dict, path: Path) ->
     return ids
 
 
+def list_experiments() -> None:
+    """Each experiment's runs and GPU-hours (``experiments.gpu_hours``: an estimate)."""
+    print(f"{'experiment':<26} {'runs':>5} {'GPU-hours':>10}")
+    total = 0.0
+    for name in experiments.EXPERIMENTS:
+        runs = experiments.experiment(name)
+        hours = sum(experiments.gpu_hours(r) for r in runs)
+        total += hours
+        print(f"{name:<26} {len(runs):>5} {hours:>10,.0f}")
+    print(f"{'all':<26} {'':>5} {total:>10,.0f}")
+    print(f"(GPU-hours estimated: training FLOPs at {experiments.MFU:.0%} of an H100's bf16 "
+          "peak; tools/throughput.py measures the real rate)", file=sys.stderr)  # fmt: skip
+
+
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("experiment", nargs="?", help="one of --list, or 'status'")
     ap.add_argument("--list", action="store_true", help="print the experiments and their sizes")
-    ap.add_argument("--dry-run", action="store_true", help="print the sbatch commands only")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what would be submitted; writes nothing (no manifest, no logs)",
+    )
     ap.add_argument("--resume", action="store_true", help="skip finished and queued runs")
-    ap.add_argument("--no-validate", action="store_true", help="skip the login-node validation")
+    ap.add_argument(
+        "--no-validate",
+        action="store_true",
+        help="submit without parsing the commands on this node first (e.g. a login "
+        "node without torch)",
+    )
+    ap.add_argument(
+        "--mock-data",
+        action="store_true",
+        help="every job on megatron's mock data (DATA_ARGS must be unset)",
+    )
+    ap.add_argument(
+        "--no-requeue",
+        action="store_true",
+        help="jobs stopped by their time limit are not requeued (REQUEUE=0)",
+    )
     ap.add_argument(
         "--lrs",
         type=float,
@@ -310,9 +411,7 @@ def main(argv=None) -> None:
     ap.add_argument("--manifest", type=Path, default=None, help="default <run-root>/manifest.json")
     args = ap.parse_args(argv)
     if args.list:
-        for name in experiments.EXPERIMENTS:
-            print(f"{name:<26} {len(experiments.experiment(name)):>4} runs")
-        return
+        return list_experiments()
     if args.experiment == "status":
         return status(args)
     if args.experiment not in experiments.EXPERIMENTS:
@@ -322,8 +421,9 @@ def main(argv=None) -> None:
     runs = plan(args.experiment, args.lrs, run_root, args.ep, args.only, args.micro_batch_size)
     if not runs:
         ap.error(f"--only {args.only!r} matches no run of {args.experiment}")
+    data = data_args(args.mock_data, runs)
     if not args.no_validate:
-        validate(runs)
+        validate(runs, data)
     manifest_path = args.manifest or Path(run_root) / "manifest.json"
     old = {e["name"]: e for e in read_manifest(manifest_path)["runs"]} if args.resume else {}
     jobs = queued_jobs() if args.resume else {}
@@ -331,7 +431,7 @@ def main(argv=None) -> None:
         ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
     manifest = {"experiment": args.experiment, "created": time.time(), "git": git,
-                "dry_run": args.dry_run, "runs": []}  # fmt: skip
+                "runs": []}  # fmt: skip
     if not args.dry_run:
         (Path(run_root) / "logs").mkdir(parents=True, exist_ok=True)
     job_ids: dict[str, str | None] = {}
@@ -356,7 +456,7 @@ def main(argv=None) -> None:
         else:
             cmd = sbatch_command(run, args, run_root, job_ids.get(run.meta.get("after")))
             if args.dry_run:
-                print(shlex.join(cmd))
+                print("would submit: " + shlex.join(cmd))
             else:
                 out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
                 m = re.search(r"Submitted batch job (\d+)", out.stdout)
@@ -372,9 +472,11 @@ def main(argv=None) -> None:
         manifest["runs"].append(entry)
         if not args.dry_run:
             write_manifest(manifest_path, manifest)
-    if args.dry_run:
-        write_manifest(manifest_path, manifest)
     done = len(runs) - skipped
+    if args.dry_run:
+        print(f"[sweep] dry run: {done} would be submitted, {skipped} skipped; nothing written",
+              file=sys.stderr)  # fmt: skip
+        return
     print(f"[sweep] {done} submitted, {skipped} skipped; manifest: {manifest_path}",
           file=sys.stderr)  # fmt: skip
 

@@ -136,12 +136,19 @@ def md_init_batched(items: list[SliceItem], reduce_fn: ReduceFn, layout=None) ->
 
 
 def md_step_batched(
-    items: list[SliceItem], reduce_fn: ReduceFn, layout=None, pre_layout=None, cap=None
+    items: list[SliceItem],
+    reduce_fn: ReduceFn,
+    layout=None,
+    pre_layout=None,
+    cap=None,
+    probe: torch.Tensor | None = None,
 ) -> None:
     """MD step for many matrices: ONE reduction of all partials (two with tangent projection).
 
     ``layout``/``pre_layout``: per-matrix partial sizes in a global order (see ``_layout``).
     Ŵ's Adam runs multi-tensor in chunks of ``cap`` elements (default ``DIR_BATCH_CAP``).
+    ``probe``: a one-element tensor that turns NaN (and stays so) when a reduced partial or a
+    stepped gain is not finite; checked on the device, never read here.
     """
     cap = DIR_BATCH_CAP if cap is None else cap
     pre_segs, pre_total = _layout(items, lambda it: it.md.n_pre_partials(), pre_layout)
@@ -162,7 +169,15 @@ def md_step_batched(
     _drop_replicas(items, segs, buf)
     if total:
         reduce_fn(buf, items, segs)
+        _mark_nonfinite(probe, buf)
     gains = GainBatch()
     for it, s in zip(items, segs):
         it.md.project_and_step_gains(it.direction, it.state, it.gain_hp, buf[s], gains)
     gains.run()
+    if gains.after:
+        _mark_nonfinite(probe, torch.stack(torch._foreach_norm([r for r, _ in gains.after])))
+
+
+def _mark_nonfinite(probe: torch.Tensor | None, x: torch.Tensor) -> None:
+    if probe is not None:
+        probe.add_(torch.where(torch.isfinite(x).all(), 0.0, float("nan")))

@@ -24,8 +24,8 @@ import dataclasses
 
 import torch
 
-from megatron.md.config import EXECUTION_FIELDS
-from megatron.md.wrappers import is_md_wrapper, leaf_optimizers
+from megatron.md.config import FROM_MEGATRON_FLAGS, STATE_FIELDS
+from megatron.md.leaves import md_leaves
 
 MD_KEY_PREFIX = "optimizer.md."
 
@@ -46,24 +46,17 @@ def _find_md_configs(tree) -> list[dict]:
     return found
 
 
-def prepare_md_load(optimizer, ckpt_dir: str) -> bool:
-    """Before building the load template of a torch_dist checkpoint: refuse MD state made with
-    other ``--md-*`` settings (a clear error instead of a missing-key one), and tell every MD
-    wrapper whether MD state is there (absent: recreated from the loaded weights).
-    Returns whether the checkpoint has MD state."""
-    from megatron.core import dist_checkpointing
-
-    # dist_checkpointing.load_tensors_metadata fails on torch 2.15 (TensorProperties gained
-    # 'strides': megatron/core/dist_checkpointing/strategies/torch.py:1022); read DCP's own.
-    from torch.distributed.checkpoint import FileSystemReader
-
-    keys = FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
+def prepare_md_load(optimizer, keys: dict, common: dict | None) -> bool:
+    """Before building the load template of a torch_dist checkpoint (``keys``: its metadata's
+    tensor keys with DCP's metadata; ``common``: its common state): refuse MD state made with
+    settings that change what the state means (a clear error instead of a missing-key one),
+    and tell every MD wrapper whether MD state is there (absent: recreated from the loaded
+    weights). Returns whether the checkpoint has MD state."""
     present = any(MD_KEY_PREFIX in k for k in keys)  # ChainedOptimizer adds "chained_i."
-    wrappers = [o for o in leaf_optimizers(optimizer) if is_md_wrapper(o)]
-    if present and wrappers:
-        common = dist_checkpointing.load_common_state_dict(ckpt_dir)
+    wrappers = md_leaves(optimizer)
+    if present and wrappers and common is not None:
         for saved in _find_md_configs(common.get("optimizer", common)):
-            _check_same_config(saved, wrappers[0].optimizer.md)
+            check_same_config(saved, wrappers[0].optimizer.md)
     flat = any(k.endswith(".direction") and len(m.size) == 1 for k, m in keys.items())
     for opt in wrappers:
         opt.md_expect_state = present
@@ -166,22 +159,31 @@ def _direction_entry(self, key: str, t: torch.Tensor, slot) -> list:
     ]
 
 
-def _check_same_config(saved: dict | None, md) -> None:
-    """MD state only means something under the settings that made it."""
+def _flag(name: str, value) -> str:
+    if name == "split_qkv":
+        return "--muon-split-qkv" if value else "--muon-no-split-qkv"
+    flag = FROM_MEGATRON_FLAGS.get(name, "--md-" + name.replace("_", "-"))
+    return flag if isinstance(value, bool) and value else f"{flag} {value}"
+
+
+def check_same_config(saved: dict | None, md) -> None:
+    """MD state only means something under the settings that made it (``STATE_FIELDS``); the
+    rates (gain LR, betas, Muon scale) and how the step is executed may change on resume."""
     if saved is None:
         return
     norm = lambda v: list(v) if isinstance(v, (tuple, list)) else v
     now = dataclasses.asdict(md)
     diff = [
-        f"{k}: checkpoint {saved[k]!r}, this run {now.get(k)!r}"
-        for k in saved
-        if k not in EXECUTION_FIELDS and norm(saved[k]) != norm(now.get(k))
+        f"the checkpoint's {_flag(k, saved[k])}, this run's {_flag(k, now.get(k))}"
+        for k in STATE_FIELDS
+        if k in saved and norm(saved[k]) != norm(now.get(k))
     ]
     if diff:
         raise ValueError(
-            "the checkpoint's MD state was made with other --md-* settings ("
+            "the checkpoint's MD state means something else under this run's settings ("
             + "; ".join(diff)
-            + "); use the same settings, or load without optimizer state (--no-load-optim)"
+            + "): use the checkpoint's settings, or --no-load-optim to make MD state afresh "
+            "from its weights"
         )
 
 
@@ -235,7 +237,7 @@ def load_md(self, md: dict | None) -> None:
     if not loaded:  # checkpoint without MD state: continual training from its weights
         inner.reinit_from_weights()
         return
-    _check_same_config(md.get("config"), inner.md)
+    check_same_config(md.get("config"), inner.md)
     with torch.no_grad():
         for key, main in self._md_keys.items():
             if key not in loaded:

@@ -1,72 +1,125 @@
 """Every megatron-core / megatron.training dependency of megatron-md that is not public API,
-in one table, checked at start-up.
+in one table (``SEAMS``), checked at start-up, and the one place the attributes megatron-md
+replaces are listed: ``apply`` loops over the table (``train/patches.py`` and ``cpu_mode``
+call it for their layer), ``check`` resolves it.
 
 An upgrade of megatron-core that moves or renames one of these must stop a run before any
-work, naming the symbol, never let it train without MD while logging an MD config. Each row:
-(module, attribute path, megatron-core 0.19.2 file:line, why we depend on it). ``check()``
-resolves every row; ``pretrain_gpt.py`` and ``enable_md`` call it.
+work, naming the symbol, never let it train without MD while logging an MD config. Each row
+names the megatron-core 0.19.2 file:line it was written against (the only line numbers the
+code keeps: this check guards them).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+from dataclasses import dataclass
 
-#: (module, attribute path, where in megatron-core 0.19.2, why)
-SEAMS: tuple[tuple[str, str, str, str], ...] = (
-    # training loop (replaced module globals: megatron looks them up at call time)
-    ("megatron.training.training", "get_megatron_optimizer", "training/training.py:2132",
-     "enable_md on the optimizer megatron builds"),
-    ("megatron.training.training", "get_megatron_optimizer_config", "training/training.py",
-     "per-group peak LRs; bf16=True for layer-wise sharding"),
-    ("megatron.training.training", "load_checkpoint", "training/training.py:2199",
-     "MD checkpoint checks, weights-only loads, --init-from"),
-    ("megatron.training.training", "training_log", "training/training.py",
-     "our JSONL metrics and diagnostics"),
-    ("megatron.training.training", "evaluate", "training/training.py", "validation rows"),
-    ("megatron.training.training", "evaluate_and_print_results", "training/training.py",
-     "valid/test label of a validation row"),
-    ("megatron.training.training", "initialize_megatron", "training/training.py:1091",
-     "allow_no_cuda on CPU"),
-    ("megatron.training.arguments", "add_megatron_arguments", "training/arguments.py:121",
-     "our --muon-scale-mode choices in every parser"),
-    ("megatron.training.global_vars", "get_wandb_writer", "training/global_vars.py:230",
-     "MD diagnostics and config into wandb"),
-    ("megatron.core.datasets.utils", "compile_helpers", "core/datasets/utils.py:25",
-     "no-op: the wheel ships the compiled helper but no Makefile"),
-    ("megatron.core.dist_checkpointing.strategies.filesystem_async", "get_write_results_queue",
-     "dist_checkpointing/strategies/filesystem_async.py:64", "fork Manager on CPU"),
-    ("megatron.core.optimizer.emerging_optimizers", "get_muon_scale_factor",
-     "core/optimizer/emerging_optimizers.py:208", "shape_up and rms_match for plain Muon"),
+#: layers of the table: optimizer (what ``enable_md`` reads: library code a user may call
+#: from their own loop), training (what ``pretrain_gpt.py`` replaces in megatron.training),
+#: parser (replaced before parsing), cpu (replaced by ``pretrain_gpt.py`` in CPU mode),
+#: cpu-mode (replaced by ``cpu_mode.activate`` itself, for every entry point)
+LAYERS = ("optimizer", "training", "parser", "cpu", "cpu-mode")
+
+
+@dataclass(frozen=True)
+class Seam:
+    """One non-public megatron-core symbol megatron-md reads or replaces."""
+
+    module: str
+    """Module holding the attribute."""
+    path: str
+    """Attribute path in it (``Class.method`` for a method read)."""
+    where: str
+    """Where in megatron-core 0.19.2."""
+    layer: str
+    """One of ``LAYERS``."""
+    why: str
+    """What megatron-md needs it for."""
+    replace: str | None = None
+    """``module:function`` building the replacement from the original (``function(orig,
+    context)``); None: only read."""
+
+
+_P = "megatron.md.train.patches:"
+#: every seam, grouped by layer
+SEAMS: tuple[Seam, ...] = (
+    # training loop (module globals megatron looks up at call time)
+    Seam("megatron.training.training", "get_megatron_optimizer", "training/training.py:2132",
+         "training", "enable_md on the optimizer megatron builds", _P + "wrap_optimizer"),
+    Seam("megatron.training.training", "get_megatron_optimizer_config",
+         "training/training.py:1940", "training",
+         "per-group peak LRs; bf16=True for layer-wise sharding", _P + "wrap_optimizer_config"),
+    Seam("megatron.training.training", "load_checkpoint", "training/training.py:2199",
+         "training", "checkpoint checks before megatron reads, non-finite and weights-only "
+         "loads after, --init-from", _P + "wrap_load"),
+    Seam("megatron.training.training", "save_checkpoint", "training/training.py:3086",
+         "training", "no non-finite state saved; checksums after each save", _P + "wrap_save"),
+    Seam("megatron.training.training", "training_log", "training/training.py:2576",
+         "training", "our JSONL metrics and diagnostics", _P + "wrap_training_log"),
+    Seam("megatron.training.training", "evaluate", "training/training.py", "training",
+         "validation rows", _P + "wrap_evaluate"),
+    Seam("megatron.training.training", "evaluate_and_print_results", "training/training.py",
+         "training", "valid/test label of a validation row", _P + "wrap_evaluate_and_print"),
+    Seam("megatron.core.optimizer.optimizer", "get_grad_norm_fp32",
+         "core/optimizer/optimizer.py:52", "training",
+         "MD's non-finite probe read with megatron's gradient norm", _P + "wrap_grad_norm"),
+    Seam("megatron.core.optimizer.layer_wise_optimizer", "get_grad_norm_fp32",
+         "core/optimizer/layer_wise_optimizer.py:17", "training",
+         "the same for the layer-wise optimizer", _P + "wrap_grad_norm"),
+    Seam("megatron.core.optimizer.emerging_optimizers", "get_muon_scale_factor",
+         "core/optimizer/emerging_optimizers.py:208", "training",
+         "shape_up and rms_match for plain Muon", _P + "wrap_muon_scale"),
+    Seam("megatron.core.datasets.utils", "compile_helpers", "core/datasets/utils.py:25",
+         "training", "no-op: the wheel ships the compiled helper but no Makefile",
+         _P + "no_compile_helpers"),
+    Seam("megatron.training.global_vars", "get_wandb_writer", "training/global_vars.py:230",
+         "training", "MD diagnostics and config into wandb"),
+    Seam("megatron.training.arguments", "add_megatron_arguments", "training/arguments.py:121",
+         "parser", "our --muon-scale-mode choices in every parser; help with a bare %",
+         _P + "wrap_parser"),
+    # CPU mode
+    Seam("megatron.training.training", "initialize_megatron", "training/training.py:1091",
+         "cpu", "allow_no_cuda", _P + "allow_no_cuda"),
+    Seam("megatron.core.dist_checkpointing.strategies.filesystem_async",
+         "get_write_results_queue", "dist_checkpointing/strategies/filesystem_async.py:64",
+         "cpu", "a fork Manager (spawn re-imports the script)", _P + "fork_results_queue"),
+    Seam("megatron.core.tensor_parallel.random", "_get_cuda_rng_state",
+         "core/tensor_parallel/random.py:303", "cpu-mode", "the CPU generator's state",
+         "megatron.md.cpu_mode:rng_get"),
+    Seam("megatron.core.tensor_parallel.random", "_set_cuda_rng_state",
+         "core/tensor_parallel/random.py:322", "cpu-mode", "the CPU generator's state",
+         "megatron.md.cpu_mode:rng_set"),
     # optimizer internals read by the MD integrations
-    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._get_model_param_range_map",
-     "core/optimizer/distrib_optimizer.py", "a ZeRO-1 rank's slice of each parameter"),
-    ("megatron.core.optimizer.distrib_optimizer",
-     "DistributedOptimizer._copy_main_params_to_model_params",
-     "core/optimizer/distrib_optimizer.py", "writes the fused W = Γ ⊙ Ŵ instead of a copy"),
-    ("megatron.core.optimizer.optimizer",
-     "Float16OptimizerWithFloat16Params._copy_main_params_to_model_params",
-     "core/optimizer/optimizer.py", "writes the fused W for bf16 params"),
-    ("megatron.core.optimizer.optimizer", "param_group_identifier_keys",
-     "core/optimizer/optimizer.py:139", "--init-from gives the load this run's groups"),
-    ("megatron.core.optimizer.layer_wise_optimizer", "LayerWiseDistributedOptimizer",
-     "core/optimizer/layer_wise_optimizer.py", "MuonMD's whole-matrix sharding"),
-    ("megatron.core.optimizer.emerging_optimizers", "TensorParallelMuon",
-     "core/optimizer/emerging_optimizers.py:160", "MuonMD replaces its step"),
-    ("megatron.core.optimizer", "_get_qkv_split_shapes", "core/optimizer/__init__.py:777-791",
-     "megatron tags fused QKV weights (is_qkv) for Muon's Q/K/V split; MD follows the tags"),
-    ("megatron.core.tensor_parallel.layers", "_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS",
-     "core/tensor_parallel/layers.py:63-70", "tensor_model_parallel, partition_dim, "
-     "partition_stride: where a TP rank's piece lies (tensor_parallel.py)"),
-    ("megatron.core.parallel_state", "get_tensor_and_data_parallel_group",
-     "core/parallel_state.py:1903", "ZeRO-1 under TP: MD's one all-reduce over TP × DP"),
-    ("megatron.core.dist_checkpointing.optimizer", "get_param_id_to_sharded_param_map",
-     "core/dist_checkpointing/optimizer.py", "MD state keyed by the model's checkpoint keys"),
-)  # fmt: skip
-
-#: DistributedOptimizer instance attributes read by zero1.py and mains.py (set in __init__)
-DISTRIBUTED_OPTIMIZER_ATTRS = (
-    "buffers", "model_param_gbuf_map", "data_parallel_group", "shard_fp32_from_float16_groups",
-    "model_float16_groups", "shard_fp32_groups", "model_fp32_groups", "is_stub_optimizer",
+    Seam("megatron.core.optimizer.distrib_optimizer",
+         "DistributedOptimizer._get_model_param_range_map", "core/optimizer/distrib_optimizer.py",
+         "optimizer", "a ZeRO-1 rank's slice of each parameter"),
+    Seam("megatron.core.optimizer.distrib_optimizer",
+         "DistributedOptimizer._copy_main_params_to_model_params",
+         "core/optimizer/distrib_optimizer.py", "optimizer",
+         "writes the fused W = Γ ⊙ Ŵ instead of a copy"),
+    Seam("megatron.core.optimizer.optimizer",
+         "Float16OptimizerWithFloat16Params._copy_main_params_to_model_params",
+         "core/optimizer/optimizer.py", "optimizer", "writes the fused W for bf16 params"),
+    Seam("megatron.core.optimizer.optimizer", "MegatronOptimizer.get_grads_for_grad_norm",
+         "core/optimizer/optimizer.py:280", "optimizer", "MD's probe in the gradient norm"),
+    Seam("megatron.core.optimizer.optimizer", "param_group_identifier_keys",
+         "core/optimizer/optimizer.py:139", "optimizer",
+         "--init-from gives the load this run's groups"),
+    Seam("megatron.core.optimizer.layer_wise_optimizer", "LayerWiseDistributedOptimizer",
+         "core/optimizer/layer_wise_optimizer.py", "optimizer", "MuonMD's whole-matrix sharding"),
+    Seam("megatron.core.optimizer.emerging_optimizers", "TensorParallelMuon",
+         "core/optimizer/emerging_optimizers.py:160", "optimizer", "MuonMD replaces its step"),
+    Seam("megatron.core.optimizer", "_get_qkv_split_shapes", "core/optimizer/__init__.py:777",
+         "optimizer", "megatron tags fused QKV weights (is_qkv) for Muon's Q/K/V split"),
+    Seam("megatron.core.tensor_parallel.layers", "_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS",
+         "core/tensor_parallel/layers.py:63", "optimizer",
+         "tensor_model_parallel, partition_dim, partition_stride: a TP rank's piece"),
+    Seam("megatron.core.parallel_state", "get_tensor_and_data_parallel_group",
+         "core/parallel_state.py:1903", "optimizer", "ZeRO-1 under TP: one all-reduce"),
+    Seam("megatron.core.dist_checkpointing.optimizer", "get_param_id_to_sharded_param_map",
+         "core/dist_checkpointing/optimizer.py", "optimizer",
+         "MD state keyed by the model's checkpoint keys"),
 )  # fmt: skip
 
 
@@ -77,19 +130,51 @@ def resolve(module: str, path: str):
     return obj
 
 
-def check() -> None:
-    """Raise naming every seam that does not resolve in the installed megatron-core."""
+def check(layers=LAYERS) -> None:
+    """Raise naming every seam of ``layers`` that does not resolve in the installed
+    megatron-core."""
     missing = []
-    for module, path, where, why in SEAMS:
+    for s in SEAMS:
+        if s.layer not in layers:
+            continue
         try:
-            resolve(module, path)
+            resolve(s.module, s.path)
         except (ImportError, AttributeError) as e:
-            missing.append(f"{module}.{path} ({where}; {why}): {type(e).__name__}")
+            missing.append(f"{s.module}.{s.path} ({s.where}; {s.why}): {type(e).__name__}")
     if missing:
         raise RuntimeError(
             "megatron-md's seams into megatron-core no longer fit (written against 0.19.2):\n  "
             + "\n  ".join(missing)
         )
+
+
+def apply(layer: str, context=None) -> None:
+    """Replace every attribute of ``layer``'s rows (``Seam.replace``) with the replacement
+    built from the original. Idempotent: a replaced attribute is recognized (``__md_seam__``)
+    and built again from the original it wraps, never wrapped twice."""
+    for s in SEAMS:
+        if s.layer != layer or s.replace is None:
+            continue
+        module = importlib.import_module(s.module)
+        current = getattr(module, s.path)
+        orig = getattr(current, "__md_seam__", current)
+        fn_module, fn_name = s.replace.split(":")
+        new = getattr(importlib.import_module(fn_module), fn_name)(orig, context)
+        if not callable(new):
+            raise TypeError(f"{s.replace} built no function for {s.module}.{s.path}")
+        try:
+            new.__md_seam__ = orig
+        except AttributeError:  # a functools.partial: wrap it to carry the marker
+            new = functools.update_wrapper(functools.partial(new), orig)
+            new.__md_seam__ = orig
+        setattr(module, s.path, new)
+
+
+#: DistributedOptimizer instance attributes read by zero1.py and mains.py (set in __init__)
+DISTRIBUTED_OPTIMIZER_ATTRS = (
+    "buffers", "model_param_gbuf_map", "data_parallel_group", "shard_fp32_from_float16_groups",
+    "model_float16_groups", "shard_fp32_groups", "model_fp32_groups", "is_stub_optimizer",
+)  # fmt: skip
 
 
 def check_distributed_optimizer(opt) -> None:

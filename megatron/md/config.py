@@ -21,8 +21,13 @@ VARIANTS = ("md", "muown", "muown-angular")
 #: MD matrices on the rank up: the paper's 181M model has ~4.7e7 in its hidden matrices, the
 #: test suite's models under 1e6 (compiling costs tens of seconds, more than their whole run)
 FUSED_MIN_ELEMENTS = 1 << 24
-#: MDConfig fields that only choose how the step is executed (a checkpoint ignores them)
-EXECUTION_FIELDS = ("fused_step",)
+#: MDConfig fields that fix what the saved MD state means (a checkpoint refuses to continue
+#: under others); every other field is a rate, a scale or how the step is executed, which a
+#: resumed run may change (a re-warming run changes the gains' LR, say)
+STATE_FIELDS = (
+    "sphere", "radius", "gains", "gain_rank", "gain_map", "embedding_norm", "output_norm",
+    "router_norm", "split_qkv", "adam_layer_wise", "variant",
+)  # fmt: skip
 
 #: Floor applied to raw gains under ``gain_map='direct-floor'``.
 GAIN_FLOOR = 1e-5

@@ -7,11 +7,16 @@ CUDA RNG onto the CPU generator, (3) rewrites CUDA device arguments to CPU throu
 ``TorchFunctionMode`` and makes CPU tensors report CUDA type strings, and (4) turns an NCCL
 process group into gloo. It redirects devices; it replaces no megatron logic.
 
-It activates by itself (``maybe_activate``, called on ``import megatron.md``) only when
-``torch.cuda.is_available()`` is False; ``MEGATRON_MD_CPU_MODE=0`` forces it off, and it is
-never active when a GPU is present. Limits: one process-wide mode per thread (threads other
-than the one that activated it see no redirection), Python overhead on every torch call
-(fine for tiny models, not for benchmarking), and no fused kernels (no TE/Apex on CPU).
+The entry points activate it (``start`` in ``pretrain_gpt.py``, ``maybe_activate`` in tools
+and tests, before megatron is imported; importing ``megatron.md`` does not) only when
+``torch.cuda.is_available()`` is False, and never when a GPU is present.
+``MEGATRON_MD_CPU_MODE``: unset, CPU mode on a machine without CUDA unless the run is a GPU
+job (``gpu_job``: started by the SLURM launcher, on a SLURM allocation with GPUs, or asked for
+NCCL), which then stops instead of training on the CPU; ``1``, CPU mode whenever there is no
+CUDA (a CPU job on purpose, e.g. on a CPU-only SLURM cluster); ``0``, never. Limits: one
+process-wide mode per thread (threads other than the one that activated it see no
+redirection), Python overhead on every torch call (fine for tiny models, not for
+benchmarking), and no fused kernels (no TE/Apex on CPU).
 """
 
 from __future__ import annotations
@@ -183,12 +188,13 @@ def _patch_cuda() -> None:
     c.manual_seed = c.manual_seed_all = lambda seed: torch.default_generator.manual_seed(int(seed))
 
 
-def _patch_megatron_rng() -> None:
-    # megatron/core/tensor_parallel/random.py:303-345 reads/writes the CUDA RNG state directly.
-    from megatron.core.tensor_parallel import random as mrandom
+def rng_get(orig, context=None):
+    """megatron's tensor-parallel RNG tracker reads the CUDA RNG state: the CPU generator's."""
+    return lambda *a, **k: _cpu_rng_state()
 
-    mrandom._get_cuda_rng_state = lambda *a, **k: _cpu_rng_state()
-    mrandom._set_cuda_rng_state = lambda state, *a, **k: _set_cpu_rng_state(state)
+
+def rng_set(orig, context=None):
+    return lambda state, *a, **k: _set_cpu_rng_state(state)
 
 
 def _patch_process_group() -> None:
@@ -223,8 +229,10 @@ def activate(quiet: bool = False) -> None:
     _CpuRedirect().__enter__()  # stays pushed for the life of the process
     _ACTIVE = True
     try:
-        _patch_megatron_rng()
-    except ImportError:
+        from megatron.md import compat
+
+        compat.apply("cpu-mode")  # megatron-core's RNG tracker (compat.SEAMS)
+    except ImportError:  # megatron-core not installed: nothing of it to redirect
         pass
     if not quiet and os.environ.get("RANK", "0") == "0":
         print(
@@ -236,7 +244,51 @@ def activate(quiet: bool = False) -> None:
 
 def maybe_activate() -> bool:
     """Activate CPU mode when CUDA is unavailable and the env var does not forbid it."""
-    if os.environ.get("MEGATRON_MD_CPU_MODE", "1") == "0" or torch.cuda.is_available():
+    if os.environ.get("MEGATRON_MD_CPU_MODE") == "0" or torch.cuda.is_available():
         return False
+    activate(quiet=os.environ.get("MEGATRON_MD_QUIET") == "1")
+    return True
+
+
+#: SLURM's variables that say GPUs were allocated to the job or step
+SLURM_GPU_VARS = ("SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS",
+                  "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK")  # fmt: skip
+
+
+def gpu_job(argv, env) -> str | None:
+    """Why this run is meant for GPUs (None: nothing says so): the SLURM launcher started it
+    (``MEGATRON_MD_LAUNCHER=slurm``), SLURM allocated GPUs, or the command line asks for NCCL."""
+    if env.get("MEGATRON_MD_LAUNCHER") == "slurm":
+        return "it was started by launch.sbatch on a SLURM allocation"
+    for k in SLURM_GPU_VARS:
+        if env.get(k, "") not in ("", "0", "N/A"):
+            return f"SLURM allocated GPUs to it ({k}={env[k]})"
+    argv = list(argv)
+    for i, a in enumerate(argv):
+        if a == "--distributed-backend=nccl" or (
+            a == "--distributed-backend" and argv[i + 1 : i + 2] == ["nccl"]
+        ):
+            return "its command line asks for --distributed-backend nccl"
+    return None
+
+
+def start(argv) -> bool:
+    """``pretrain_gpt.py``'s decision, before megatron is imported: CPU mode on a machine
+    without CUDA (see the module docstring for ``MEGATRON_MD_CPU_MODE``); a GPU job that sees
+    no GPU stops with one line instead of training on the CPU."""
+    from megatron.md import errors
+
+    mode = os.environ.get("MEGATRON_MD_CPU_MODE", "")
+    if mode not in ("", "0", "1"):
+        errors.exit_with(f"MEGATRON_MD_CPU_MODE={mode!r} is not one of 0, 1 (or unset)")
+    if mode == "0" or torch.cuda.is_available():
+        return False
+    why = gpu_job(argv, os.environ) if mode == "" else None
+    if why:
+        errors.exit_with(
+            f"no CUDA device is visible, but this is a GPU job ({why}): it would train on the "
+            "CPU. Check the allocation's GPUs and CUDA_VISIBLE_DEVICES (nvidia-smi on the "
+            "node); to run on the CPU on purpose set MEGATRON_MD_CPU_MODE=1"
+        )
     activate(quiet=os.environ.get("MEGATRON_MD_QUIET") == "1")
     return True

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from megatron.md import compat, tensor_parallel
 from megatron.md.config import MDConfig
+from megatron.md.leaves import is_md_wrapper, leaf_optimizers
 from megatron.md.roles import param_role
 from megatron.md.whole import setup_whole
-from megatron.md.wrappers import is_md_wrapper, leaf_optimizers
 from megatron.md.zero1 import setup_zero1
 
 
@@ -75,7 +75,7 @@ def enable_md(optimizer, model_chunks, md: MDConfig):
     )
 
     md.validate()
-    compat.check()
+    compat.check(layers=("optimizer",))  # a library call: the training loop may be the user's
     tensor_parallel.prepare_groups()  # collective: before any rank-dependent branch
     names, roles = {}, {}
     for i, chunk in enumerate(model_chunks):

@@ -72,12 +72,16 @@ class MDInner(torch.optim.Optimizer):
         self.n_collectives = 0
         self.last_payload = 0
         self.last_payload_bytes = 0
+        # 0, or NaN once the step saw a non-finite reduced partial or gain (train/nonfinite.py)
+        self.probe = torch.zeros(1)
 
     # ---- set-up ----
     def bind(self, main: torch.Tensor, slot: MDSlot) -> None:
         self.slots[main] = slot
+        self.probe = self.probe.to(main.device)
 
-    def _flat_dir(self, p: torch.Tensor) -> torch.Tensor:
+    def direction_of(self, p: torch.Tensor) -> torch.Tensor:
+        """The flat direction Ŵ of main param ``p`` (fp32: MD's copy; else ``p`` itself)."""
         slot = self.slots[p]
         d = self.md_state[p]["direction"] if slot.fp32_mode else p.data.view(-1)
         slot.md.apply_pending_rescale(d)  # a fused step's rescale not yet taken by a fuse
@@ -101,7 +105,7 @@ class MDInner(torch.optim.Optimizer):
                     continue
                 extra = {"direction": p.detach().reshape(-1).clone()} if slot.fp32_mode else {}
                 self.md_state[p] = extra
-                direction = self._flat_dir(p)
+                direction = self.direction_of(p)
                 full = slot.md.init_state(direction)
                 if not (keep_base and self.state.get(p)):  # moments shaped like p (megatron)
                     self.state[p] = {
@@ -207,7 +211,7 @@ class MDInner(torch.optim.Optimizer):
                 items.append(
                     SliceItem(
                         slot.md,
-                        self._flat_dir(p),
+                        self.direction_of(p),
                         p.grad.view(-1),
                         full,
                         base_hp,
@@ -218,7 +222,9 @@ class MDInner(torch.optim.Optimizer):
         for (t, _), (hp, works) in vectors.items():  # multi-tensor, as torch's AdamW on GPU
             adam_multi_(*map(list, zip(*works)), t, hp)
         with self._timer("md-step"):
-            md_step_batched(items, self._counting_reduce, self.layout, self.pre_layout)
+            md_step_batched(
+                items, self._counting_reduce, self.layout, self.pre_layout, probe=self.probe
+            )
         for st, full in merged:
             st["step"] = full["step"]  # rebound by the step; everything else is updated in place
         with self._timer("md-fuse"):

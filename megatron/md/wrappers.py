@@ -10,18 +10,8 @@ from __future__ import annotations
 
 import torch
 
-
-def leaf_optimizers(optimizer) -> list:
-    """The non-chained megatron optimizers inside ``optimizer`` (LayerWise is a chain too)."""
-    from megatron.core.optimizer.optimizer import ChainedOptimizer
-
-    if isinstance(optimizer, ChainedOptimizer):
-        return [o for c in optimizer.chained_optimizers for o in leaf_optimizers(c)]
-    return [optimizer]
-
-
-def is_md_wrapper(opt) -> bool:
-    return getattr(opt, "_md_wrapper", False)
+from megatron.md.checkpoint import load_md, md_entry
+from megatron.md.leaves import is_md_wrapper, leaf_optimizers
 
 
 def begin_model_load(optimizer) -> None:
@@ -104,8 +94,6 @@ def fix_plain_resume(optimizer) -> None:
 def md_sharded_state_dict(self, model_sharded_state_dict, is_loading=False, **kwargs):
     """megatron's sharded state dict plus ``["md"]``: the MD config and state
     (checkpoint.md_entry); when loading a checkpoint without MD state, the config only."""
-    from megatron.md.checkpoint import md_entry
-
     sd = self._md_base.sharded_state_dict(self, model_sharded_state_dict, is_loading, **kwargs)
     entry = md_entry(self, model_sharded_state_dict)
     if is_loading and not self.md_expect_state:
@@ -116,8 +104,6 @@ def md_sharded_state_dict(self, model_sharded_state_dict, is_loading=False, **kw
 
 def md_load_state_dict(self, state_dict) -> None:
     """megatron's load, then the MD state (or MD state made from the loaded weights)."""
-    from megatron.md.checkpoint import load_md
-
     md = state_dict.pop("md", None)
     _load_fixed(self._md_base, self, state_dict, self._md_fix_step)
     load_md(self, md)
@@ -129,6 +115,18 @@ def md_reload_model_params(self, state_dict=None) -> None:
     self._md_base.reload_model_params(self, state_dict)
     self.optimizer.reinit_from_weights()
     self.md_state_loaded = True
+
+
+def md_grads_for_grad_norm(self, grad_norm_group=None) -> list:
+    """megatron's gradients for the norm, plus MD's probe in the main norm: 0 while MD's state
+    is finite, NaN once not, so megatron's norm reduction carries the flag to the host
+    (train/nonfinite.py) with no synchronization of MD's own."""
+    grads = self._md_base.get_grads_for_grad_norm(self, grad_norm_group)
+    if grad_norm_group is None and self.optimizer.slots:
+        probe = self.optimizer.probe
+        probe.md_probe_of = self
+        grads = [*grads, probe]
+    return grads
 
 
 def md_wrapper(cls):
@@ -143,4 +141,5 @@ def md_wrapper(cls):
     cls.sharded_state_dict = md_sharded_state_dict
     cls.load_state_dict = md_load_state_dict
     cls.reload_model_params = md_reload_model_params
+    cls.get_grads_for_grad_norm = md_grads_for_grad_norm
     return cls

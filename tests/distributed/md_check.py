@@ -317,7 +317,7 @@ def check(args) -> dict:
         raise ValueError("all jobs of one launch run on one device")
     world = dist.get_world_size()
     from megatron.md.enable import enable_md
-    from megatron.md.wrappers import leaf_optimizers
+    from megatron.md.leaves import leaf_optimizers
 
     torch.use_deterministic_algorithms(args.deterministic)
     md = md_config(args)
@@ -364,7 +364,7 @@ def check(args) -> dict:
             n = len(inner.layout) if inner.layout is not None else len(inner.slots)
             sq = {}
             for k, (main, slot) in enumerate(inner.slots.items()):
-                d = inner._flat_dir(main)
+                d = inner.direction_of(main)
                 sq[main] = (slot.index if slot.index is not None else k, d)
             if inner.layout is None:
                 for main, (_, d) in sq.items():
@@ -405,7 +405,7 @@ def check(args) -> dict:
                 rd = ref_dir[by_model[id(slot.model_param)]].reshape(-1)
                 rd = rd[slot.md.start : slot.md.end]
                 if rd.numel():
-                    d = inner._flat_dir(main)
+                    d = inner.direction_of(main)
                     worst_dir = max(worst_dir, float((d - rd).norm() / rd.norm()))
         t = torch.tensor(worst_dir, device=DEV)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)

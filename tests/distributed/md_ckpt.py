@@ -38,10 +38,12 @@ def save(dmodel, opt, path: Path) -> None:
 
 def load(dmodel, opt, path: Path) -> bool:
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import FileSystemReader
 
     from megatron.md.checkpoint import prepare_md_load
 
-    has_md = prepare_md_load(opt, str(path))
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    has_md = prepare_md_load(opt, keys, dist_checkpointing.load_common_state_dict(str(path)))
     msd = dmodel.module.sharded_state_dict(metadata=SHARDING)
     osd = opt.sharded_state_dict(msd, is_loading=True, metadata=SHARDING)
     sd = dist_checkpointing.load({"model": msd, "optimizer": osd}, str(path))
@@ -96,7 +98,7 @@ def run(ours, args) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     from megatron.md import maps
     from megatron.md.enable import enable_md
-    from megatron.md.wrappers import leaf_optimizers
+    from megatron.md.leaves import leaf_optimizers
 
     md = MDConfig(
         sphere=args.sphere,

@@ -169,7 +169,7 @@ def sphere_err(inner) -> float:
     for k, (main, slot) in enumerate(slots):
         i = slot.index if slot.index is not None else k
         if slot.md.counts:
-            slot.md.norm_partials(inner._flat_dir(main).float(), buf[offs[i] : offs[i + 1]])
+            slot.md.norm_partials(inner.direction_of(main).float(), buf[offs[i] : offs[i + 1]])
     if inner.item_groups is None:
         inner.reduce(buf)
     else:  # each matrix over its own group (whole-matrix leaf mixing dense and expert pieces)
@@ -217,7 +217,7 @@ def check(args) -> dict:
     from megatron.core import parallel_state as ps
 
     from megatron.md.enable import enable_md
-    from megatron.md.wrappers import leaf_optimizers
+    from megatron.md.leaves import leaf_optimizers
 
     world = dist.get_world_size()
     md = md_check.md_config(args)
@@ -275,7 +275,7 @@ def check(args) -> dict:
             rd = ref.state[by_model[id(slot.model_param)]]["direction"]
             rd = local_piece(rd, slot.model_param).reshape(-1)[slot.md.start : slot.md.end]
             if rd.numel():
-                d = inner._flat_dir(main).float()
+                d = inner.direction_of(main).float()
                 err = float((d - rd).norm() / rd.norm())
                 if err > worst_dir:
                     worst_dir, worst_dir_name = err, slot.name

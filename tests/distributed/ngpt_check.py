@@ -17,7 +17,9 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import pretrain_gpt  # noqa: E402  (before megatron: CPU mode on a machine without CUDA)
+from megatron.md import cpu_mode  # noqa: E402
+
+cpu_mode.maybe_activate()  # before megatron: CPU mode on a machine without CUDA
 from megatron.md.evaluation import restore  # noqa: E402
 
 
@@ -72,7 +74,7 @@ def reference(p, ids, a):
 
 def main():
     saved, _ = restore.saved_args(sys.argv[1])
-    net, args, _ = restore.build(restore.argv_for(saved, sys.argv[1], None, False), pretrain_gpt)
+    net, args, _ = restore.build(restore.argv_for(saved, sys.argv[1], None, False))
     ids = torch.randint(0, args.padded_vocab_size, (2, args.seq_length),
                         generator=torch.Generator().manual_seed(0))  # fmt: skip
     pos = torch.arange(args.seq_length).expand_as(ids)

@@ -44,14 +44,18 @@ def saved_args(load: str, step: int | None = None):
     """(the run's args namespace, the checkpoint directory) of ``load``'s latest (or ``step``)."""
     from megatron.core import dist_checkpointing
 
-    from megatron.md.train.patches import checkpoint_dir
+    from megatron.md.train.ckpt_checks import locate
 
     if not os.path.isdir(load):
         raise SystemExit(f"evaluate: error: --load {load}: no such directory")
     try:
-        path = checkpoint_dir(load, step)
-    except RuntimeError as e:
-        raise SystemExit(f"evaluate: error: {e}")
+        ckpt = locate(load, step)
+    except SystemExit as e:
+        raise SystemExit(f"evaluate: error: {e.msg if hasattr(e, 'msg') else e}")
+    if ckpt is not None and ckpt.format != "torch_dist":
+        raise SystemExit(f"evaluate: error: {ckpt.path} is a --ckpt-format {ckpt.format} "
+                         "checkpoint; evaluation reads torch_dist")  # fmt: skip
+    path = ckpt and ckpt.path
     if path is None:
         raise SystemExit(
             f"evaluate: error: --load {load}: no latest_checkpointed_iteration.txt (not a run "
@@ -70,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     from megatron.md.train import args as md_args
     from megatron.md.train import patches
 
-    patches.widen_choices()
+    patches.prepare_parsers()
     parser = argparse.ArgumentParser(allow_abbrev=False)
     return md_args.add_md_args(add_megatron_arguments(parser))
 
@@ -115,6 +119,7 @@ def argv_for(
         "--no-load-rng",
         "--exit-on-missing-checkpoint",
         "--micro-batch-size=1",
+        "--lr=0",  # (nothing trains: the optimizer is never built)
     ]
     if getattr(saved, "arch", "gpt") == "ngpt":  # trained only with MD (ngpt.check_args)
         argv.append("--md-decoupling")
@@ -127,25 +132,25 @@ def argv_for(
     return argv
 
 
-def build(argv: list[str], entry):
-    """Parse as ``pretrain_gpt.py`` (the module ``entry``) does, start megatron on this one
+def build(argv: list[str]):
+    """Parse as ``pretrain_gpt.py`` does (``train/cli.py``), start megatron on this one
     process, build the model and load the checkpoint's weights. Returns (the eval-mode model,
-    megatron's args, the checkpoint's iteration)."""
+    megatron's args, the checkpoint's iteration). CPU mode, where wanted, is the caller's to
+    start first (``cpu_mode.maybe_activate``)."""
     from megatron.core.enums import ModelType
     from megatron.training import get_args, get_model
     from megatron.training import training as mtt
     from megatron.training.checkpointing import load_checkpoint
 
     from megatron.md import cpu_mode
-    from megatron.md.train import ckpt_checks, model, patches, startup
-    from megatron.md.train.patches import checkpoint_dir
+    from megatron.md.train import ckpt_checks, cli, model, patches, startup
 
-    entry._single_process_env()
+    cli.single_process_env()
     if int(os.environ["WORLD_SIZE"]) != 1:
         raise SystemExit("evaluate: error: run as one process (TP = PP = 1 on one device)")
-    args, _ = entry.parse(argv, cpu_mode.is_active())
+    args, _ = cli.parse(argv, cpu_mode.is_active())
     startup.check_stack(args)
-    ckpt_checks.check_all(checkpoint_dir(args.load, args.ckpt_step), args)
+    ckpt_checks.check_all(ckpt_checks.locate(args.load, args.ckpt_step), args)
     patches.apply(None, cpu_mode.is_active())  # what pretrain_gpt.py sets up (CPU mode: gloo)
     mtt.initialize_megatron()  # as pretrain() calls it (patched for the CPU)
     chunks = get_model(model.model_provider, ModelType.encoder_or_decoder, wrap_with_ddp=False)

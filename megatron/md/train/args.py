@@ -8,6 +8,7 @@ import dataclasses
 import math
 import os
 
+from megatron.md import errors
 from megatron.md.config import BARE, CHOICES, FROM_MEGATRON_FLAGS, MUON_SCALES, MDConfig
 from megatron.md.train import datacheck
 
@@ -135,6 +136,13 @@ def add_md_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "LR; 1 is the paper's ablation)",
     )
     g.add_argument(
+        "--ckpt-checksums",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CRC-32 of every checkpoint file, written beside it after each save (a background "
+        "thread) and verified before a load: a changed shard is named and nothing loads",
+    )
+    g.add_argument(
         "--metrics-file",
         type=str,
         default=None,
@@ -206,12 +214,16 @@ def _check_tensor_parallel(args) -> None:
 
 
 def _fail(msg: str):
-    raise SystemExit(f"pretrain_gpt.py: error: {msg}")
+    errors.fail(msg)
 
 
-def validate(args) -> MDConfig | None:
-    """Check flag combinations and inputs once, before the model or data are built."""
+def validate(args, check_data: bool = True) -> MDConfig | None:
+    """Check flag combinations and inputs once, before the model or data are built;
+    ``check_data=False``: not the data and tokenizer files (a node that cannot see them)."""
     md = None
+    if args.lr is None:  # else torch's Adam constructor fails on it, far from the cause
+        _fail("give --lr (the peak learning rate; --matrix-lr, --embedding-lr and --output-lr "
+              "set the groups' own)")  # fmt: skip
     if args.muon_scale_mode not in UPSTREAM_MUON_SCALES + MUON_SCALES:
         _fail(
             f"--muon-scale-mode={args.muon_scale_mode!r} is not one of "
@@ -233,6 +245,14 @@ def validate(args) -> MDConfig | None:
             )
         if args.fp16:
             _fail("--md-decoupling does not support --fp16 (use --bf16)")
+        if args.ckpt_format != "torch_dist" and (args.save or args.load):
+            _fail(
+                f"--ckpt-format {args.ckpt_format}: MD runs save and load their state in "
+                "torch_dist only (the default); drop --ckpt-format"
+            )
+        if "--md-gain-rank" in getattr(args, "given_flags", ()) and args.md_gains != "lowrank":
+            _fail(f"--md-gain-rank {args.md_gain_rank} needs --md-gains lowrank (got "
+                  f"--md-gains {args.md_gains}, which has no rank)")  # fmt: skip
         if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
             _fail("--md-decoupling does not support FSDP (use --use-distributed-optimizer)")
         etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
@@ -279,19 +299,19 @@ def validate(args) -> MDConfig | None:
         v = getattr(args, flag)
         if v is not None and not (math.isfinite(v) and v >= 0):
             _fail(f"--{flag.replace('_', '-')}={v} must be a number >= 0")
-    if args.tokenizer_type == "HuggingFaceTokenizer":
+    if check_data and args.tokenizer_type == "HuggingFaceTokenizer":
         check_tokenizer_dir(args.tokenizer_model)
-    if not args.mock_data:
+    if check_data and not args.mock_data:
         if not args.data_path and not args.train_data_path:
             _fail("give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
-        for prefix in _data_prefixes(args.data_path or []):
+        for prefix in data_prefixes(args.data_path or []):
             for ext in (".bin", ".idx"):
                 if not os.path.isfile(prefix + ext):
                     _fail(
                         f"--data-path: {prefix + ext} does not exist "
                         "(build it with tools/preprocess_data.py)"
                     )
-        err = datacheck.check_data(_data_prefixes(args.data_path or []), args)
+        err = datacheck.check_data(data_prefixes(args.data_path or []), args)
         if err:
             _fail(f"--data-path: {err}")
     if args.lr_warmup_iters and args.train_iters and args.lr_warmup_iters >= args.train_iters:
@@ -312,12 +332,9 @@ def validate(args) -> MDConfig | None:
     if args.init_from:
         if not args.load:
             _fail("--init-from needs --load (this run's own directory, where it resumes)")
-        from megatron.md.train.patches import checkpoint_dir
+        from megatron.md.train.ckpt_checks import locate
 
-        try:
-            found = checkpoint_dir(args.init_from)
-        except RuntimeError as e:
-            _fail(str(e).replace("--load", "--init-from"))
+        found = locate(args.init_from, flag="--init-from")
         if found is None:
             _fail(f"--init-from {args.init_from}: no latest_checkpointed_iteration.txt there")
     return md
@@ -336,7 +353,7 @@ def check_tokenizer_dir(tok: str | None) -> None:
         )
 
 
-def _data_prefixes(items: list[str]) -> list[str]:
+def data_prefixes(items: list[str]) -> list[str]:
     """Prefixes of a megatron --data-path list (``P``, or ``W1 P1 W2 P2 ...``)."""
 
     def is_num(s):

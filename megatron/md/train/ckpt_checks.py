@@ -1,10 +1,17 @@
-"""Checks of a ``--load`` checkpoint before megatron reads it: complete files, the same model
-shape, and MD state that matches ``--md-decoupling``. Each failure names the checkpoint and
-the fix; nothing on disk is touched."""
+"""The checkpoint a run resumes from, found and checked before megatron reads anything:
+which directory (``locate``: the tracker or ``--ckpt-step``), in which format, complete files,
+the same model shape, the same optimizer, MD state that matches ``--md-decoupling``, and the
+shards' checksums (``digest.py``). Each failure is a refusal naming the checkpoint and the way
+out; nothing on disk is touched."""
 
 from __future__ import annotations
 
 import os
+import re
+from dataclasses import dataclass, field
+
+from megatron.md import errors
+from megatron.md.checkpoint import MD_KEY_PREFIX
 
 #: megatron args that fix parameter shapes (a checkpoint of another shape cannot be loaded)
 SHAPE_ARGS = (
@@ -13,22 +20,91 @@ SHAPE_ARGS = (
     "moe_shared_expert_intermediate_size", "untie_embeddings_and_output_weights",
     "qk_layernorm", "add_bias_linear", "swiglu", "normalization",
 )  # fmt: skip
-MD_KEY = "optimizer.md."
+TRACKER = "latest_checkpointed_iteration.txt"
 
 
-def _fail(path: str, msg: str):
-    raise RuntimeError(f"--load: checkpoint {path}: {msg}; nothing was read or changed")
+@dataclass
+class Checkpoint:
+    """One saved iteration of a run directory."""
+
+    path: str
+    """The ``iter_NNNNNNN`` (or ``release``) directory."""
+    format: str
+    """torch_dist, or torch (megatron's ``--ckpt-format torch``: ``mp_rank_*`` files)."""
+    keys: dict = field(default_factory=dict)
+    """torch_dist: every tensor key of its metadata, with DCP's metadata of it (filled by
+    ``check_complete``)."""
+    common: dict | None = None
+    """torch_dist: its common (non-tensor) state, args included (filled by ``check_all``)."""
 
 
-def check_complete(path: str) -> list[str]:
+def fail(path: str, msg: str):
+    errors.fail(f"--load: checkpoint {path}: {msg}; nothing was read or changed")
+
+
+def iterations(load: str) -> list[int]:
+    """The iterations saved in run directory ``load`` (its ``iter_*`` folders), ascending."""
+    try:
+        names = os.listdir(load)
+    except OSError:
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := re.fullmatch(r"iter_(\d{7})", n)))
+
+
+def locate(load: str, step: int | None = None, flag: str = "--load") -> Checkpoint | None:
+    """The checkpoint ``load`` resumes from (``step``, else the tracker's); None: nothing to
+    resume (no tracker). Refused: a tracker that names no iteration, a missing or incomplete
+    directory (a save killed midway), a format megatron-md cannot read."""
+    tracker = os.path.join(load, TRACKER)
+    if step is not None:
+        text = str(step)
+    elif not os.path.isfile(tracker):
+        return None
+    else:
+        text = open(tracker).read().strip()
+    name = "release" if text == "release" else None
+    if name is None:
+        try:
+            name = f"iter_{int(text):07d}"
+        except ValueError:
+            errors.fail(f"{flag} {load}: {tracker} holds {text!r}, not an iteration")
+    path = os.path.join(load, name)
+    entries = os.listdir(path) if os.path.isdir(path) else []
+    if ".metadata" in entries:
+        return Checkpoint(path, "torch_dist")
+    if any(e.startswith("mp_rank_") for e in entries):
+        return Checkpoint(path, "torch")
+    errors.fail(
+        f"{flag} {load}: {path} is missing or not a complete checkpoint (neither torch_dist's "
+        ".metadata nor torch's mp_rank_* files); nothing was read or changed"
+    )
+
+
+def check_format(ckpt: Checkpoint, args) -> None:
+    """MD state lives in torch_dist checkpoints only; say which format was found."""
+    auto = getattr(args, "auto_detect_ckpt_format", False) and not args.md_decoupling
+    if ckpt.format == args.ckpt_format or auto:
+        return
+    if args.md_decoupling:
+        fail(
+            ckpt.path,
+            f"it is a --ckpt-format {ckpt.format} checkpoint, and MD runs save and load their "
+            "state in torch_dist only (--ckpt-format torch_dist, the default)",
+        )
+    fail(ckpt.path, f"it is a --ckpt-format {ckpt.format} checkpoint; this run reads "
+                    f"--ckpt-format {args.ckpt_format}: give the checkpoint's format")  # fmt: skip
+
+
+def check_complete(ckpt: Checkpoint) -> None:
     """Every storage file the DCP metadata names exists and is long enough (a save killed or
-    a copy cut short leaves them short). Returns the checkpoint's tensor keys."""
+    a copy cut short leaves them short). Fills ``ckpt.keys``."""
     from torch.distributed.checkpoint import FileSystemReader
 
+    path = ckpt.path
     try:
         meta = FileSystemReader(path).read_metadata()
     except Exception as e:
-        _fail(path, f".metadata is unreadable ({type(e).__name__}: {e})")
+        fail(path, f".metadata is unreadable ({type(e).__name__}: {e})")
     need: dict[str, int] = {}
     for info in (meta.storage_data or {}).values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
@@ -37,8 +113,8 @@ def check_complete(path: str) -> list[str]:
         have = os.path.getsize(f) if os.path.isfile(f) else None
         if have is None or have < size:
             what = "is missing" if have is None else f"is {have} bytes, its metadata needs {size}"
-            _fail(path, f"{rel} {what} (truncated checkpoint)")
-    return list(meta.state_dict_metadata)
+            fail(path, f"{rel} {what} (truncated checkpoint)")
+    ckpt.keys = dict(meta.state_dict_metadata)
 
 
 def check_shape(path: str, saved_args, args) -> None:
@@ -50,22 +126,54 @@ def check_shape(path: str, saved_args, args) -> None:
         and getattr(saved_args, k) != getattr(args, k)
     ]
     if diff:
-        _fail(path, "it is a model of another shape (" + "; ".join(diff) + ")")
+        fail(path, "it is a model of another shape (" + "; ".join(diff) + ")")
 
 
-def check_md(path: str, keys: list[str], args) -> bool:
+def optimizer_name(a) -> str:
+    """AdamW, AdamMD, Muon, MuonMD, Muown, as the run's flags make it."""
+    base = {"adam": "Adam", "muon": "Muon"}.get(a.optimizer, a.optimizer)
+    if not getattr(a, "md_decoupling", False):
+        return "AdamW" if base == "Adam" else base
+    if getattr(a, "md_variant", "md") != "md":
+        return "Muown" + ("-angular" if a.md_variant == "muown-angular" else "")
+    if base == "Adam" and getattr(a, "md_adam_layer_wise", False):
+        return "AdamMD (layer-wise)"
+    return base + "MD"
+
+
+def check_optimizer(path: str, saved_args, args) -> None:
+    """Optimizer state continues only under the optimizer that made it: a change (Adam ↔ Muon,
+    MD's variant, layer-wise AdamMD) is named as such, with the ways out. Plain ↔ MD is
+    ``check_md``'s (continual training has its own flag)."""
+    if args.no_load_optim or args.finetune:
+        return
+    was, now = optimizer_name(saved_args), optimizer_name(args)
+    md = bool(getattr(saved_args, "md_decoupling", False)), bool(args.md_decoupling)
+    if was == now or md[0] != md[1]:
+        return
+    fail(
+        path,
+        f"it was trained with {was} (--optimizer {saved_args.optimizer}) and this run is {now} "
+        f"(--optimizer {args.optimizer}): {was}'s optimizer state does not continue as {now}'s. "
+        "Add --no-load-optim to start this optimizer fresh from its weights"
+        + (" (MD state is then made from the weights: radius = their norm, gains 1)"
+           if args.md_decoupling else ""),
+    )  # fmt: skip
+
+
+def check_md(path: str, keys, args) -> bool:
     """Whether the checkpoint has MD state; refuses a silent switch between MD and plain."""
-    has_md = any(MD_KEY in k for k in keys)
+    has_md = any(MD_KEY_PREFIX in k for k in keys)
     loads_optim = not (args.no_load_optim or args.finetune)
     if has_md and not args.md_decoupling and loads_optim:
-        _fail(
+        fail(
             path,
             "it was trained with --md-decoupling (its optimizer state belongs to the "
             "directions, not the weights). Add --md-decoupling with the same --md-* flags to "
             "continue it, or --no-load-optim to start a plain optimizer from its weights",
         )
     if not has_md and args.md_decoupling and loads_optim and not args.md_from_plain_checkpoint:
-        _fail(
+        fail(
             path,
             "it has no MD state (trained without --md-decoupling). For continual training "
             "add --md-from-plain-checkpoint (keeps its optimizer moments; MD state from its "
@@ -74,16 +182,25 @@ def check_md(path: str, keys: list[str], args) -> bool:
     return has_md
 
 
-def check_all(path: str, args) -> bool:
-    """All checks, in the order a researcher would want them named; returns has-MD-state."""
+def check_all(ckpt: Checkpoint, args) -> bool:
+    """All checks, in the order a researcher would want them named; returns has-MD-state.
+    A torch-format checkpoint of a plain run is megatron's to load (nothing here reads it)."""
     from megatron.core import dist_checkpointing
 
-    keys = check_complete(path)
+    from megatron.md.train import digest
+
+    check_format(ckpt, args)
+    if ckpt.format != "torch_dist":
+        return False
+    check_complete(ckpt)
+    if getattr(args, "ckpt_checksums", True):
+        digest.verify(ckpt.path)
     try:
-        common = dist_checkpointing.load_common_state_dict(path)
+        ckpt.common = dist_checkpointing.load_common_state_dict(ckpt.path)
     except Exception as e:
-        _fail(path, f"its common state is unreadable ({type(e).__name__}: {e})")
-    saved = common.get("args") if isinstance(common, dict) else None
+        fail(ckpt.path, f"its common state is unreadable ({type(e).__name__}: {e})")
+    saved = ckpt.common.get("args") if isinstance(ckpt.common, dict) else None
     if saved is not None:
-        check_shape(path, saved, args)
-    return check_md(path, keys, args)
+        check_shape(ckpt.path, saved, args)
+        check_optimizer(ckpt.path, saved, args)
+    return check_md(ckpt.path, ckpt.keys, args)

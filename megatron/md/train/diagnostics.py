@@ -111,8 +111,8 @@ class StepDiagnostics:
 
     def _owned(self):
         """(leaf optimizer, main param, name, class) of every reported matrix this rank steps."""
+        from megatron.md.leaves import leaf_optimizers
         from megatron.md.mains import main_params
-        from megatron.md.wrappers import leaf_optimizers
 
         names = self._names()
         for opt in leaf_optimizers(self.opt):
@@ -201,7 +201,7 @@ def _md_local(optimizer, names: dict) -> list[dict]:
     """This rank's sphere-norm partials and gain statistics of every MD matrix it steps
     (``names``: global parameter names, ``global_param_names``)."""
     from megatron.md import maps
-    from megatron.md.wrappers import leaf_optimizers
+    from megatron.md.leaves import leaf_optimizers
 
     local = []
     for o in leaf_optimizers(optimizer):
@@ -213,7 +213,7 @@ def _md_local(optimizer, names: dict) -> list[dict]:
             part = torch.zeros(md.n_norm, dtype=torch.float64)
             if md.n_norm:
                 tmp = torch.zeros(md.n_norm, dtype=torch.float32, device=p.device)
-                md.norm_partials(inner._flat_dir(p), tmp)
+                md.norm_partials(inner.direction_of(p), tmp)
                 part = tmp.double().cpu()
             axes = {}
             for n in md.gain_names:

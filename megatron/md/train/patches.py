@@ -1,91 +1,142 @@
-"""Every patch of megatron.training / megatron-core that ``pretrain_gpt.py`` needs, in one place.
-
-Each is a module attribute replaced at the narrowest seam, looked up by megatron at call time:
-
-- ``initialize_megatron(allow_no_cuda=True)`` on CPU: ``pretrain`` calls it without the flag
-  (training.py:1091) and it asserts CUDA otherwise (initialize.py:66).
-- ``compile_helpers`` is a no-op: the wheel ships the compiled dataset helper but no Makefile,
-  so ``make`` exits the job (core/datasets/utils.py:25-30), on GPU too.
-- ``get_megatron_optimizer_config``: per-group peak LRs (--matrix-lr/--embedding-lr/
-  --output-lr) as megatron param-group overrides; layer-wise sharding needs
-  ``OptimizerConfig.bf16=True`` even for fp32 params (core/optimizer/layer_wise_optimizer.py:505).
-- ``get_megatron_optimizer``: ``enable_md`` on the optimizer megatron built (training.py:2132),
-  or the resume fix of megatron's own DistributedOptimizer (wrappers.fix_plain_resume).
-- ``load_checkpoint`` (training.py:2199): checks a checkpoint's MD state against the --md-*
-  flags and tells the MD optimizer whether to expect it, before megatron reads anything.
-- ``get_muon_scale_factor`` (core/optimizer/emerging_optimizers.py:208): adds the paper's
-  ``shape_up`` and ``rms_match`` modes to megatron's Muon.
-- ``training_log`` / ``evaluate`` (training.py): our JSONL metrics after megatron's own logging.
-- ``get_write_results_queue`` on CPU: torch_dist saves start a *spawn* Manager, which re-imports
-  the training script (~10 s per run on a laptop; dist_checkpointing/strategies/
-  filesystem_async.py:64); a fork Manager serves the same queue.
-- ``add_megatron_arguments`` (arguments.py:121): ``--muon-scale-mode`` also accepts the paper's
-  modes, in every parser (fault-tolerance set-up re-parses argv without our provider:
-  training/ft_integration.py:78).
+"""The replacements of megatron.training / megatron-core attributes that ``pretrain_gpt.py``
+needs. Which attributes, where and why is ``megatron/md/compat.py``'s table (``SEAMS``); each
+row names one of the functions below, which builds the replacement from megatron's original
+and the run (``Run``). ``apply`` installs the training (and, without CUDA, CPU) rows;
+``prepare_parsers`` the parser row, before parsing.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
+from dataclasses import dataclass
 
 import torch
 
+from megatron.md import compat, errors
 from megatron.md.config import MDConfig
 
-_STATE: dict = {"optimizer": None, "md": None}
+
+@dataclass(frozen=True)
+class Run:
+    """What the replacements need to know of the run."""
+
+    md: MDConfig | None
+    """The MD config (None: a plain run)."""
+    on_cpu: bool
+    """CPU mode."""
 
 
 def apply(md: MDConfig | None, on_cpu: bool) -> None:
-    import megatron.core.datasets.utils as data_utils
-    import megatron.core.optimizer.emerging_optimizers as emerging
-    import megatron.training.training as mtt
-
-    _STATE["md"] = md
+    run = Run(md, on_cpu)
+    compat.apply("training", run)
     if on_cpu:
-        import megatron.core.dist_checkpointing.strategies.filesystem_async as fsa
-        from megatron.training.initialize import initialize_megatron
-
-        mtt.initialize_megatron = functools.partial(initialize_megatron, allow_no_cuda=True)
-        fsa.get_write_results_queue = functools.partial(fsa.get_write_results_queue, "fork")
-    data_utils.compile_helpers = lambda: None
-    mtt.get_megatron_optimizer_config = _wrap_optimizer_config(mtt.get_megatron_optimizer_config)
-    mtt.get_megatron_optimizer = _wrap_optimizer(mtt.get_megatron_optimizer)
-    mtt.load_checkpoint = _wrap_load(mtt.load_checkpoint)
-    emerging.get_muon_scale_factor = _wrap_muon_scale(emerging.get_muon_scale_factor)
-    from megatron.md.train import metrics
-
-    mtt.training_log = metrics.wrap_training_log(mtt.training_log)
-    mtt.evaluate = metrics.wrap_evaluate(mtt.evaluate)
-    mtt.evaluate_and_print_results = metrics.wrap_evaluate_and_print(mtt.evaluate_and_print_results)
+        compat.apply("cpu", run)
 
 
-def widen_choices() -> None:
-    """Before parsing: --muon-scale-mode accepts the paper's modes in every megatron parser."""
-    import megatron.training.arguments as margs
+def prepare_parsers() -> None:
+    """Before parsing: the parser row (in every megatron parser: fault-tolerance set-up
+    re-parses argv without our provider)."""
+    compat.apply("parser")
 
+
+# ---- the replacements (compat.SEAMS names each) ----
+def wrap_parser(orig, run=None):
+    """--muon-scale-mode accepts the paper's modes; help strings with a bare ``%`` (megatron-core
+    0.19.2's ``--moe-paged-stash-buffer-size-factor-cuda``: "10%)") are escaped, so ``--help``
+    prints instead of failing in argparse's formatting."""
     from megatron.md.config import MUON_SCALES
-
-    orig = margs.add_megatron_arguments
-    if getattr(orig, "_md_widened", False):
-        return
 
     @functools.wraps(orig)
     def add_megatron_arguments(parser):
         parser = orig(parser)
         action = parser._option_string_actions["--muon-scale-mode"]
         action.choices = list(dict.fromkeys([*action.choices, *MUON_SCALES]))
+        for a in parser._actions:
+            a.help = escape_help(a)
         return parser
 
-    add_megatron_arguments._md_widened = True
-    margs.add_megatron_arguments = add_megatron_arguments
+    return add_megatron_arguments
 
 
-def current_optimizer():
-    return _STATE["optimizer"]
+def escape_help(action) -> str | None:
+    """``action.help`` as argparse can format it (a bare ``%`` doubled; ``%(default)s`` and the
+    like kept)."""
+    text = action.help
+    if not text or "%" not in text:
+        return text
+    try:
+        text % dict(vars(action), prog="")
+        return text
+    except (ValueError, TypeError, KeyError):
+        return re.sub(r"%(?!\()", "%%", text.replace("%%", "\0")).replace("\0", "%%")
 
 
-def _wrap_optimizer_config(orig):
+def no_compile_helpers(orig, run=None):
+    """The wheel ships the compiled dataset helper but no Makefile: ``make`` would exit the
+    job, on GPU too."""
+    return lambda: None
+
+
+def allow_no_cuda(orig, run=None):
+    """``pretrain`` calls ``initialize_megatron`` without the flag, which asserts CUDA."""
+    return functools.partial(orig, allow_no_cuda=True)
+
+
+def fork_results_queue(orig, run=None):
+    """torch_dist saves start a *spawn* Manager, which re-imports the training script (~10 s
+    per run on a laptop); a fork Manager serves the same queue (whatever mode is asked)."""
+
+    @functools.wraps(orig)
+    def get_write_results_queue(mp_mode: str = "spawn"):
+        return orig(mp_mode="fork")
+
+    return get_write_results_queue
+
+
+def wrap_training_log(orig, run=None):
+    from megatron.md.train import metrics
+
+    return metrics.wrap_training_log(orig)
+
+
+def wrap_evaluate(orig, run=None):
+    from megatron.md.train import metrics
+
+    return metrics.wrap_evaluate(orig)
+
+
+def wrap_evaluate_and_print(orig, run=None):
+    from megatron.md.train import metrics
+
+    return metrics.wrap_evaluate_and_print(orig)
+
+
+def wrap_grad_norm(orig, run=None):
+    from megatron.md.train import nonfinite
+
+    return nonfinite.wrap_grad_norm(orig)
+
+
+def wrap_muon_scale(orig, run=None):
+    """The paper's ``shape_up`` and ``rms_match`` modes for megatron's plain Muon."""
+    from megatron.md.base_steps import muon_scale_factor
+
+    @functools.wraps(orig)
+    def scale(size_out, size_in, mode="spectral"):
+        if mode in ("shape_up", "rms_match"):
+            return muon_scale_factor(mode, size_out, size_in)
+        return orig(size_out, size_in, mode=mode)
+
+    return scale
+
+
+def wrap_optimizer_config(orig, run=None):
+    """Per-group peak LRs (--matrix-lr/--embedding-lr/--output-lr) as megatron param-group
+    overrides; layer-wise sharding needs ``OptimizerConfig.bf16=True`` even for fp32 params
+    (``LayerWiseDistributedOptimizer`` asserts it)."""
+
     @functools.wraps(orig)
     def get_config(args):
         from megatron.core.optimizer.optimizer_config import ParamKey, ParamWithNamePredicate
@@ -117,95 +168,110 @@ def _wrap_optimizer_config(orig):
     return get_config
 
 
-def _wrap_optimizer(orig):
+def wrap_optimizer(orig, run: Run):
+    """``enable_md`` on the optimizer megatron built, or the resume fix of megatron's own
+    DistributedOptimizer (wrappers.fix_plain_resume); the NaN-step guard where megatron's own
+    check is off; our metrics."""
+
     @functools.wraps(orig)
     def get_optimizer(config, model_chunks, *a, **kw):
+        from megatron.training import get_args
+
         from megatron.md.enable import enable_md
-        from megatron.md.train import nonfinite
+        from megatron.md.train import metrics, nonfinite
         from megatron.md.wrappers import fix_plain_resume
 
         opt = orig(config, model_chunks, *a, **kw)
-        if _STATE["md"] is not None:
-            enable_md(opt, model_chunks, _STATE["md"])
+        if run.md is not None:
+            enable_md(opt, model_chunks, run.md)
         else:
             fix_plain_resume(opt)
-        from megatron.training import get_args
-
         if not get_args().check_for_nan_in_loss_and_grad:  # else megatron stops at a NaN
             nonfinite.guard(opt)
-        _STATE["optimizer"] = opt
-        from megatron.md.train import metrics
-
         metrics.attach(opt, model_chunks)
         return opt
 
     return get_optimizer
 
 
-def checkpoint_dir(load: str, step: int | None = None) -> str | None:
-    """The torch_dist directory ``--load`` resumes from (``--ckpt-step``, else the tracker's);
-    None: nothing to resume."""
-    tracker = os.path.join(load, "latest_checkpointed_iteration.txt")
-    if step is not None:
-        text = str(step)
-    elif not os.path.isfile(tracker):
-        return None
-    else:
-        text = open(tracker).read().strip()
-    name = "release" if text == "release" else None
-    if name is None:
-        try:
-            name = f"iter_{int(text):07d}"
-        except ValueError:
-            raise RuntimeError(f"--load {load}: {tracker} holds {text!r}, not an iteration")
-    path = os.path.join(load, name)
-    if not os.path.isfile(os.path.join(path, ".metadata")):
-        raise RuntimeError(
-            f"--load {load}: {path} is missing or not a complete torch_dist checkpoint "
-            "(no .metadata); nothing was read or changed"
-        )
-    return path
+def wrap_load(orig, run: Run):
+    """Before megatron reads a checkpoint: find and check it (ckpt_checks), MD state against
+    the flags; after: non-finite values refused, MD state made from the weights where none
+    loaded. ``--init-from`` starts a continual run from another run's checkpoint."""
 
-
-def _wrap_load(orig):
     @functools.wraps(orig)
     def load(model, optimizer, *a, **kw):
         from megatron.training import get_args
+        from megatron.training.utils import print_rank_0
 
         from megatron.md.checkpoint import prepare_md_load
-        from megatron.md.train import ckpt_checks
+        from megatron.md.train import ckpt_checks, nonfinite
         from megatron.md.wrappers import begin_model_load, finish_model_load
 
         args = get_args()
-        path = checkpoint_dir(args.load, args.ckpt_step) if args.load else None
-        if path is None and getattr(args, "init_from", None):  # first start of a continual run
-            return _load_init(orig, model, optimizer, *a, **kw)
-        if path is not None:
-            ckpt_checks.check_all(path, args)
-        loads_optim = not (args.no_load_optim or args.finetune)  # else MD state is rebuilt
-        if path is not None and optimizer is not None and _STATE["md"] is not None and loads_optim:
-            try:
-                prepare_md_load(optimizer, path)
-            except ValueError:
-                raise
-            except Exception as e:  # unreadable metadata: say which checkpoint
-                raise RuntimeError(f"--load: cannot read checkpoint {path}: {e}") from e
-        if optimizer is None or _STATE["md"] is None:
-            return orig(model, optimizer, *a, **kw)
-        begin_model_load(optimizer)
-        out = orig(model, optimizer, *a, **kw)
-        if path is not None and finish_model_load(optimizer):
-            from megatron.training.utils import print_rank_0
-
-            print_rank_0(
-                "[megatron-md] no optimizer state loaded: MD state from the loaded weights"
+        ckpt = ckpt_checks.locate(args.load, args.ckpt_step) if args.load else None
+        if ckpt is None and getattr(args, "init_from", None):  # first start of a continual run
+            return _load_init(load, model, optimizer, *a, **kw)
+        if ckpt is None and args.load and args.exit_on_missing_checkpoint:
+            errors.fail(  # megatron's own exit here has status 0: a requeue would loop
+                f"--load {args.load} holds no checkpoint (no latest_checkpointed_iteration.txt) "
+                "and --exit-on-missing-checkpoint is set (a requeued job never starts from "
+                "scratch): check --load, or drop the flag to start a new run there"
             )
+        if ckpt is not None:
+            ckpt_checks.check_all(ckpt, args)
+        md = run.md is not None and optimizer is not None
+        if ckpt is not None and md and not (args.no_load_optim or args.finetune):
+            try:
+                prepare_md_load(optimizer, ckpt.keys, ckpt.common)
+            except ValueError as e:
+                ckpt_checks.fail(ckpt.path, str(e))
+        if md:
+            begin_model_load(optimizer)
+        try:
+            out = orig(model, optimizer, *a, **kw)
+        except AssertionError as e:  # megatron's schedule check: one line, with the way out
+            if "OptimizerParamScheduler" not in str(e):
+                raise
+            errors.fail(
+                f"--load {args.load}: {str(e).replace('checkpointvalue', 'checkpoint value')}: "
+                "to resume with another schedule add --override-opt_param-scheduler (this "
+                "run's values), or --use-checkpoint-opt_param-scheduler (the checkpoint's)"
+            )
+        if ckpt is not None and md and finish_model_load(optimizer):
+            print_rank_0("[megatron-md] no optimizer state loaded: MD state from the loaded "
+                         "weights")  # fmt: skip
+        if ckpt is not None:
+            nonfinite.check_loaded(model, optimizer, ckpt.path, args.load)
         return out
 
     return load
 
 
-def _load_init(orig, model, optimizer, scheduler, *a, **kw):
+def wrap_save(orig, run: Run):
+    """No non-finite weights or MD state are saved (the latest checkpoint stays the last good
+    one); after a synchronous torch_dist save, this rank's checksums (digest.py)."""
+
+    @functools.wraps(orig)
+    def save(iteration, model, optimizer, *a, **kw):
+        from megatron.training import get_args
+
+        from megatron.md.train import digest, nonfinite
+
+        args = get_args()
+        digest.wait()  # the last save's checksums are written before this save starts
+        nonfinite.check_before_save(model, optimizer, iteration, args.save)
+        out = orig(iteration, model, optimizer, *a, **kw)
+        path = os.path.join(args.save, f"iter_{iteration:07d}")
+        sync = args.ckpt_format == "torch_dist" and not args.async_save
+        if args.ckpt_checksums and sync and os.path.isfile(os.path.join(path, ".metadata")):
+            digest.write_after_save(path, torch.distributed.get_rank())
+        return out
+
+    return save
+
+
+def _load_init(load, model, optimizer, scheduler, *a, **kw):
     """``--init-from``: megatron's load pointed at that checkpoint (weights, optimizer state
     unless ``--init-weights-only``; no RNG, no LR schedule: ``scheduler`` is not passed, so this
     run's starts at step 0), then iteration and consumed samples reset to 0."""
@@ -219,8 +285,7 @@ def _load_init(orig, model, optimizer, scheduler, *a, **kw):
     adopted = _adopt_param_groups(optimizer) if not args.no_load_optim else []
     try:
         print_rank_0(f"[megatron-md] --init-from {args.init_from}: a new run from its checkpoint")
-        load = _wrap_load(orig)
-        load(model, optimizer, None, *a, **kw)
+        load(model, optimizer, None, *a, **kw)  # the checks too, on that checkpoint
     finally:
         args.load, args.ckpt_step, args.no_load_optim, args.no_load_rng = saved
         for opt in adopted:
@@ -238,7 +303,7 @@ def _adopt_param_groups(optimizer) -> list:
     instance, for this load only)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from megatron.md.wrappers import leaf_optimizers
+    from megatron.md.leaves import leaf_optimizers
 
     wrapped = []
     for opt in leaf_optimizers(optimizer):
@@ -263,18 +328,6 @@ def _adopt_param_groups(optimizer) -> list:
     return wrapped
 
 
-def _wrap_muon_scale(orig):
-    from megatron.md.base_steps import muon_scale_factor
-
-    @functools.wraps(orig)
-    def scale(size_out, size_in, mode="spectral"):
-        if mode in ("shape_up", "rms_match"):
-            return muon_scale_factor(mode, size_out, size_in)
-        return orig(size_out, size_in, mode=mode)
-
-    return scale
-
-
 def cpu_flags() -> list[str]:
     """What megatron needs on a machine without CUDA (gloo, local layers, no CUDA fusions)."""
     return [
@@ -289,7 +342,3 @@ def cpu_flags() -> list[str]:
         "--use-cpu-initialization",
         "--muon-fp32-matmul-prec=high",  # "medium" runs Newton-Schulz in bf16: slow on CPU
     ]
-
-
-def on_cpu() -> bool:
-    return not torch.cuda.is_available()

@@ -11,6 +11,17 @@ from dataclasses import dataclass
 SEQ, GBS = 4096, 128  # the paper's sequence length and global batch (dense and MoE)
 METHODS = ("adamw", "muon", "adammd", "muonmd")
 
+#: put in front of the user's flags with ``--md-decoupling`` (theirs win): the MD recipe's
+#: settings of megatron's own flags (weight decay 0, Muon momentum 0.95 Nesterov, Adam beta2
+#: 0.99; under TP, Muon orthogonalizes each full matrix as at TP = 1)
+MD_RECIPE = [
+    "--weight-decay=0",
+    "--muon-momentum=0.95",
+    "--muon-nesterov",
+    "--adam-beta2=0.99",
+    "--muon-tp-mode=duplicated",
+]
+
 
 def lr_grid(n: int = 9, base: float = 1e-3) -> list[float]:
     """The matrix-LR grid 1e-3 · 2^(k/2), k = 0 … n-1 (1e-3 … 1.6e-2 for n = 9)."""

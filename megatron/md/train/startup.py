@@ -56,11 +56,43 @@ def differences(args, md) -> list[tuple[str, str]]:
     return out
 
 
+def untested(args, md) -> list[str]:
+    """Settings of this run that the maintainers have never run (README, "Tested where")."""
+    import os
+
+    out = []
+    if args.transformer_impl == "transformer_engine":
+        out.append("Transformer Engine layers (--transformer-impl local is the measured path)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > int(os.environ.get("LOCAL_WORLD_SIZE", world)):
+        out.append("several nodes")
+    if args.distributed_backend == "nccl" and world > 1:
+        out.append("NCCL with more than one rank")
+    if md is not None:
+        from megatron.core.optimizer import distrib_optimizer
+
+        if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", False):
+            out.append("MD beside TE's/apex's fused Adam (its checkpoints never loaded)")
+    if getattr(args, "fp8", None):
+        out.append("FP8")
+    if args.sequence_parallel:
+        out.append("sequence parallelism")
+    if args.context_parallel_size > 1:
+        out.append("context-parallel attention")
+    if args.async_save:
+        out.append("--async-save")
+    return out
+
+
 def banner(args, md) -> str:
     rows = differences(args, md)
+    never = untested(args, md)
     if not rows:
-        return "[megatron-md] this run uses upstream Megatron's defaults"
-    width = max(len(w) for w, _ in rows)
-    lines = ["[megatron-md] defaults of this run that differ from upstream Megatron:"]
-    lines += [f"  {w:<{width}}  ({flag})" for w, flag in rows]
+        lines = ["[megatron-md] this run uses upstream Megatron's defaults"]
+    else:
+        width = max(len(w) for w, _ in rows)
+        lines = ["[megatron-md] defaults of this run that differ from upstream Megatron:"]
+        lines += [f"  {w:<{width}}  ({flag})" for w, flag in rows]
+    if never:
+        lines.append("[megatron-md] never run by the maintainers: " + "; ".join(never))
     return "\n".join(lines)

@@ -1,0 +1,199 @@
+"""The ``pretrain_gpt.py`` command line as a library: argv expansion (preset, CPU settings, the
+MD recipe, Muown's rewrite), megatron's parse plus ours, defaults that depend on other flags,
+the single-process environment, and the run itself (``main``). ``pretrain_gpt.py`` is a short
+entry over this module; the tools (evaluation, export, the flag reference, the sweep
+front-end's validation) import it instead of executing the script.
+
+Import order matters on a machine without CUDA: ``device.start`` (CPU mode) must run before
+``megatron.training`` is imported, which this module does only inside its functions.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import traceback
+
+from megatron.md import errors
+from megatron.md.launch import flag_value
+from megatron.md.train import args as md_args
+from megatron.md.train import patches, presets, startup
+from megatron.md.train.recipes import MD_RECIPE
+
+
+def given(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def muown(argv: list[str]) -> list[str]:
+    """``--optimizer muown`` (the Muown baseline: MDConfig.variant) is MuonMD's machinery with
+    Muown's per-row treatment: ``--optimizer=muon --md-decoupling --md-variant=muown`` in its
+    place (a later ``--md-variant muown-angular`` wins)."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--optimizer=muown" or (a == "--optimizer" and argv[i + 1 : i + 2] == ["muown"]):
+            out += ["--optimizer=muon", "--md-decoupling", "--md-variant=muown"]
+            i += 1 if "=" in a else 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
+def expand_argv(argv: list[str], on_cpu: bool) -> list[str]:
+    """Preset, CPU and MD-recipe flags placed before the user's own (later flags win)."""
+    argv = muown(argv)
+    front: list[str] = []
+    preset = flag_value(argv, "--preset")
+    if preset is not None:
+        try:
+            front += presets.preset_flags(preset)
+        except ValueError as e:
+            errors.fail(str(e))
+    if on_cpu:
+        front += patches.cpu_flags()
+    if "--md-decoupling" in argv:
+        front += MD_RECIPE
+    if flag_value(argv, "--wandb-project"):  # read while megatron parses (global_vars.py)
+        save = flag_value(argv, "--save") or "runs"
+        # megatron logs wandb history only beside a TensorBoard writer (training_log)
+        front.append(f"--tensorboard-dir={os.path.join(save, 'tensorboard')}")
+        front.append(f"--wandb-exp-name={os.path.basename(os.path.normpath(save))}")
+    return front + argv
+
+
+def finalize(args, argv: list[str]) -> None:
+    """Defaults that depend on other flags; which flags the command line gave."""
+    args.given_flags = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    if args.paper_arch and not given(argv, "--init-method-std"):
+        args.init_method_std = 1 / math.sqrt(args.hidden_size)  # the paper: 1/sqrt(d)
+    for flag in ("sandwich_norm", "embedding_scale"):  # on with --paper-arch unless given
+        if getattr(args, flag) is None:
+            setattr(args, flag, args.paper_arch and args.arch == "gpt")
+    if args.arch == "ngpt":  # nGPT normalizes q and k itself (a preset's --qk-layernorm)
+        args.qk_layernorm = False
+    args.eval_interval_defaulted = args.eval_interval is None
+    if args.eval_interval is None:
+        # megatron-core 0.19.2 has no default here and divides by it while sizing the datasets
+        # (TypeError); 1000 is Megatron-LM's long-standing default
+        args.eval_interval = 1000
+    if args.wsd_cooldown_fraction is not None:
+        args.lr_wsd_decay_iters = max(1, round(args.wsd_cooldown_fraction * args.train_iters))
+    if args.tokenizer_type is None:
+        errors.fail(
+            "give --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR "
+            "(tools/train_tokenizer.py), or NullTokenizer --vocab-size N with --mock-data"
+        )
+
+
+def parse(argv: list[str], on_cpu: bool, check_data: bool = True):
+    """megatron's args (+ ours) and the MD config, validated; ``sys.argv`` becomes the expanded
+    command line (megatron's fault-tolerance setup re-parses it). ``check_data=False`` checks
+    the flags but not the data files (the sweep front-end on a login node that cannot see
+    them)."""
+    from megatron.training.arguments import parse_and_validate_args
+
+    patches.prepare_parsers()
+    tok = flag_value(argv, "--tokenizer-model")  # megatron loads it while validating its args
+    if check_data and flag_value(argv, "--tokenizer-type") == "HuggingFaceTokenizer":
+        md_args.check_tokenizer_dir(tok)
+    for flag in ("--save", "--load"):
+        md_args.check_not_a_file(flag, flag_value(argv, flag))
+    sys.argv = [sys.argv[0]] + expand_argv(argv, on_cpu)
+    try:
+        args = parse_and_validate_args(extra_args_provider=md_args.add_md_args)
+    except AssertionError as e:  # megatron validates its flags with asserts: say it plainly
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        msg = str(e) or f"{where.line} ({os.path.basename(where.filename)}:{where.lineno})"
+        errors.fail(msg)
+    finalize(args, sys.argv)
+    if on_cpu and args.async_save:  # (megatron turns it off itself without the worker)
+        errors.fail(
+            "--async-save needs CUDA: megatron's persistent checkpoint worker sets a CUDA "
+            "device in a process of its own (dist_checkpointing/strategies/async_utils.py); "
+            "drop it on a CPU"
+        )
+    return args, md_args.validate(args, check_data=check_data)
+
+
+def single_process_env() -> None:
+    """Run without torchrun as one process (a free local port for the rendezvous)."""
+    if "RANK" in os.environ:
+        return
+    from megatron.md.launch import free_port
+
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    os.environ.update({**env, "LOCAL_RANK": "0"})
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The whole run: parse and check once, then megatron's ``pretrain`` with our patches."""
+    from megatron.md import cpu_mode
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    single_process_env()
+    with errors.one_line():
+        on_cpu = cpu_mode.is_active()
+        args, md = parse(argv, on_cpu)
+        startup.check_stack(args)
+        if rank() == 0:
+            print(startup.banner(args, md), flush=True)
+        run(args, md, on_cpu)
+
+
+def run(args, md, on_cpu: bool) -> None:
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+    from megatron.md.train import data, metrics, model
+
+    patches.apply(md, on_cpu)
+    metrics.start_run(args, md)
+    cfg = pretrain_cfg_container_from_args(args)
+    try:
+        pretrain(
+            cfg,
+            data.datasets_provider,
+            ModelType.encoder_or_decoder,
+            data.forward_step,
+            model_provider=model.model_provider,
+        )
+    except SystemExit:  # megatron's early exits (signal, duration) end with sys.exit
+        mark_signal_exit(args)
+        raise
+    mark_finished(args)
+
+
+def mark_signal_exit(args) -> None:
+    """``<save>/exited_on_signal`` (the saved iteration) when ``--exit-signal-handler`` stopped
+    the run: the launcher turns torchrun's signal exit status into 0 (a clean, resumable stop)."""
+    if not (args.save and args.exit_signal_handler) or rank() != 0:
+        return
+    from megatron.training.global_vars import get_signal_handler
+
+    if getattr(get_signal_handler(), "_signal_received", False):  # local: no collective here
+        tracker = os.path.join(args.save, "latest_checkpointed_iteration.txt")
+        with open(os.path.join(args.save, "exited_on_signal"), "w") as f:
+            f.write(open(tracker).read().strip() + "\n")
+
+
+def mark_finished(args) -> None:
+    """``<save>/finished`` once the last iteration's checkpoint exists (the SLURM launcher's
+    requeue logic reads it; a run stopped early by time or signal has none)."""
+    if not args.save or rank() != 0:
+        return
+    tracker = os.path.join(args.save, "latest_checkpointed_iteration.txt")
+    try:
+        done = int(open(tracker).read().strip()) >= args.train_iters
+    except (OSError, ValueError):
+        return
+    if done:
+        with open(os.path.join(args.save, "finished"), "w") as f:
+            f.write(f"{args.train_iters}\n")
