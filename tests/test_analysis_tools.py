@@ -248,3 +248,20 @@ def test_figure_style_is_one_colour_per_method_and_sizes_in_numeric_order(tmp_pa
     xs, mean, lo, hi = lr_sweep.seed_stats(pts)
     assert xs == [0.01, 0.02] and mean == pytest.approx([2.7, 3.0])
     assert (lo, hi) == ([2.6, 3.0], [2.8, 3.0])
+
+
+@pytest.mark.distributed
+def test_bench_dispatch_counts(tmp_path):
+    """bench_dispatch.py end to end (one process, megatron's optimizers): MD's step issues
+    fewer operations than a few per added matrix (12 → 24 layers' worth at a tiny width: 2 → 4
+    here) and its own code reads nothing back to the host (the counts; the timing is printed,
+    not asserted)."""
+    out = run_tool("bench_dispatch.py", "--width", "32", "--vocab", "128", "--layers", "2", "4",
+                   "--rounds", "1", "--json", str(tmp_path / "d.json"), timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads((tmp_path / "d.json").read_text())["results"]
+    assert set(res) == {"adam_md/adam", "muon_md/muon"}
+    for r in res.values():
+        assert r["extra_ops_per_added_matrix"] <= 4, r
+        assert r["md_code_syncs"] == {"2": 0, "4": 0}, r
+        assert r["time_ratio"] > 0

@@ -31,8 +31,9 @@ def test_cpu_mode_redirects_devices_and_types():
 
 
 class _GatherLike(torch.autograd.Function):
-    """Like megatron's backward all-gathers (core/tensor_parallel/mappings.py:152): the
-    backward allocates its output on ``torch.cuda.current_device()``."""
+    """Like megatron's backward all-gathers (core/tensor_parallel/mappings.py,
+    _gather_along_first_dim): the backward allocates its output on
+    ``torch.cuda.current_device()``."""
 
     @staticmethod
     def forward(ctx, x):

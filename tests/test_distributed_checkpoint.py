@@ -14,7 +14,8 @@ CONFIGS = {
     "zero1-bf16": ("--dist", "zero1", "--dtype", "bf16"),
     "zero1-moe": ("--dist", "zero1", "--experts", "4"),
     # megatron-core's Float16Optimizer maps only bf16 params to checkpoint keys
-    # (optimizer.py:1168), so layer-wise checkpoints need bf16 params, as real runs use
+    # (optimizer.py, Float16OptimizerWithFloat16Params.sharded_state_dict), so layer-wise
+    # checkpoints need bf16 params, as real runs use
     "layerwise-muon-bf16": ("--optimizer", "muon", "--dist", "layerwise", "--dtype", "bf16"),
     "replicated-fp32": ("--dist", "replicated"),
 }

@@ -122,14 +122,17 @@ def test_fused_step_auto_rule():
 
 
 @pytest.mark.parametrize("mode,fused", [("auto", False), ("on", True)])
-def test_fused_step_reaches_the_slices(mode, fused):
-    """A tiny model (under the threshold) runs eager under auto, compiled when forced."""
+def test_fused_step_reaches_the_engine(mode, fused):
+    """A tiny model (under the threshold) runs eager under auto, compiled when forced (the
+    groups of whole hidden matrices the kernels cover)."""
     from megatron.md.enable import enable_md
+    from megatron.md.leaves import leaf_optimizers
 
     dmodel, opt = _build()
     enable_md(opt, [dmodel], MDConfig(fused_step=mode))
-    slots = opt.optimizer.slots.values()
-    assert {s.md.fused for s in slots if s.md.spec.gains != "none"} == {fused}
+    (leaf,) = leaf_optimizers(opt)
+    groups = [g for g in leaf.optimizer.engine.groups if g.spec.gains != "none"]
+    assert groups and {g.kernels is not None for g in groups} == {fused}
 
 
 def test_one_parameter_for_all_experts_is_refused():

@@ -543,9 +543,9 @@ def _lr_free(flags: list[str]) -> list[str]:
 def test_weights_only_load_keeps_the_loaded_weights(runs, tmp_path, name, mode, iters):
     """--finetune / --no-load-optim under MD: no optimizer state is loaded, so the MD state is
     made from the LOADED weights (fp32 params included: megatron reloads main params only for
-    bf16/fp16, training/checkpointing.py:2611). At LR 1e-9 the model stays the loaded one: the
-    losses equal those of a run without MD from the same checkpoint (fp32 MD used to train on
-    from its init: 5.7 vs 4.3), and the saved weights equal the loaded ones."""
+    bf16/fp16, training/checkpointing.py, load_checkpoint). At LR 1e-9 the model stays the loaded
+    one: the losses equal those of a run without MD from the same checkpoint (fp32 MD used to train
+    on from its init: 5.7 vs 4.3), and the saved weights equal the loaded ones."""
     _, save = runs[name]
     flags = ["--train-iters=%d" % iters, f"--load={save}", mode, "--lr=1e-9", "--save-interval=2"]
     md, md_save = pretrain(tmp_path, f"{name}-md", *flags, *_lr_free(RUNS[name]), nproc=1)
@@ -660,11 +660,11 @@ def tp_run(tmp: Path, name: str, nproc: int, *extra: str) -> list[dict]:
 
 
 def test_tensor_parallel_follows_the_single_rank_run_on_cpu(tmp_path):
-    """CPU mode answers megatron's device-architecture query (training/arguments.py:1414), so
-    TP = 2 runs on gloo. From the same checkpoint (1 rank, iteration 1, same padded vocabulary;
-    a fresh TP = 2 run initializes other weights) AdamMD at TP = 2, its state built from the
-    loaded weights (ZeRO-1, the TP reduction folded into MD's one all-reduce), repeats the
-    single-rank run: losses and MD diagnostics (seen equal to 1e-6)."""
+    """CPU mode answers megatron's device-architecture query (training/arguments.py,
+    validate_args), so TP = 2 runs on gloo. From the same checkpoint (1 rank, iteration 1, same
+    padded vocabulary; a fresh TP = 2 run initializes other weights) AdamMD at TP = 2, its state
+    built from the loaded weights (ZeRO-1, the TP reduction folded into MD's one all-reduce),
+    repeats the single-rank run: losses and MD diagnostics (seen equal to 1e-6)."""
     ck = tmp_path / "ck"
     save = tp_run(tmp_path, "tp1-save", 1, "--train-iters=1", f"--save={ck}", "--save-interval=1")
     assert len(save) == 1

@@ -294,7 +294,8 @@ def test_muown_baseline(variant):
 @pytest.mark.parametrize("base", ["adam", "muon"])
 @pytest.mark.parametrize("gains", GAINS)
 def test_every_state_field_is_declared(gains, base):
-    """state.MatrixState declares every field the reference and the sliced step create."""
+    """state.MatrixState declares every field the reference and the engine create."""
+    from megatron.md.engine.engine import Domain, Engine, Member
     from megatron.md.sliced import SliceMD
     from megatron.md.state import MatrixState
 
@@ -302,5 +303,9 @@ def test_every_state_field_is_declared(gains, base):
     spec = spec_for("matrix", MDConfig(gains=gains))
     st = reference.init_state(torch.randn(6, 4), spec, base)
     assert set(st) <= declared, set(st) - declared
-    sliced = SliceMD((6, 4), 0, 24, spec, base).init_state(torch.randn(24))
-    assert set(sliced) <= declared, set(sliced) - declared
+    for fp32_mode in (False, True):
+        m = Member(SliceMD((6, 4), 0, 24, spec, base), torch.nn.Parameter(torch.randn(24)),
+                   fp32_mode, {}, {}, 0, "d")  # fmt: skip
+        Engine([m], {"d": Domain(None)}).init_state(lambda key, buf: None)
+        made = {*m.state, *m.md_state}
+        assert made <= declared and "radius" in made and "step" in made, made - declared

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from _ranks import Ranks
 
 from megatron.md import reference, sliced
 from megatron.md.base_steps import AdamHParams
@@ -24,8 +25,10 @@ def local_piece(full: torch.Tensor, tp: TPShard) -> torch.Tensor:
 
 
 def run(spec, pieces, steps=5, dtype=torch.float64):
-    """``pieces``: (tp or None, counts, ZeRO-1 cuts of the local flat matrix) per TP rank.
-    Returns the reference's final W and each piece's (its W, the reference's W there)."""
+    """``pieces``: (tp or None, counts, ZeRO-1 cuts of the local flat matrix) per TP rank; each
+    slice a rank of the engine (tests/_ranks.py sums their partials as the TP × DP all-reduce
+    does, replicas dropped). Returns the reference's final W and state and each slice's (its
+    W, the reference's W there, its MD state)."""
     gen = torch.Generator().manual_seed(5)
     w0 = torch.randn(SHAPE, generator=gen, dtype=dtype) / SHAPE[1] ** 0.5
     grads = [torch.randn(SHAPE, generator=gen, dtype=dtype) for _ in range(steps)]
@@ -35,40 +38,25 @@ def run(spec, pieces, steps=5, dtype=torch.float64):
     for g in grads:
         reference.md_step(w_ref, g, st_ref, spec, hp, ghp)
 
-    local = lambda t, tp: t if tp is None else local_piece(t, tp)
-    slices = []  # (SliceMD, its direction slice, state, its TP piece)
+    local = lambda t, tp: t if tp is None else local_piece(t, tp)  # noqa: E731
+    slices = []  # (SliceMD, its TP piece)
     for tp, counts, cuts in pieces:
         piece = local(w0, tp)
         bounds = [0, *cuts, piece.numel()]
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             md = sliced.SliceMD(tuple(piece.shape), lo, hi, spec, "adam", tp=tp, counts=counts)
-            d = piece.reshape(-1)[lo:hi].clone()
-            slices.append((md, d, md.init_state(d), tp))
-
-    def reduced(n, fill):
-        bufs = []
-        for md, d, st, tp in slices:
-            bufs.append(torch.zeros(n, dtype=dtype))
-            fill(md, d, st, tp, bufs[-1])
-            if not md.counts:
-                bufs[-1].zero_()  # as batched._drop_replicas
-        return torch.stack(bufs).sum(0)
-
-    tot = reduced(slices[0][0].n_norm, lambda md, d, st, tp, b: md.norm_partials(d, b))
-    for md, d, st, _ in slices:
-        md.finish_init(d, st, tot)
+            slices.append((md, tp, piece.reshape(-1)[lo:hi]))
+    ranks = Ranks([[(md, d, 0)] for md, _, d in slices], dtype)
+    ranks.init()
     for g in grads:
-        step = lambda md, d, st, tp, b: md.step_direction(
-            d, local(g, tp).reshape(-1)[md.start : md.end], st, hp, b
-        )
-        total = reduced(slices[0][0].n_partials(), step)
-        for md, d, st, _ in slices:
-            md.project_and_step_gains(d, st, ghp, total)
+        ranks.step([[local(g, tp).reshape(-1)[md.start : md.end]] for md, tp, _ in slices],
+                   hp, ghp)  # fmt: skip
+    outs = [[torch.empty(md.end - md.start, dtype=dtype)] for md, _, _ in slices]
+    ranks.fuse(outs)
     out = []
-    for md, d, st, tp in slices:
-        w = torch.empty_like(d)
-        md.fuse(d, st, w)
-        out.append((w, local(w_ref, tp).reshape(-1)[md.start : md.end], st))
+    for (md, tp, _), (w,), e in zip(slices, outs, ranks.engines):
+        ref_here = local(w_ref, tp).reshape(-1)[md.start : md.end]
+        out.append((w, ref_here, e.members[0].md_state))
     return w_ref, st_ref, out
 
 

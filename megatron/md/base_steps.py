@@ -131,10 +131,11 @@ def muon_update(
 ) -> torch.Tensor:
     """Momentum (optionally Nesterov) then scaled orthogonalization; the caller applies
     ``param -= lr * update``. ``row_blocks``: a fused QKV matrix split as megatron's Muon does
-    (emerging_optimizers.py:294-323: per query group, Q/K/V rows; each block orthogonalized on
-    its own and scaled by its entry of ``scale``, a list); empty: ``scale`` is one number.
-    ``gather`` (a ``tensor_parallel.PieceGather``): the arguments are a TP piece; the full
-    matrix is orthogonalized and this piece of it returned (megatron's ``duplicated`` mode)."""
+    (emerging_optimizers.py, TensorParallelMuon.orthogonalize: per query group, Q/K/V rows; each
+    block orthogonalized on its own and scaled by its entry of ``scale``, a list); empty: ``scale``
+    is one number. ``gather`` (a ``tensor_parallel.PieceGather``): the arguments are a TP piece;
+    the full matrix is orthogonalized and this piece of it returned (megatron's ``duplicated``
+    mode)."""
     momentum_buffer.lerp_(grad, 1 - hp.momentum)
     g = grad.lerp(momentum_buffer, hp.momentum) if hp.nesterov else momentum_buffer
     if gather is not None:

@@ -126,13 +126,13 @@ class MDConfig:
     embeddings and LM head stay free (plain Adam)."""
 
     fused_step: str = "auto"
-    """AdamMD's per-block work as compiled kernels (``torch.compile``, megatron/md/fused.py): on,
-    off, or auto: on for a CPU optimizer whose MD matrices hold at least 2^24 elements on the
-    rank (there AdamMD's step is then as fast as megatron's AdamW or faster:
-    docs/benchmarks.md), off on GPUs (slower there: per-call overhead of ~100 small blocks) and
-    for small models (compiling takes tens of seconds). Execution only: the results agree with
-    the eager step to fp32 rounding, it is never used with MD off, checkpoints are
-    interchangeable."""
+    """AdamMD's per-group work as compiled kernels (``torch.compile``,
+    megatron/md/engine/compiled.py): on, off, or auto: on for a CPU optimizer whose MD matrices
+    hold at least 2^24 elements on the rank (there AdamMD's step is then as fast as megatron's
+    AdamW or faster: docs/benchmarks.md), off on GPUs (the batched eager step is a few
+    launches per group there) and for small models (compiling takes tens of seconds).
+    Execution only: the results agree with the eager step to fp32 rounding, it is never used
+    with MD off, checkpoints are interchangeable."""
 
     def __post_init__(self) -> None:
         if isinstance(self.fused_step, bool):  # the former on/off switch

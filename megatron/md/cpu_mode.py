@@ -80,7 +80,8 @@ class _CpuRedirect(TorchFunctionMode):
                 args = (args[0], args[1].replace("torch.cuda.", "torch."), *args[2:])
         if func is _ALL_TO_ALL_SINGLE:
             # Expert parallelism: megatron turns the split sizes into numpy arrays only for CUDA
-            # tensors (core/transformer/moe/moe_utils.py:1184); gloo wants int sequences.
+            # tensors (core/transformer/moe/moe_utils.py, maybe_move_tensor_to_cpu); gloo wants int
+            # sequences.
             for k in ("output_split_sizes", "input_split_sizes"):
                 if torch.is_tensor(kwargs.get(k)):
                     kwargs[k] = kwargs[k].tolist()
@@ -96,11 +97,11 @@ def _backward_redirected(mode, func, args, kwargs):
     handler runs with the mode popped, and autograd's engine runs the backward pass under the
     modes present when it starts, so without this every autograd function's backward ran
     unredirected: megatron's backward all-gathers allocate on ``torch.cuda.current_device()``
-    (core/tensor_parallel/mappings.py:152, expert-TP and TP > 2) and failed. Calling the public
-    entry again would dispatch back here, so the engine is started directly, after torch's own
-    argument handling (torch/autograd/__init__.py: ``_make_grads``); ``check_backward_seam``
-    fails at activation if those names move. Calls with ``inputs`` (not made by megatron or
-    the tests) keep torch's own path, unredirected."""
+    (core/tensor_parallel/mappings.py, _gather_along_first_dim, expert-TP and TP > 2) and failed.
+    Calling the public entry again would dispatch back here, so the engine is started directly,
+    after torch's own argument handling (torch/autograd/__init__.py: ``_make_grads``);
+    ``check_backward_seam`` fails at activation if those names move. Calls with ``inputs`` (not
+    made by megatron or the tests) keep torch's own path, unredirected."""
     from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
     from torch.autograd.graph import _engine_run_backward
 
@@ -173,9 +174,9 @@ def _patch_cuda() -> None:
         setattr(c, name, lambda *a, **k: None)
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved"):
         setattr(c, name, lambda *a, **k: 0)
-    # megatron reads the device architecture while validating flags (training/arguments.py:1414,
-    # TP/CP > 1: CUDA_DEVICE_MAX_CONNECTIONS rules that end with Blackwell, major 10): a CPU has
-    # none of those constraints, so it reads as one without them
+    # megatron reads the device architecture while validating flags (training/arguments.py,
+    # validate_args, TP/CP > 1: CUDA_DEVICE_MAX_CONNECTIONS rules that end with Blackwell, major
+    # 10): a CPU has none of those constraints, so it reads as one without them
     c.get_device_capability = lambda *a, **k: (10, 0)
     c.get_device_properties = lambda *a, **k: _CpuDeviceProperties()
     c.Stream = c.Event = _Dummy

@@ -48,7 +48,8 @@ def check_one_matrix_per_parameter(chunk) -> None:
     """MD gives every matrix its own sphere and gains, so each must be its own parameter. TE's
     grouped experts with ``--moe-single-grouped-weight`` hold all local experts in one
     parameter, stacked or concatenated (megatron-core reads TE's ``single_grouped_weight``
-    attribute, core/extensions/transformer_engine.py:2380, and splits either layout, :2400);
+    attribute in ``TEGroupedLinear._normalize_grouped_parameter_keys`` and splits either
+    layout in ``_split_grouped_checkpoint_tensor``, core/extensions/transformer_engine.py);
     a parameter of more than 2 dimensions would otherwise be stepped as a vector."""
     for name, mod in chunk.named_modules():
         if getattr(mod, "single_grouped_weight", False):

@@ -3,14 +3,16 @@
 megatron-core wraps a plain torch optimizer (``DistributedOptimizer``, ``Float16Optimizer…``,
 ``FP32Optimizer``; ``LayerWiseDistributedOptimizer`` chains the latter). ``MDInner`` replaces
 that inner optimizer over the same parameter groups: 1-D parameters get torch AdamW's
-arithmetic, MD-managed matrices (whole, or a ZeRO-1 slice) get the batched MD step of
-``sliced.py`` with ONE reduction of all their partials per step (identity for whole matrices).
+arithmetic (one multi-tensor Adam per group), MD-managed matrices (whole, a ZeRO-1 slice, a
+TP piece) the batched step of the engine (``megatron/md/engine``) with ONE reduction of all
+their partials per reduction domain.
 
 State is split in two so megatron's checkpoint code keeps working unchanged:
 ``self.state[p]`` holds only what megatron expects of the base optimizer (``step``, ``exp_avg``,
 ``exp_avg_sq`` / ``momentum_buffer``: tensors shaped like ``p``); ``self.md_state[p]`` holds the
 MD extras (raw gains and their moments, radius, and the direction when ``p`` is the fp32 model
-weight itself). ``checkpoint.py`` saves the extras.
+weight itself). ``checkpoint.py`` saves the extras. Both are views of the engine's stacked
+storage for whole matrices; a load that replaces them is adopted back (``rebind``).
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from megatron.md.base_steps import AdamHParams, MuonHParams, adam_multi_
-from megatron.md.batched import SliceItem, identity_reduce, md_init_batched, md_step_batched
 from megatron.md.config import MDConfig
+from megatron.md.engine.engine import Domain, Engine, HParams, Member, reduced_norms
 from megatron.md.sliced import SliceMD
-from megatron.md.state import BASE_FIELDS, MatrixState
+from megatron.md.state import MatrixState
 
 
 @dataclass
@@ -47,86 +49,125 @@ class MDSlot:
     DP replica) under tensor parallelism."""
     dir_replica: int = 0
     """Checkpoint replica id of this rank's direction (0 when no other rank holds it)."""
+    domain: object = None
+    """Key of the reduction domain its partials are summed in (``MDInner.domains``)."""
+    order: int = 0
+    """Its place among the engine's same-shape matrices (``engine.Member.order``)."""
 
 
 class MDInner(torch.optim.Optimizer):
     """AdamW on 1-D params, AdamMD or MuonMD on matrices; the inner optimizer of one wrapper."""
 
     def __init__(self, param_groups: list[dict], md: MDConfig, muon: MuonHParams | None):
-        # fp32 ZeRO-1 shards are non-leaf views, which add_param_group refuses; like megatron-core
-        # (distrib_optimizer.py:771) we set param_groups directly.
+        # fp32 ZeRO-1 shards are non-leaf views, which add_param_group refuses; like
+        # megatron-core's DistributedOptimizer we set param_groups directly.
         super().__init__([torch.zeros(1, requires_grad=True)], dict(lr=1e-3))
         self.param_groups = param_groups
         self.md, self.muon = md, muon  # each slot's SliceMD knows its base
         self.slots: dict[torch.Tensor, MDSlot] = {}
         self.md_state: dict[torch.Tensor, MatrixState] = {}  # MD's fields (state.py)
-        self.reduce = identity_reduce
-        self.reduce_group = None  # the process group ``reduce`` sums over (None: no collective)
-        # whole-matrix leaves whose matrices sum over different groups (dense TP pieces, expert-
-        # TP pieces, whole matrices): each matrix's group (None: not summed), else None
-        self.item_groups: dict[int, object] | None = None  # id(SliceMD) -> process group
+        self.domains: dict[object, Domain] = {}
+        self.engine: Engine | None = None
+        self.compiled = False  # the engine's compiled kernels (MDConfig.use_fused)
+        self.reduce_group = None  # ZeRO-1: the group its one reduction goes over
         self.layout: list[int] | None = None  # ZeRO-1: partial sizes of every MD matrix
         self.norm_layout: list[int] | None = None
         self.pre_layout: list[int] | None = None
+        self.outputs = None  # () -> {id(member): flat destination of its W}; the integration's
         self.timers = None  # megatron Timers (config.timers) when the training loop sets them
         self.n_collectives = 0
         self.last_payload = 0
         self.last_payload_bytes = 0
-        # 0, or NaN once the step saw a non-finite reduced partial or gain (train/nonfinite.py)
+        self._counting = False
+        # a one-element tensor: 0, or NaN once the step saw a non-finite reduced partial or
+        # gain (train/nonfinite.py); the engine's
         self.probe = torch.zeros(1)
 
     # ---- set-up ----
     def bind(self, main: torch.Tensor, slot: MDSlot) -> None:
         self.slots[main] = slot
-        self.probe = self.probe.to(main.device)
+
+    def add_domain(self, key, reduce, group=None, zero1: bool = False) -> None:
+        """A reduction domain: ``reduce(buffer)`` sums over its ranks (None: nothing to sum);
+        ``zero1``: its matrices line up in the instance's global layout."""
+        if key not in self.domains:
+            lay = (self.layout, self.norm_layout, self.pre_layout) if zero1 else (None,) * 3
+            self.domains[key] = Domain(reduce, *lay)
+            self._groups = getattr(self, "_groups", {})
+            self._groups[key] = group
 
     def direction_of(self, p: torch.Tensor) -> torch.Tensor:
         """The flat direction Ŵ of main param ``p`` (fp32: MD's copy; else ``p`` itself)."""
+        if self.engine is not None:
+            self.engine.settle()  # a compiled step's rescale not yet taken by a fuse
         slot = self.slots[p]
-        d = self.md_state[p]["direction"] if slot.fp32_mode else p.data.view(-1)
-        slot.md.apply_pending_rescale(d)  # a fused step's rescale not yet taken by a fuse
-        return d
+        return self.md_state[p]["direction"] if slot.fp32_mode else p.data.view(-1)
 
-    def init_state(self, keep_base: bool = False) -> None:
-        """Create all state now (megatron's checkpoint code needs it before the first step):
-        zero moments, gains at 1, radii from the current weights (one reduction).
-        ``keep_base``: keep existing base-optimizer state (moments, step), redo only MD's."""
-        items, owners = [], []
-        for group in self.param_groups:
+    def _members(self) -> list[Member]:
+        out = []
+        for i, group in enumerate(self.param_groups):
             for p in group["params"]:
                 slot = self.slots.get(p)
                 if slot is None:
-                    if not (keep_base and self.state.get(p)):
-                        self.state[p] = {
-                            "step": torch.zeros((), dtype=torch.float32),
-                            "exp_avg": torch.zeros_like(p),
-                            "exp_avg_sq": torch.zeros_like(p),
-                        }
                     continue
-                extra = {"direction": p.detach().reshape(-1).clone()} if slot.fp32_mode else {}
-                self.md_state[p] = extra
-                direction = self.direction_of(p)
-                full = slot.md.init_state(direction)
-                if not (keep_base and self.state.get(p)):  # moments shaped like p (megatron)
-                    self.state[p] = {
-                        k: v if k == "step" else v.view(p.shape)
-                        for k, v in full.items()
-                        if k in BASE_FIELDS
-                    }
-                extra.update({k: v for k, v in full.items() if k not in BASE_FIELDS})
-                items.append(SliceItem(slot.md, direction, None, full, slot=slot.index))
-                owners.append(p)
-        counted = self.n_collectives, self.last_payload  # the step's collectives only
-        md_init_batched(items, self._counting_reduce, self.norm_layout)
-        self.n_collectives, self.last_payload = counted
-        for p, it in zip(owners, items):  # finish_init set the radius on the merged dict
-            self.md_state[p]["radius"] = it.state["radius"]
+                self.state.setdefault(p, {})
+                st = self.md_state.setdefault(p, {})
+                out.append(Member(slot.md, p, slot.fp32_mode, self.state[p], st, i,
+                                  slot.domain, slot.index, order=slot.order))  # fmt: skip
+        return out
+
+    def _vectors(self):
+        for i, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p not in self.slots:
+                    yield i, p
+
+    def init_state(self, keep_base: bool = False) -> None:
+        """Create all state now (megatron's checkpoint code needs it before the first step):
+        zero moments, gains at 1, radii from the current weights (one reduction per domain).
+        ``keep_base``: keep existing base-optimizer state (moments, step), redo only MD's."""
+        for _, p in self._vectors():
+            if not (keep_base and self.state.get(p)):
+                self.state[p] = {
+                    "step": torch.zeros((), dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
+        if self.engine is None:
+            self.engine = Engine(self._members(), self.domains, self.compiled)
+            self.probe = self.engine.probe
+        with self._uncounted():
+            self.engine.init_state(self._reduce, keep_base=keep_base)
+        self.engine.share_step([self.state[p] for _, p in self._vectors()])
 
     def reinit_from_weights(self) -> None:
         """MD state from the current main params, which hold W (continual training from a
         non-MD checkpoint): direction = W, gains 1, radius = its norm, so the model is
         unchanged. The base optimizer's moments are kept: with gains 1, G_Ŵ = G_W."""
         self.init_state(keep_base=True)
+
+    def rebind(self) -> None:
+        """After a load replaced state tensors (torch's load replaces the per-parameter state
+        dicts themselves): into the engine's storage again."""
+        if self.engine is not None:
+            for m in self.engine.members:
+                m.state = self.state[m.main]
+                m.md_state = self.md_state[m.main]
+            self.engine.rebind()
+            self.engine.share_step([self.state[p] for _, p in self._vectors()])
+
+    def load_state_dict(self, state_dict) -> None:
+        """torch's load (it replaces the state tensors), then adopted by the engine; megatron
+        copies its loaded values into them afterwards, in place."""
+        super().load_state_dict(state_dict)
+        self.rebind()
+
+    def reduced_norms(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Every MD matrix's squared sphere norms as they are, summed over its domain (checks
+        and diagnostics; collectives not counted as the step's): main -> (n_norm,)."""
+        with self._uncounted():
+            by_id = reduced_norms(self.engine, self._reduce)
+        return {m.main: by_id[id(m)] for m in self.engine.members if id(m) in by_id}
 
     # ---- the step ----
     def _timer(self, name: str):
@@ -142,101 +183,84 @@ class MDInner(torch.optim.Optimizer):
 
         return span()
 
-    def _counting_reduce(self, buf: torch.Tensor, items: list, segs: list) -> None:
-        if self.item_groups is not None:
-            self._reduce_by_group(buf, items, segs)
+    @contextlib.contextmanager
+    def _uncounted(self):
+        saved = self.n_collectives, self.last_payload, self.last_payload_bytes
+        try:
+            yield
+        finally:
+            self.n_collectives, self.last_payload, self.last_payload_bytes = saved
+
+    def _reduce(self, key, buf: torch.Tensor) -> None:
+        """Sum one domain's partials over its ranks, counted as the step's reductions (ZeRO-1's
+        one even on a single rank, where it sums nothing)."""
+        dom = self.domains[key]
+        if dom.reduce is None and dom.layout is None:
             return
+        if dom.reduce is not None:
+            with self._timer("md-reduce"):
+                dom.reduce(buf)
         self.n_collectives += 1
-        self.last_payload = buf.numel()
-        self.last_payload_bytes = buf.numel() * buf.element_size()
-        with self._timer("md-reduce"):
-            self.reduce(buf)
+        self.last_payload += buf.numel()
+        self.last_payload_bytes += buf.numel() * buf.element_size()
 
-    def _reduce_by_group(self, buf: torch.Tensor, items: list, segs: list) -> None:
-        """One all-reduce per group of the matrices' segments (in item order: the members of a
-        group hold the same matrices of it, in the same order)."""
-        import torch.distributed as dist
-
-        by_group: dict[int, tuple] = {}
-        for it, s in zip(items, segs):
-            group = self.item_groups[id(it.md)]
-            if group is not None:
-                by_group.setdefault(id(group), (group, []))[1].append(s)
-        self.last_payload = 0
-        with self._timer("md-reduce"):
-            for group, parts in by_group.values():
-                flat = torch.cat([buf[s] for s in parts])
-                dist.all_reduce(flat, group=group)
-                for s, v in zip(parts, flat.split([s.stop - s.start for s in parts])):
-                    buf[s] = v
-                self.n_collectives += 1
-                self.last_payload += flat.numel()
-        self.last_payload_bytes = self.last_payload * buf.element_size()
+    def hyperparameters(self) -> dict[int, HParams]:
+        """Each parameter group's hyper-parameters at its current LR (the schedule moves it)."""
+        g1, g2 = self.md.gain_betas
+        out = {}
+        for i, group in enumerate(self.param_groups):
+            b1, b2 = group.get("betas", (0.9, 0.999))
+            eps, lr, wd = group.get("eps", 1e-8), group["lr"], group.get("weight_decay", 0.0)
+            if wd and any(p in self.slots for p in group["params"]):
+                name = next(self.slots[p].name for p in group["params"] if p in self.slots)
+                raise ValueError(
+                    f"MD keeps {name} on a sphere: its weight decay must be 0 "
+                    "(use --weight-decay 0 with --md-decoupling)"
+                )
+            muon = None if self.muon is None else dataclasses.replace(self.muon, lr=lr)
+            out[i] = HParams(
+                AdamHParams(lr, b1, b2, eps, wd), muon,
+                AdamHParams(self.md.gain_lr_for(group), g1, g2, self.md.gain_eps),
+            )  # fmt: skip
+        return out
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("closure is not supported")
-        items, merged = [], []
-        vectors: dict[tuple, tuple] = {}  # (step, group) -> (hyper-params, Adam work of 1-D params)
-        g1, g2 = self.md.gain_betas
-        for group in self.param_groups:
-            b1, b2 = group.get("betas", (0.9, 0.999))
-            eps, lr, wd = group.get("eps", 1e-8), group["lr"], group.get("weight_decay", 0.0)
-            # hyper-parameters once per group (the LR schedule changes them between steps)
-            adam_hp = AdamHParams(lr, b1, b2, eps, wd)
-            base_hps = {"adam": AdamHParams(lr, b1, b2, eps, 0.0)}
-            if self.muon is not None:
-                base_hps["muon"] = dataclasses.replace(self.muon, lr=lr)
-            gain_hp = AdamHParams(self.md.gain_lr_for(group), g1, g2, self.md.gain_eps)
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                slot = self.slots.get(p)
-                if slot is None:  # 1-D params: torch AdamW arithmetic, megatron's wd schedule
-                    st["step"] = st["step"] + 1
-                    work = vectors.setdefault((int(st["step"]), id(group)), (adam_hp, []))[1]
-                    work.append((p, p.grad, st["exp_avg"], st["exp_avg_sq"]))
-                    continue
-                if wd:
-                    raise ValueError(
-                        f"MD keeps {slot.name} on a sphere: its weight decay must be 0 "
-                        "(use --weight-decay 0 with --md-decoupling)"
-                    )
-                base_hp = base_hps[slot.md.base]
-                flat = {k: v.view(-1) for k, v in st.items() if k != "step"}
-                full = {**self.md_state[p], **st, **flat}
-                merged.append((st, full))
-                items.append(
-                    SliceItem(
-                        slot.md,
-                        self.direction_of(p),
-                        p.grad.view(-1),
-                        full,
-                        base_hp,
-                        gain_hp,
-                        slot.index,
-                    )
-                )
-        for (t, _), (hp, works) in vectors.items():  # multi-tensor, as torch's AdamW on GPU
-            adam_multi_(*map(list, zip(*works)), t, hp)
+        hps = self.hyperparameters()
+        missing = [s.name for p, s in self.slots.items() if p.grad is None]
+        if missing:
+            raise RuntimeError(f"no gradient for MD matrix {missing[0]} (megatron sets every one)")
+        self.last_payload = self.last_payload_bytes = 0
         with self._timer("md-step"):
-            md_step_batched(
-                items, self._counting_reduce, self.layout, self.pre_layout, probe=self.probe
-            )
-        for st, full in merged:
-            st["step"] = full["step"]  # rebound by the step; everything else is updated in place
-        with self._timer("md-fuse"):
-            for p, slot in self.slots.items():
-                if slot.fp32_mode and p.grad is not None:
-                    slot.md.fuse(self.md_state[p]["direction"], self.md_state[p], p.data.view(-1))
+            self.engine.step(hps, self._reduce)
+        vectors: dict[int, list] = {}  # 1-D params: torch AdamW arithmetic, multi-tensor
+        for i, p in self._vectors():
+            if p.grad is not None:
+                st = self.state[p]
+                vectors.setdefault(i, []).append((p, p.grad, st["exp_avg"], st["exp_avg_sq"]))
+        for i, works in vectors.items():
+            adam_multi_(*map(list, zip(*works)), self.engine.steps, hps[i].adam)
+        if any(s.fp32_mode for s in self.slots.values()):  # W is the main param: now
+            with self._timer("md-fuse"):
+                self.engine.fuse(self.outputs(), fp32_mode=True)
         return None
 
     def fuse_into(self, main: torch.Tensor, out: torch.Tensor) -> bool:
-        """Write W = Γ ⊙ Ŵ of ``main`` (a direction) into ``out``; False if ``main`` is not MD."""
+        """Write W = Γ ⊙ Ŵ of ``main`` (a direction) into ``out``; False if ``main`` is not an
+        MD matrix whose main param is its direction."""
         slot = self.slots.get(main)
         if slot is None or slot.fp32_mode:
             return False
-        slot.md.fuse(main.data.view(-1), self.md_state[main], out.view(-1))
+        member = next(m for m in self.engine.members if m.main is main)
+        out.view(-1).copy_(self.engine.fused_weight(member))
         return True
+
+    def fuse(self) -> None:
+        """W = Γ ⊙ Ŵ of every MD matrix whose main param is its direction into its destination
+        (the integration's ``outputs``: megatron's main→model copy); fp32 params' W is
+        written by the step itself."""
+        if self.engine is not None and self.slots:
+            with self._timer("md-fuse"):
+                self.engine.fuse(self.outputs(), fp32_mode=False)

@@ -35,7 +35,8 @@ GAIN_NAMES = {
 def row_block_ids(d_out: int, row_blocks: tuple[int, ...]) -> torch.Tensor | None:
     """Block id of every row of a fused QKV matrix split as megatron's Muon splits it: rows
     come in query groups of ``sum(row_blocks)`` rows, ``row_blocks[b]`` of each belong to
-    block b (emerging_optimizers.py:312-314). None: one block (no split)."""
+    block b (emerging_optimizers.py, TensorParallelMuon.orthogonalize). None: one block (no
+    split)."""
     if not row_blocks:
         return None
     period = sum(row_blocks)
@@ -131,14 +132,15 @@ def init_gain_state(
     one = maps.raw_for_unit_gain(spec.gain_map)
     shapes = {"gain_scalar": (), "gain_row": (d_out,), "gain_col": (d_in,)}
     st: MatrixState = {}
+    dtype = torch.float32 if like is None else like.dtype
     for name in GAIN_NAMES[spec.gains]:
         if name == "gain_a":
             gen = torch.Generator().manual_seed(seed)
             raw = torch.randn(d_out, spec.gain_rank, generator=gen) * spec.lowrank_init_std
         elif name == "gain_b":
             raw = torch.zeros(d_in, spec.gain_rank)
-        else:
-            raw = torch.full(shapes[name], one)
+        else:  # g = 1 to the precision of the direction
+            raw = torch.full(shapes[name], one, dtype=dtype)
         if like is not None:  # dtype/device of the direction
             raw = raw.to(like.device, like.dtype)
         st[name] = raw

@@ -30,7 +30,7 @@ def residual_write(name: str) -> bool:
 
 def qkv_split_shapes(config) -> tuple[int, int, int]:
     """Rows of one query group of megatron's fused QKV weight: (q, k, v), as megatron-core's
-    Muon splits it (core/optimizer/emerging_optimizers.py:133)."""
+    Muon splits it (core/optimizer/emerging_optimizers.py, _get_qkv_split_shapes)."""
     q = config.num_attention_heads // config.num_query_groups * config.kv_channels
     return (q, config.kv_channels, config.kv_channels)
 
@@ -38,7 +38,8 @@ def qkv_split_shapes(config) -> tuple[int, int, int]:
 def qkv_blocks(param: torch.Tensor) -> tuple[int, ...]:
     """The Q/K/V split of a fused QKV weight, from megatron's own tags (``is_qkv``,
     ``qkv_split_shapes``: set on the model by ``get_megatron_optimizer`` for Muon,
-    core/optimizer/__init__.py:777-791, or by ``tag_qkv``); () for any other parameter."""
+    core/optimizer/__init__.py, _get_megatron_emerging_optimizer, or by ``tag_qkv``); () for any
+    other parameter."""
     if not getattr(param, "is_qkv", False):
         return ()
     return tuple(param.qkv_split_shapes)

@@ -10,8 +10,9 @@ expert-TP group instead (``--expert-tensor-parallel-size``): their pieces' parti
 over expert-TP × expert-DP, a group megatron-core does not make (``prepare_groups``).
 
 Reads megatron's parameter attributes ``tensor_model_parallel``, ``partition_dim``,
-``partition_stride`` (core/tensor_parallel/layers.py:136, set_tensor_model_parallel_attributes)
-and ``allreduce`` (False on routed experts, core/tensor_parallel/layers.py:1017).
+``partition_stride`` (core/tensor_parallel/layers.py, set_tensor_model_parallel_attributes,
+set_tensor_model_parallel_attributes) and ``allreduce`` (False on routed experts,
+core/tensor_parallel/layers.py, ColumnParallelLinear).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def etp_size() -> int:
 
 def is_expert(param) -> bool:
     """megatron marks routed experts' parameters ``allreduce=False`` (reduced over expert
-    groups, core/tensor_parallel/layers.py:1017)."""
+    groups, core/tensor_parallel/layers.py, ColumnParallelLinear)."""
     return not getattr(param, "allreduce", True)
 
 
@@ -200,7 +201,8 @@ class PieceGather:
     """MuonMD's Newton–Schulz on the full matrix of a TP piece (megatron's ``--muon-tp-mode
     duplicated``): ``full`` all-gathers the pieces along the split axis in rank order (for
     SwiGLU's stride 2 a row permutation of the full matrix, which orthogonalization commutes
-    with), ``own`` takes this rank's piece back out."""
+    with), ``own`` takes this rank's piece back out. A leading batch dimension (a stack of
+    same-placed pieces) is gathered in the same one collective."""
 
     def __init__(self, piece: TPShard):
         self.piece, self.group = piece, group_of(piece)
@@ -210,7 +212,7 @@ class PieceGather:
 
         parts = [torch.empty_like(x) for _ in range(self.piece.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=self.piece.axis)
+        return torch.cat(parts, dim=self.piece.axis + x.ndim - 2)
 
     def own(self, x):
-        return x.chunk(self.piece.size, dim=self.piece.axis)[self.piece.rank]
+        return x.chunk(self.piece.size, dim=self.piece.axis + x.ndim - 2)[self.piece.rank]

@@ -25,10 +25,13 @@ from megatron.md.wrappers import md_wrapper
 
 
 def _copy_main_params_to_model_params(self):
-    """bf16 params: the fused W = Γ ⊙ Ŵ (else a plain copy) into the model param."""
+    """bf16 params: the fused W = Γ ⊙ Ŵ of every MD matrix (one batched pass,
+    ``MDInner.fuse``), a plain copy for the rest, into the model params."""
+    self.optimizer.fuse()
+    md = self.optimizer.slots
     for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
         for model_param, main_param in zip(model_group, main_group):
-            if not self.optimizer.fuse_into(main_param, model_param.data):
+            if main_param not in md:
                 model_param.data.copy_(main_param)
 
 
@@ -93,7 +96,7 @@ def muon_hparams(config, md: MDConfig) -> MuonHParams:
 def _dp_rank(param) -> int:
     from megatron.core import parallel_state as ps
 
-    if getattr(param, "allreduce", True):
+    if not tensor_parallel.is_expert(param):
         return ps.get_data_parallel_rank()
     return ps.get_expert_data_parallel_rank()
 
@@ -118,21 +121,10 @@ def setup_whole(opt, roles: dict, names: dict, md: MDConfig, layer_wise: bool) -
     inner = MDInner(opt.optimizer.param_groups, md, muon)
     inner.timers = getattr(opt.config, "timers", None)
     mains = [mp for mp in main_params(opt) if roles[mp.model] != "vector"]
-    # each matrix's partials sum over its TP group (dense) or expert-TP group (routed experts);
-    # None: whole here, nothing to sum
-    groups = [
-        tensor_parallel.reduce_group(None, tensor_parallel.is_expert(mp.model)) for mp in mains
-    ]
-    distinct = {id(g): g for g in groups}
-    if len(distinct) == 1 and None not in distinct.values():
-        (group,) = distinct.values()
-        inner.reduce = lambda buf: dist.all_reduce(buf, group=group)
-        inner.reduce_group = group
-    elif len(distinct) > 1:  # e.g. layer-wise: dense matrices and expert-TP pieces in one leaf
-        inner.item_groups = {}
     elements = sum(mp.main.numel() for mp in mains)
-    fused = bool(mains) and md.use_fused(mains[0].main.device.type, elements)
-    for mp, mp_group in zip(mains, groups):
+    inner.compiled = bool(mains) and md.use_fused(mains[0].main.device.type, elements)
+    outputs = {}
+    for mp in mains:
         role = roles[mp.model]
         shape = tuple(mp.model.shape)
         # Embeddings and LM head always use Adam (paper); matrices and router the chosen base;
@@ -145,15 +137,26 @@ def setup_whole(opt, roles: dict, names: dict, md: MDConfig, layer_wise: bool) -
             )
         spec = spec_for(role, md, residual_write(names[mp.model]), blocks)
         tp, counts = tensor_parallel.placement(mp.model)
-        sm = SliceMD(shape, 0, shape[0] * shape[1], spec, base, fused=fused, tp=tp, counts=counts)
+        sm = SliceMD(shape, 0, shape[0] * shape[1], spec, base, tp=tp, counts=counts)
         slot = MDSlot(sm, mp.is_model_weight, None, names[mp.model], mp.model)
         # LayerWise: one owner per matrix; replicated: every DP rank holds a copy.
         slot.replica = slot.dir_replica = 0 if layer_wise else _dp_rank(mp.model)
-        slot.replica = tensor_parallel.replica_id(slot.replica, tensor_parallel.is_expert(mp.model))
-        if inner.item_groups is not None:
-            inner.item_groups[id(sm)] = mp_group
+        expert = tensor_parallel.is_expert(mp.model)
+        slot.replica = tensor_parallel.replica_id(slot.replica, expert)
+        # each matrix's partials sum over its TP group (dense) or expert-TP group (routed
+        # experts): a reduction domain per group; none for a matrix whole on the rank
+        group = tensor_parallel.reduce_group(None, expert)
+        slot.domain = None if group is None else id(group)
+        reduce = None if group is None else (lambda buf, g=group: dist.all_reduce(buf, group=g))
+        inner.add_domain(slot.domain, reduce, group)
+        # ordered by its place in megatron's grad buffer (its gradient's address)
+        grad_home = getattr(mp.model, "main_grad", None)
+        slot.order = (grad_home if grad_home is not None else mp.model).data_ptr()
         inner.bind(mp.main, slot)
+        outputs[mp.main] = mp.model  # W: the model param (bf16), or the fp32 weight itself
     opt.optimizer = inner
     opt.init_state_fn = lambda *a, **k: None  # MDInner creates all its state up front
     opt.__class__ = md_class(type(opt))
     inner.init_state()
+    out = {id(m): outputs[m.main] for m in inner.engine.members}
+    inner.outputs = lambda: out

@@ -24,9 +24,9 @@ def begin_model_load(optimizer) -> None:
 def finish_model_load(optimizer) -> int:
     """After megatron loaded a checkpoint: an MD wrapper that received neither optimizer state
     nor ``reload_model_params`` (``--finetune`` / ``--no-load-optim`` with fp32 params:
-    megatron reloads main params only for fp16/bf16, training/checkpointing.py:2611) still holds
-    MD state made from the weights *before* the load, and its first step would write them back
-    over the loaded ones. Recreate it from the loaded weights; returns how many were."""
+    megatron reloads main params only for fp16/bf16, training/checkpointing.py, load_checkpoint)
+    still holds MD state made from the weights *before* the load, and its first step would write
+    them back over the loaded ones. Recreate it from the loaded weights; returns how many were."""
     n = 0
     for opt in leaf_optimizers(optimizer):
         if is_md_wrapper(opt) and not opt.md_state_loaded:
@@ -39,7 +39,9 @@ def finish_model_load(optimizer) -> int:
 def _load_fixed(base_cls, self, state_dict, fix_step: bool) -> None:
     """megatron's load under no_grad, then one step tensor per param (``_md_fix_step`` below)."""
     step = state_dict["optimizer"]["param_groups"][0].get("step") if fix_step else None
-    with torch.no_grad():  # fp32 main params are views of leaf params (distrib_optimizer.py:1225)
+    # fp32 main params are views of leaf params (megatron's
+    # DistributedOptimizer._set_main_param_and_optimizer_states)
+    with torch.no_grad():
         base_cls.load_state_dict(self, state_dict)
     if step is not None:
         for st in self.optimizer.state.values():
@@ -49,9 +51,10 @@ def _load_fixed(base_cls, self, state_dict, fix_step: bool) -> None:
 def fix_plain_resume(optimizer) -> None:
     """Resume of megatron's own (non-MD) DistributedOptimizer without TE/Apex, the three
     upstream bugs worked around here in one place: the load template needs torch AdamW state
-    before the first step (distrib_optimizer.py:839 asserts one step value), the load writes
-    into views of leaf params (:1225, needs no_grad), and every param ends up sharing ONE step
-    tensor, advanced N times per step (:1027-1032, :1220)."""
+    before the first step (``DistributedOptimizer.state_dict`` asserts one step value), the
+    load writes into views of leaf params (``_set_main_param_and_optimizer_states``, needs
+    no_grad), and every param ends up sharing ONE step tensor, advanced N times per step
+    (``load_state_dict``, ``_set_main_param_and_optimizer_states``)."""
     from megatron.core.optimizer import distrib_optimizer as dopt
 
     if dopt.HAVE_APEX_OR_TE:
@@ -87,8 +90,9 @@ def fix_plain_resume(optimizer) -> None:
 # base (megatron's wrappers have an ABC layout), and megatron builds its wrappers with no hook.
 # The methods below read two class attributes: ``_md_base`` (the megatron class) and
 # ``_md_fix_step`` (DistributedOptimizer without TE/Apex aliases ONE step tensor to every
-# param on load and dp_reshardable copies the pre-load step into it,
-# distrib_optimizer.py:1027-1032, :1220: the checkpoint's step is restored afterwards).
+# param on load and dp_reshardable copies the pre-load step into it: megatron's
+# DistributedOptimizer.load_state_dict and _set_main_param_and_optimizer_states; the
+# checkpoint's step is restored afterwards).
 
 
 def md_sharded_state_dict(self, model_sharded_state_dict, is_loading=False, **kwargs):
@@ -107,6 +111,7 @@ def md_load_state_dict(self, state_dict) -> None:
     md = state_dict.pop("md", None)
     _load_fixed(self._md_base, self, state_dict, self._md_fix_step)
     load_md(self, md)
+    self.optimizer.rebind()  # what the load replaced, into the engine's storage again
     self.md_state_loaded = True
 
 
@@ -122,7 +127,8 @@ def md_grads_for_grad_norm(self, grad_norm_group=None) -> list:
     is finite, NaN once not, so megatron's norm reduction carries the flag to the host
     (train/nonfinite.py) with no synchronization of MD's own."""
     grads = self._md_base.get_grads_for_grad_norm(self, grad_norm_group)
-    if grad_norm_group is None and self.optimizer.slots:
+    engine = self.optimizer.engine
+    if grad_norm_group is None and engine is not None and engine.watches:
         probe = self.optimizer.probe
         probe.md_probe_of = self
         grads = [*grads, probe]

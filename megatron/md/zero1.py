@@ -28,21 +28,50 @@ from megatron.md.wrappers import md_wrapper
 
 
 def _copy_main_params_to_model_params(self):
-    """Fused W = Γ ⊙ Ŵ (else a plain copy) into the model's param buffer."""
+    """The fused W = Γ ⊙ Ŵ of every MD matrix (one batched pass, ``MDInner.fuse``), a plain
+    copy for the rest, into the model's param buffer."""
     if self.is_stub_optimizer:
         return
+    self.optimizer.fuse()
+    md = self.optimizer.slots
     for shard_groups, model_groups in (
         (self.shard_fp32_from_float16_groups, self.model_float16_groups),
         (self.shard_fp32_groups, self.model_fp32_groups),
     ):
         for shard_group, model_group in zip(shard_groups, model_groups):
             for shard, model_param in zip(shard_group, model_group):
-                world = self._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
-                gbuf_index, _, bucket_id = self.model_param_gbuf_map[model_param]
-                buf = self.buffers[gbuf_index].buckets[bucket_id].param_data
-                out = buf.view(-1)[world.start : world.end]
-                if not self.optimizer.fuse_into(shard, out):
-                    out.data.copy_(shard)
+                if shard not in md:
+                    _param_buffer_range(self, model_param).data.copy_(shard)
+
+
+def _param_buffer_range(opt, model_param) -> torch.Tensor:
+    """This rank's range of ``model_param`` in megatron's param buffer (flat)."""
+    world = opt._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
+    gbuf_index, _, bucket_id = opt.model_param_gbuf_map[model_param]
+    buf = opt.buffers[gbuf_index].buckets[bucket_id].param_data
+    return buf.view(-1)[world.start : world.end]
+
+
+def _outputs(opt):
+    """MD's destinations of W: the fp32 weight itself (fp32 params) or this rank's range of
+    the param buffer (bf16), made once and again only when megatron re-allocates a bucket's
+    param data (checked by address: no work per step)."""
+    inner = opt.optimizer
+    cache = {}
+
+    def outputs() -> dict[int, torch.Tensor]:
+        key = tuple(b.param_data.data_ptr() if b.param_data is not None else 0
+                    for buf in opt.buffers for b in buf.buckets)  # fmt: skip
+        if cache.get("key") != key:
+            out = {}
+            for m in inner.engine.members:
+                slot = inner.slots[m.main]
+                out[id(m)] = m.main if slot.fp32_mode else _param_buffer_range(
+                    opt, slot.model_param)  # fmt: skip
+            cache.update(key=key, out=out)
+        return cache["out"]
+
+    return outputs
 
 
 @md_wrapper
@@ -75,11 +104,10 @@ def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
         )
     inner = MDInner(opt.optimizer.param_groups, md, None)
     dp_group = opt.data_parallel_group
-    expert = any(not getattr(p, "allreduce", True) for buf in opt.buffers for p in buf.params)
+    expert = any(tensor_parallel.is_expert(p) for buf in opt.buffers for p in buf.params)
     group = tensor_parallel.reduce_group(dp_group, expert)  # under TP: TP × DP, one collective
-    if group is not None and dist.get_world_size(group) > 1:
-        inner.reduce = lambda buf: dist.all_reduce(buf, group=group)
-        inner.reduce_group = group
+    summed = group is not None and dist.get_world_size(group) > 1
+    inner.reduce_group = group if summed else None
     inner.timers = getattr(opt.config, "timers", None)
     dp_rank = dp_group.rank() if dp_group is not None else 0
     # Every rank lays out partials for ALL MD matrices of the instance in buffer order, so one
@@ -96,21 +124,26 @@ def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
                 inner.layout.append(empty.n_partials())
                 inner.norm_layout.append(empty.n_norm)
                 inner.pre_layout.append(empty.n_pre_partials())
+    reduce = (lambda buf: dist.all_reduce(buf, group=group)) if summed else None
+    inner.add_domain("zero1", reduce, group if summed else None, zero1=True)
     mains = [mp for mp in main_params(opt) if roles[mp.model] != "vector"]
     elements = sum(mp.main.numel() for mp in mains)
-    fused = bool(mains) and md.use_fused(mains[0].main.device.type, elements)
+    inner.compiled = bool(mains) and md.use_fused(mains[0].main.device.type, elements)
     for mp in mains:
         shape = tuple(mp.model.shape)
-        spec = specs[mp.model]
         end = mp.start + mp.main.numel()
         tp, counts = tensor_parallel.placement(mp.model)
-        sm = SliceMD(shape, mp.start, end, spec, "adam", fused=fused, tp=tp, counts=counts)
+        sm = SliceMD(shape, mp.start, end, specs[mp.model], "adam", tp=tp, counts=counts)
         slot = MDSlot(sm, mp.is_model_weight, index[mp.model], names[mp.model], mp.model)
         # gains/radius are replicated over the ranks owning a slice of this matrix;
         # the first of them writes them to checkpoints (replica 0)
         slot.replica, slot.dir_replica = dp_rank - _first_owner(opt, mp.model), 0
         slot.replica = tensor_parallel.replica_id(slot.replica, expert)
+        slot.domain = "zero1"
+        # ordered by its range of the param buffer (and so of the grad buffer, laid out alike)
+        slot.order = _param_buffer_range(opt, mp.model).data_ptr()
         inner.bind(mp.main, slot)
     opt.optimizer = inner
     opt.__class__ = MDDistributedOptimizer
     inner.init_state()
+    inner.outputs = _outputs(opt)

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node W md_check.py --optimizer adam|muon --dist zero1|layerwise|replicated
         [--dtype fp32|bf16] [--experts 4] [--sphere frobenius] [--vs reference|megatron]
         [--device cuda]   (NCCL, one rank per GPU; the oracle then runs on the GPU too)
-        [--fused-step]    (AdamMD's compiled kernels, megatron/md/fused.py)
+        [--fused-step]    (AdamMD's compiled kernels, megatron/md/engine/compiled.py)
         [--cp 2]          (megatron's context-parallel groups: DP × CP = W)
 
 Every rank feeds the same batch, so the data-parallel mean gradient equals each rank's local
@@ -11,8 +11,8 @@ gradient; the check isolates the optimizer. With ``--cp`` each rank feeds its co
 share of the sequence (megatron's ``get_batch_on_this_cp_rank``: zigzag chunks, RoPE positions
 of those chunks), so the ranks' gradients differ and the oracle gets their DP × CP mean, the
 gradient megatron's DDP reduces over its DP × CP group. megatron-core runs CP attention only
-with Transformer Engine (core/transformer/dot_product_attention.py:57-59): the model is built
-with CP 1 in its config, so its local attention sees only the rank's chunks (not the ring
+with Transformer Engine (core/transformer/dot_product_attention.py, DotProductAttention): the model
+is built with CP 1 in its config, so its local attention sees only the rank's chunks (not the ring
 attention of a real CP run); the optimizer, which is what is checked, gets megatron's CP groups.
 
 --vs reference: the oracle is the single-process ``MDOptimizer`` (reference MD step) fed the
@@ -126,7 +126,8 @@ def build(args, world):
         inner, model.config, args.dist, world, args.optimizer,
         lr=LR, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99, adam_eps=1e-8,
         clip_grad=getattr(args, "clip", CLIP),
-        # LayerWise needs bf16=True even for fp32 params (layer_wise_optimizer.py:505)
+        # LayerWise needs bf16=True even for fp32 params (layer_wise_optimizer.py,
+        # LayerWiseDistributedOptimizer)
         bf16=args.dtype == "bf16" or args.dist == "layerwise",
         muon_momentum=0.95, muon_nesterov=True, muon_split_qkv=split_qkv(args),
         # under TP, MuonMD orthogonalizes full matrices (and compares with megatron doing so);

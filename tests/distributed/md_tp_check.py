@@ -11,9 +11,9 @@ TP × DP = W; every rank feeds the same batch. The model is megatron's GPT built
 CPU initialization (each rank's piece is its chunk of the same full weights); the oracle is the
 reference ``MDOptimizer`` on the full matrices gathered from the TP ranks, fed the gathered
 gradients megatron computed. Not here: sequence parallelism (megatron-core refuses it with
-torch norms, core/transformer/torch_norm.py:50); MoE under TP, which megatron refuses in
-training without it, runs its forward in eval mode (``build``); tests/test_tensor_parallel.py
-covers the TP-replicated router's arithmetic.
+torch norms, core/transformer/torch_norm.py, WrappedTorchNorm.__new__); MoE under TP, which
+megatron refuses in training without it, runs its forward in eval mode (``build``);
+tests/test_tensor_parallel.py covers the TP-replicated router's arithmetic.
 After the steps: gathered model weights vs. the oracle's, every rank's direction slice vs. the
 oracle's, the sphere invariant from the reduced norms, and the collectives MD adds to megatron's
 own optimizer step. One JSON line per job on rank 0 (``A + B`` runs several jobs).
@@ -111,9 +111,10 @@ def build(args, world):
     model, dmodel, opt = md_check.build(args, world // args.tp)
     if args.experts and args.tp > 1:
         # megatron refuses MoE under TP without sequence parallelism in training mode
-        # (core/transformer/moe/moe_layer.py:629), and SP needs TE's norms (torch_norm.py:50):
-        # the forward runs in eval mode, which leaves out the router's auxiliary loss and
-        # expert-bias update (router.py:799, :338); the gradients still reach every matrix
+        # (core/transformer/moe/moe_layer.py, MoELayer.forward), and SP needs TE's norms
+        # (torch_norm.py, WrappedTorchNorm.__new__): the forward runs in eval mode, which leaves
+        # out the router's auxiliary loss and expert-bias update (router.py, TopKRouter.routing);
+        # the gradients still reach every matrix
         model.train(False)
     return model, dmodel, opt
 
@@ -131,9 +132,9 @@ def step(dmodel, opt, x, y, calls=None):
     full = lambda p: gather(p.main_grad.detach().clone(), p)
     grads = md_check.step(dmodel, opt, x, y, calls, grad_of=full, after_backward=tp_sum)
     # what megatron's reduction makes of an expert gradient every rank computed alike: scaled
-    # by 1 / (DP × CP) (core/distributed/distributed_data_parallel.py:213), summed over expert
-    # DP. Under expert TP each rank's expert piece saw the tokens of its whole expert-TP group
-    # (all-gathered), so its local gradient is that many batches' worth.
+    # by 1 / (DP × CP) (core/distributed/distributed_data_parallel.py, DistributedDataParallel),
+    # summed over expert DP. Under expert TP each rank's expert piece saw the tokens of its whole
+    # expert-TP group (all-gathered), so its local gradient is that many batches' worth.
     scale = ps.get_expert_data_parallel_world_size() / ps.get_data_parallel_world_size(
         with_context_parallel=True
     )
@@ -161,29 +162,12 @@ def megatron_step_elements(dmodel, opt, x, y) -> int:
 
 def sphere_err(inner) -> float:
     """max |‖Ŵ‖ / radius − 1| over every sphere of every matrix, from norm partials reduced the
-    way the optimizer reduces them (its layout, its group, replicas dropped)."""
-    slots = list(inner.slots.items())
-    sizes = inner.norm_layout or [s.md.n_norm for _, s in slots]
-    offs = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    buf = torch.zeros(offs[-1])
-    for k, (main, slot) in enumerate(slots):
-        i = slot.index if slot.index is not None else k
-        if slot.md.counts:
-            slot.md.norm_partials(inner.direction_of(main).float(), buf[offs[i] : offs[i + 1]])
-    if inner.item_groups is None:
-        inner.reduce(buf)
-    else:  # each matrix over its own group (whole-matrix leaf mixing dense and expert pieces)
-        counted = inner.n_collectives, inner.last_payload
-        segs = [slice(offs[k], offs[k + 1]) for k in range(len(slots))]
-        inner._reduce_by_group(buf, [s for _, s in slots], segs)
-        inner.n_collectives, inner.last_payload = counted
+    way the optimizer reduces them (its domains, replicas dropped)."""
     worst = 0.0
-    for k, (main, slot) in enumerate(slots):
-        i = slot.index if slot.index is not None else k
+    for main, sq in inner.reduced_norms().items():
         r = inner.md_state[main]["radius"]
         if r is not None:
-            cur = buf[offs[i] : offs[i + 1]].sqrt()
-            worst = max(worst, float((cur / r.reshape(-1) - 1).abs().max()))
+            worst = max(worst, float((sq.sqrt() / r.reshape(-1) - 1).abs().max()))
     return worst
 
 
@@ -301,7 +285,7 @@ def check(args) -> dict:
     extra.subtract(base_calls)
     missing.subtract(md_calls)
     tp_slots = [s for i in inners for s in i.slots.values() if s.md.tp is not None]
-    summing = [i for i in inners if i.reduce_group is not None or i.item_groups is not None]
+    summing = [i for i in inners if any(d.reduce is not None for d in i.domains.values())]
     return {
         "world": world,
         "tp": ps.get_tensor_model_parallel_world_size(),

@@ -15,7 +15,7 @@ import argparse
 import os
 
 #: args that make the model what it is (megatron's ``load_args_from_checkpoint`` list,
-#: checkpointing.py:1894-1959, and ours); their saved values are replayed as flags
+#: checkpointing.py, load_args_from_checkpoint, and ours); their saved values are replayed as flags
 ARCH = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "group_query_attention", "kv_channels", "seq_length", "max_position_embeddings",

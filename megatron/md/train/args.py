@@ -271,7 +271,8 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
             ):
                 _fail("--md-adam-layer-wise needs --optimizer adam --use-distributed-optimizer")
             # megatron shards layer-wise only for emerging optimizers: its args say so for
-            # muon (training/arguments.py:1680); patches build the optimizer as layer-wise Muon
+            # muon (training/arguments.py, validate_args); patches build the optimizer as
+            # layer-wise Muon
             args.use_layer_wise_distributed_optimizer = True
             args.use_distributed_optimizer = False
     elif args.md_adam_layer_wise:
@@ -283,7 +284,8 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
     if args.use_layer_wise_distributed_optimizer and args.save and not args.bf16:
         _fail(
             "Muon with --use-distributed-optimizer (layer-wise) saves checkpoints only for bf16 "
-            "params in megatron-core 0.19.2 (core/optimizer/optimizer.py:1150): add --bf16"
+            "params in megatron-core 0.19.2 (Float16OptimizerWithFloat16Params.sharded_state_dict"
+            "): add --bf16"
         )
     if args.decoupled_lr is not None or args.decoupled_min_lr is not None:
         _fail(

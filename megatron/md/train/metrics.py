@@ -238,7 +238,7 @@ def _timers_ms(n_iters: int) -> dict:
         return {}
     out = {}
     for name in TIMERS:
-        t = timers._timers.get(name)  # only enabled timers are stored (timers.py:241)
+        t = timers._timers.get(name)  # only enabled timers are stored (timers.py, Timers.__call__)
         if t is not None:
             out[name] = 1e3 * t.elapsed(reset=name.startswith("md-")) / max(1, n_iters)
     return out

@@ -59,9 +59,10 @@ def _with_sandwich(spec, cfg, alpha: float):
 def spec_call(args, cfg, use_te: bool, vp_stage=None):
     """(megatron-core spec builder, the one it delegates to, kwargs): what ``layer_spec``
     calls. The Transformer Engine layer builder takes no ``normalization`` (TENorm reads it
-    from the config), the local one does (core/models/gpt/gpt_layer_specs.py:179, :359); MoE
-    goes through the decoder-block builder for either (:676), which picks TE grouped experts
-    for --moe-grouped-gemm from the config."""
+    from the config), the local one does (core/models/gpt/gpt_layer_specs.py:
+    ``get_gpt_layer_with_transformer_engine_submodules``, ``get_gpt_layer_local_submodules``);
+    MoE goes through the decoder-block builder for either (``get_gpt_decoder_block_spec``),
+    which picks TE grouped experts for --moe-grouped-gemm from the config."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if args.num_experts:
@@ -97,7 +98,7 @@ def layer_spec(args, cfg, use_te: bool, vp_stage=None):
 def model_provider(
     pre_process=True, post_process=True, config=None, pg_collection=None, vp_stage=None, **_
 ):
-    """Called by megatron.training's get_model (training.py:1758)."""
+    """Called by megatron.training's get_model (training.py, get_model)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args

@@ -132,7 +132,8 @@ def normed_attention_class():
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
             """megatron's saves only a learnable softmax offset here
-            (dot_product_attention.py:253); s_qk is added, replicated."""
+            (dot_product_attention.py, DotProductAttention.sharded_state_dict); s_qk is added,
+            replicated."""
             from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
             out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
@@ -171,7 +172,8 @@ def ngpt_model_class():
 
     class NGPTModel(GPTModel):
         """GPTModel with nGPT's logit scale s_z (after megatron's own logit scaling,
-        language_module.py:320; called on the LM head's output, gpt_model.py:766)."""
+        language_module.py, LanguageModule._scale_logits; called on the LM head's output,
+        gpt_model.py, GPTModel._postprocess)."""
 
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)

@@ -148,7 +148,8 @@ def wrap_optimizer_config(orig, run=None):
             config.optimizer, config.muon_split_qkv = "muon", False
             config.use_layer_wise_distributed_optimizer = True
         if config.use_layer_wise_distributed_optimizer:
-            config.bf16 = True  # layer_wise_optimizer.py:505 needs it even for fp32 params
+            # LayerWiseDistributedOptimizer.__init__ needs it even for fp32 params
+            config.bf16 = True
         overrides = dict(overrides or {})
         groups = (
             ("md_embedding", args.embedding_lr, lambda p, n: is_embedding(n)),
@@ -296,11 +297,11 @@ def _load_init(load, model, optimizer, scheduler, *a, **kw):
 
 def _adopt_param_groups(optimizer) -> list:
     """For ``--init-from`` with optimizer state: megatron pairs saved and current parameter
-    groups by their hyper-parameters (core/optimizer/distrib_optimizer.py:941-970), so a run
-    with other LRs than the source's could not load its moments. The moments are stored per
-    parameter, not per group: give the load this run's groups (its hyper-parameters) with the
-    source's step count. Returns the optimizers whose ``load_state_dict`` was wrapped (on the
-    instance, for this load only)."""
+    groups by their hyper-parameters (core/optimizer/distrib_optimizer.py,
+    DistributedOptimizer.load_state_dict.make_needed_groups), so a run with other LRs than the
+    source's could not load its moments. The moments are stored per parameter, not per group: give
+    the load this run's groups (its hyper-parameters) with the source's step count. Returns the
+    optimizers whose ``load_state_dict`` was wrapped (on the instance, for this load only)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     from megatron.md.leaves import leaf_optimizers

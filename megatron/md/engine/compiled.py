@@ -1,0 +1,199 @@
+"""AdamMD's phases of a whole group as compiled kernels (``torch.compile``; ``--md-fused-step``,
+on by default for a CPU optimizer at scale: ``MDConfig.use_fused``).
+
+Eager, an AdamMD group costs ~14 elementwise passes (Ŵ⊙G, two mat-vecs, G_Ŵ in two products,
+Adam's seven, the norm) where torch's AdamW costs seven. Compiled, phase 1 (gain-gradient
+partials, G_Ŵ = Γ ⊙ G, Adam on Ŵ, the sphere's squared-norm partials) is one read of Ŵ, G and
+the moments and one write of Ŵ and the moments (with column gains, plus Ŵ⊙G written once to a
+scratch buffer for a batched mat-vec), for all B matrices of the group; the sphere rescale
+waits for the fuse, so rescale and W = Γ ⊙ Ŵ are one read of Ŵ and one write of Ŵ and of W.
+Same formulas as the eager group (tested against it and the reference); the rounding differs
+by fp32 reassociation only (inductor contracts products and orders sums its own way), so it is
+never used where bit-identity is promised (MD off). One compile per group shape (static
+shapes; the hyper-parameters travel as a small tensor, so a new step does not recompile).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from megatron.md.base_steps import AdamHParams
+
+#: gains and spheres the compiled kernels cover (others, the tangent projection, TP pieces and
+#: cut slices: the eager group)
+GAINS = ("none", "row", "col", "rowcol")
+SPHERES = ("frobenius", "row", "col", "none")
+#: compiled variants allowed per function (dynamo's default, 8, is global)
+RECOMPILE_LIMIT = 64
+
+
+def _adam(w, g, m, v, hp):
+    """torch AdamW's arithmetic (lerp with weight < 0.5, addcmul, sqrt/bc2 + eps, addcdiv);
+    hp = [step_size, sqrt(bias_correction2), 1 - beta1, beta2, 1 - beta2, eps]."""
+    m2 = m + hp[2] * (g - m)
+    v2 = v * hp[3] + hp[4] * g * g
+    w2 = w - hp[0] * (m2 / (v2.sqrt() / hp[1] + hp[5]))
+    m.copy_(m2)
+    v.copy_(v2)
+    w.copy_(w2)
+    return w2
+
+
+def _phase1(w, g, m, v, row, col, hp, scratch, need_row: bool, sphere: str):
+    """(B, M, N) blocks; ``row`` (B, M, 1), ``col`` (B, 1, N) (0-d ones if absent)."""
+    gb = g.to(w.dtype)
+    zero = w.new_zeros(())
+    gr = nrm = zero
+    p = w * gb
+    if need_row:  # ∂L/∂g_row partial Σ_j Ŵ G g_col: a row reduction, in the same loop as Adam
+        gr = (p * col).sum(2)
+    if scratch is not None:  # Ŵ⊙G for the column sums (a batched mat-vec outside)
+        scratch.copy_(p)
+    w2 = _adam(w, gb * row * col, m, v, hp)
+    sq = w2 * w2
+    if sphere == "frobenius":
+        nrm = sq.sum(2).sum(1)  # row sums first: stays in the row loop, no second pass
+    elif sphere == "row":
+        nrm = sq.sum(2)
+    return gr, nrm
+
+
+def _phase1_frobenius(w, g, m, v, row, col, hp, scratch, need_row: bool):
+    return _phase1(w, g, m, v, row, col, hp, scratch, need_row, "frobenius")
+
+
+def _phase1_row(w, g, m, v, row, col, hp, scratch, need_row: bool):
+    return _phase1(w, g, m, v, row, col, hp, scratch, need_row, "row")
+
+
+def _phase1_none(w, g, m, v, row, col, hp, scratch, need_row: bool):
+    return _phase1(w, g, m, v, row, col, hp, scratch, need_row, "none")
+
+
+def _fuse(x, row, col, out):
+    out.copy_(x * row * col)
+
+
+def _rescale_fuse(x, s, row, col, out):
+    x2 = x * s
+    x.copy_(x2)
+    out.copy_(x2 * row * col)
+
+
+_PHASE1 = {"frobenius": _phase1_frobenius, "row": _phase1_row, "none": _phase1_none}
+_compiled: dict[str, Callable] = {}
+
+
+def _get(name: str, fn):
+    if name not in _compiled:  # compiled lazily: importing this module costs nothing
+        compiled = torch.compile(fn, dynamic=False, fullgraph=True)
+
+        def call(*args, _fn=compiled):
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return _fn(*args)
+
+        _compiled[name] = call
+    return _compiled[name]
+
+
+_hparams: dict[tuple, torch.Tensor] = {}
+
+
+def adam_hparams(hp: AdamHParams, step: int, like: torch.Tensor) -> torch.Tensor:
+    """The step's Adam scalars as a tensor of ``like``'s dtype and device, made once per step
+    and hyper-parameters."""
+    key = (str(like.device), like.dtype, step, hp.lr, hp.beta1, hp.beta2, hp.eps)
+    if key not in _hparams:
+        if len(_hparams) > 64:
+            _hparams.clear()
+        bc1, bc2 = 1 - hp.beta1**step, 1 - hp.beta2**step
+        vals = [hp.lr / bc1, bc2**0.5, 1 - hp.beta1, hp.beta2, 1 - hp.beta2, hp.eps]
+        _hparams[key] = torch.tensor(vals, dtype=like.dtype, device=like.device)
+    return _hparams[key]
+
+
+def kernel_sphere(sphere: str, need_row: bool, need_col: bool) -> str:
+    """The sphere whose norm partials ``phase1`` computes; "none" where the caller must (one
+    more read of Ŵ): a column sphere's are a column reduction (slow in inductor's CPU loops),
+    and a row sphere's next to both gains' partials trips an inductor bug (torch 2.15 CPU:
+    ``KeyError: 'buf5'`` from torch/_inductor/loop_body.py with two row reductions and the
+    scratch write; ``tests/test_engine.py`` covers the case)."""
+    if sphere == "col" or (sphere == "row" and need_row and need_col):
+        return "none"
+    return sphere
+
+
+@dataclass
+class Kernels:
+    """A group's compiled phases (None: that phase runs eager)."""
+
+    phase1: Callable | None
+    fuse: Callable | None
+
+
+def kernels_for(g) -> Kernels | None:
+    """The compiled kernels of group ``g``, where they apply: AdamMD on whole matrices, one
+    block, gains none/row/col/rowcol, no tangent projection, not both off (MD off stays eager:
+    bit for bit megatron)."""
+    spec = g.spec
+    fits = (
+        g.own and g.whole_block and g.base.name == "adam" and spec.gains in GAINS
+        and spec.sphere in SPHERES and not spec.tangent_grad and spec.project
+        and (spec.gains, spec.sphere) != ("none", "none")
+    )  # fmt: skip
+    return Kernels(_phase1_group, _fuse_group) if fits else None
+
+
+def _row_col(g, phi: dict):
+    B, (M, N) = g.B, g.full
+    one = g.W.new_ones(())
+    row = phi["gain_row"].view(B, M, 1) if "gain_row" in phi else one
+    col = phi["gain_col"].view(B, 1, N) if "gain_col" in phi else one
+    return row, col
+
+
+def _phase1_group(g, G: torch.Tensor, P: torch.Tensor, step: int, hp: AdamHParams) -> None:
+    """Phase 1 of the whole group (partials into ``P`` (B, n_partial)), compiled."""
+    g.settle()  # a rescale no fuse took since the last step
+    B, (M, N) = g.B, g.full
+    phi = g.phi()
+    row, col = _row_col(g, phi)
+    need_row, need_col = "gain_row" in phi, "gain_col" in phi
+    sphere = kernel_sphere(g.spec.sphere, need_row, need_col)
+    w3, g3 = g.W.view(B, M, N), G.view(B, M, N)
+    m3, v3 = g.state["exp_avg"].view(B, M, N), g.state["exp_avg_sq"].view(B, M, N)
+    scratch = torch.empty_like(w3) if need_col else None
+    hp_t = adam_hparams(hp, step, g.W)
+    gr, nrm = _get(sphere, _PHASE1[sphere])(w3, g3, m3, v3, row, col, hp_t, scratch, need_row)
+    off = 0
+    if need_row:
+        P[:, :M].add_(gr)
+        off = M
+    if need_col:
+        part = torch.bmm(row.transpose(1, 2), scratch) if row.ndim else scratch.sum(1, True)
+        P[:, off : off + N].add_(part.view(B, N))
+    if sphere != "none":
+        P[:, g.n_gain :].add_(nrm.view(B, -1))
+    elif g.n_norm:  # norm partials the kernel leaves to the eager group
+        g.norm_partials(P[:, g.n_gain :])
+
+
+def _fuse_group(g, targets: list[torch.Tensor]) -> None:
+    """The pending rescale and W = Γ ⊙ Ŵ of the whole group in one pass, compiled."""
+    B, (M, N) = g.B, g.full
+    row, col = _row_col(g, g.phi())
+    w3 = g.W.view(B, M, N)
+    view = g.rows("out", targets)
+    out = view if view is not None else torch.empty(B, M * N, dtype=targets[0].dtype,
+                                                    device=g.W.device)  # fmt: skip
+    if g.pending is None:
+        _get("fuse", _fuse)(w3, row, col, out.view(B, M, N))
+    else:
+        s = g.axis_bcast(g.blocks[0], g.pending)
+        _get("rescale_fuse", _rescale_fuse)(w3, s, row, col, out.view(B, M, N))
+        g.pending = None
+    if view is None:
+        torch._foreach_copy_(targets, [t.view(targets[0].shape) for t in out.unbind(0)])

@@ -1,0 +1,331 @@
+"""MD's engine (megatron/md/engine: the batched step of many matrices) against the
+whole-matrix reference, in one process: ZeRO-1 slices with cuts inside rows as ranks
+(tests/_ranks.py sums their partials as the all-reduce does), every sphere × gain kind, the
+tangent projection, Muon with and without the Q/K/V split, Muown, the compiled kernels; and
+what makes it an engine: a fixed number of operations whatever the number of matrices, no
+host synchronization."""
+
+import pytest
+import torch
+from _ranks import Ranks
+
+from megatron.md import reference, sliced
+from megatron.md.base_steps import AdamHParams, MuonHParams
+from megatron.md.blocks import slice_blocks
+from megatron.md.config import MatrixSpec
+
+CUTS = {
+    1: [],
+    2: [37],  # inside row 3 of a 9x11 matrix
+    3: [5, 61],
+    4: [1, 23, 80],
+}
+
+
+def _run(spec, cuts, base="adam", steps=5, shape=(9, 11), dtype=torch.float64, n=2,
+         compiled=False):  # fmt: skip
+    """``n`` matrices stepped by the reference and by the engine on ``len(cuts) + 1`` ranks,
+    each owning one slice of every matrix. Returns (the engine's fused W per matrix, the
+    reference's, the ranks, the reference's states)."""
+    gen = torch.Generator().manual_seed(3)
+    w0 = [torch.randn(shape, generator=gen, dtype=dtype) / shape[1] ** 0.5 for _ in range(n)]
+    grads = [[torch.randn(shape, generator=gen, dtype=dtype) for _ in range(n)]
+             for _ in range(steps)]  # fmt: skip
+    hp = AdamHParams(2e-2) if base == "adam" else MuonHParams(2e-2)
+    ghp = AdamHParams(1e-2)
+    ref = []
+    for w in w0:
+        w = w.clone()
+        ref.append((w, reference.init_state(w, spec, base)))
+    for gs in grads:
+        for (w, st), g in zip(ref, gs):
+            reference.md_step(w, g, st, spec, hp, ghp)
+    numel = shape[0] * shape[1]
+    bounds = [0, *cuts, numel]
+    pieces = [[(sliced.SliceMD(shape, lo, hi, spec, base), w.reshape(-1)[lo:hi], i)
+               for i, w in enumerate(w0)] for lo, hi in zip(bounds[:-1], bounds[1:])]  # fmt: skip
+    ranks = Ranks(pieces, dtype, compiled)
+    ranks.init()
+    for gs in grads:
+        ranks.step([[g.reshape(-1)[lo:hi] for g in gs] for lo, hi in zip(bounds[:-1], bounds[1:])],
+                   hp, ghp)  # fmt: skip
+    out = [torch.empty(numel, dtype=dtype) for _ in range(n)]
+    ranks.fuse([[o[lo:hi] for o in out] for lo, hi in zip(bounds[:-1], bounds[1:])])
+    if cuts:  # a cut inside a row: a partial-row block
+        assert any(b.nr == 1 and b.nc < shape[1] for rank in pieces for md, _, _ in rank
+                   for b in md.blocks)  # fmt: skip
+    return [o.view(shape) for o in out], [w for w, _ in ref], ranks, [st for _, st in ref]
+
+
+def _same_gains(ranks, ref_states, names, **tol) -> None:
+    for e in ranks.engines:  # replicated gains, identical to the reference's on every rank
+        for m, st in zip(e.members, ref_states):
+            for name in names:
+                torch.testing.assert_close(m.md_state[name], st[name], **tol)
+
+
+@pytest.mark.parametrize("n_slices", [1, 2, 3, 4])
+@pytest.mark.parametrize("sphere", ["frobenius", "row", "col", "none"])
+@pytest.mark.parametrize("gains", ["none", "scalar", "row", "col", "rowcol", "lowrank"])
+def test_slices_equal_whole_matrix(n_slices, sphere, gains):
+    """Two matrices (stacked when whole), each cut into 1–4 uneven slices: fp64, 1e-12."""
+    spec = MatrixSpec(sphere, "init", gains, "softplus", gain_rank=2)
+    w, w_ref, ranks, st_ref = _run(spec, CUTS[n_slices])
+    for a, b in zip(w, w_ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    _same_gains(ranks, st_ref, reference.GAIN_NAMES[gains], rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("n_slices", [2, 4])
+@pytest.mark.parametrize("sphere", ["frobenius", "row"])
+def test_slices_tangent_and_shape_radius(n_slices, sphere):
+    spec = MatrixSpec(sphere, "shape", "rowcol", "exp", tangent_grad=True)
+    w, w_ref, *_ = _run(spec, CUTS[n_slices])
+    for a, b in zip(w, w_ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+
+
+def test_fp32_whole_matrices():
+    """fp32, whole matrices stacked: within fp32 rounding of the reference (the batched dot
+    products sum in another order than the reference's per-matrix ones)."""
+    spec = MatrixSpec("frobenius", "init", "rowcol", "softplus")
+    w, w_ref, *_ = _run(spec, [], dtype=torch.float32, n=3, shape=(64, 32))
+    for a, b in zip(w, w_ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+# every sphere and every compiled gains kind once (each case compiles kernels: ~10 s apiece);
+# row sphere + row/col gains: the kernel leaves its norms to the eager group (kernel_sphere)
+COMPILED_CASES = [
+    ("frobenius", "rowcol"), ("row", "none"), ("col", "row"), ("none", "col"), ("row", "rowcol"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("sphere,gains", COMPILED_CASES)
+def test_compiled_kernels_equal_whole_matrix(sphere, gains):
+    """--md-fused-step (compiled kernels) on stacked whole matrices: in fp64 the reference to
+    1e-12 (the formulas), in fp32 to 1e-6."""
+    spec = MatrixSpec(sphere, "init", gains, "softplus")
+    w, w_ref, ranks, st_ref = _run(spec, [], compiled=True)
+    assert all(g.kernels is not None for e in ranks.engines for g in e.groups)
+    for a, b in zip(w, w_ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    _same_gains(ranks, st_ref, reference.GAIN_NAMES[gains], rtol=1e-12, atol=1e-13)
+    if gains == "rowcol":
+        w, w_ref, *_ = _run(spec, [], dtype=torch.float32, compiled=True)
+        for a, b in zip(w, w_ref):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_muon_whole_matrix_matches_reference():
+    spec = MatrixSpec("frobenius", "init", "rowcol", "softplus", muon_scale="sphere_rms")
+    w, w_ref, *_ = _run(spec, [], base="muon", dtype=torch.float32, n=3)
+    for a, b in zip(w, w_ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_muon_one_call_per_matrix_is_the_batched_call(monkeypatch):
+    """Large matrices on a CPU are orthogonalized one Newton–Schulz call each
+    (``NS_ONE_BY_ONE_CPU``): bit for bit what the batched call gives (blocks of 16×8 and
+    8×8; below 8 rows or columns torch's CPU matmul takes another path and the two differ by
+    fp32 rounding)."""
+    from megatron.md.engine import basesteps
+
+    spec = MatrixSpec("frobenius", "init", "rowcol", "softplus", muon_scale="sphere_rms",
+                      row_blocks=(4, 2, 2))  # fmt: skip
+    batched, *_ = _run(spec, [], base="muon", dtype=torch.float32, n=3, shape=(32, 8))
+    monkeypatch.setattr(basesteps, "NS_ONE_BY_ONE_CPU", 1)
+    one_by_one, *_ = _run(spec, [], base="muon", dtype=torch.float32, n=3, shape=(32, 8))
+    for a, b in zip(batched, one_by_one):
+        assert torch.equal(a, b)
+
+
+def test_muon_refuses_a_slice():
+    spec = MatrixSpec("frobenius", "init", "rowcol", "softplus")
+    with pytest.raises(ValueError, match="whole matrices"):
+        sliced.SliceMD((4, 4), 0, 7, spec, "muon")
+
+
+@pytest.mark.parametrize("sphere", ["frobenius", "row", "col", "none"])
+@pytest.mark.parametrize("radius,tangent", [("init", False), ("shape", True)])
+def test_muon_qkv_split_matches_reference(sphere, radius, tangent):
+    """Split fused QKV matrices (2 query groups of 4 q, 2 k, 2 v rows), stacked: per-block
+    spheres, tangent projection and batched Newton–Schulz calls (one per block kind for the
+    whole group) equal the reference's per-matrix ones (fp32: 1e-6 as for unsplit Muon)."""
+    tangent = tangent and sphere != "none"
+    spec = MatrixSpec(sphere, radius, "rowcol", "softplus", tangent_grad=tangent,
+                      muon_scale="sphere_rms", row_blocks=(4, 2, 2))  # fmt: skip
+    w, w_ref, ranks, st_ref = _run(spec, [], base="muon", shape=(16, 11), dtype=torch.float32)
+    for a, b in zip(w, w_ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    if sphere != "none":
+        _same_gains(ranks, st_ref, ["radius"], rtol=1e-6, atol=0)
+
+
+def test_qkv_split_refuses_a_slice():
+    spec = MatrixSpec("frobenius", "init", "rowcol", "softplus", row_blocks=(4, 2, 2))
+    with pytest.raises(ValueError, match="whole matrix"):
+        sliced.SliceMD((16, 11), 0, 100, spec, "adam")
+
+
+@pytest.mark.parametrize("variant", ["muown", "muown-angular"])
+def test_muown_whole_matrix_matches_reference(variant):
+    from megatron.md.config import MDConfig, spec_for
+
+    spec = spec_for("matrix", MDConfig(variant=variant, muon_scale="shape_scaling"))
+    w, w_ref, ranks, st_ref = _run(spec, [], base="muon", dtype=torch.float32)
+    for a, b in zip(w, w_ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    _same_gains(ranks, st_ref, ["gain_row"], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("start,end", [(0, 99), (3, 4), (10, 22), (0, 11), (5, 98), (11, 33)])
+def test_blocks_cover_the_slice_exactly(start, end):
+    blocks = slice_blocks((9, 11), start, end)
+    assert len(blocks) <= 3
+    covered = []
+    for b in blocks:
+        covered += [(b.r0 + i) * 11 + b.c0 + j for i in range(b.nr) for j in range(b.nc)]
+    assert covered == list(range(start, end))
+
+
+def test_one_reduction_of_every_partial():
+    """Matrices of two shapes on one rank: radii from one reduction of their norms, each step
+    one reduction of the formula's partials (row + column gains + one norm per matrix)."""
+    spec = MatrixSpec("frobenius", "init", "rowcol", "softplus")
+    pieces = [[(sliced.SliceMD(s, 0, s[0] * s[1], spec, "adam"), torch.randn(s).view(-1), i)
+               for i, s in enumerate([(6, 4), (3, 8), (6, 4)])]]  # fmt: skip
+    ranks = Ranks(pieces, torch.float32)
+    ranks.init()
+    assert ranks.reductions == [3]
+    ranks.step([[torch.randn(24), torch.randn(24), torch.randn(24)]], AdamHParams(1e-2),
+               AdamHParams(1e-2))  # fmt: skip
+    assert ranks.reductions == [3, 2 * (6 + 4 + 1) + (3 + 8 + 1)]
+
+
+@pytest.mark.parametrize("gains", ["scalar", "row", "col", "rowcol", "lowrank"])
+def test_fuse_into_bf16_rounds_once(gains):
+    """W = Γ ⊙ Ŵ written into a bf16 param with ONE rounding of the fp32 product, for a slice
+    with cuts inside rows (3 blocks), whatever the number of passes it takes."""
+    spec = MatrixSpec("frobenius", "init", gains, "softplus", gain_rank=2)
+    gen = torch.Generator().manual_seed(5)
+    d = torch.randn(6 * 7, generator=gen)
+    md = sliced.SliceMD((6, 7), 3, 38, spec, "adam")
+    assert len(md.blocks) == 3
+    ranks = Ranks([[(md, d[3:38], 0)]], torch.float32)
+    ranks.init()
+    (m,) = ranks.engines[0].members
+    for name in md.gain_names:  # gains away from 1
+        m.md_state[name] += torch.randn(m.md_state[name].shape, generator=gen)
+    g = {n: m.md_state[n] for n in md.gain_names}
+    phi = lambda x: torch.nn.functional.softplus(x)  # noqa: E731
+    if gains == "lowrank":
+        gamma = 1 + g["gain_a"] @ g["gain_b"].T
+    else:
+        gamma = torch.ones(6, 7)
+        gamma = gamma * phi(g["gain_scalar"]) if gains == "scalar" else gamma
+        gamma = gamma * phi(g["gain_row"])[:, None] if "gain_row" in g else gamma
+        gamma = gamma * phi(g["gain_col"])[None, :] if "gain_col" in g else gamma
+    full = d.view(6, 7) * gamma if gains != "rowcol" else (
+        d.view(6, 7) * phi(g["gain_row"])[:, None] * phi(g["gain_col"]))  # fmt: skip
+    out = torch.zeros(35, dtype=torch.bfloat16)
+    ranks.fuse([[out]])
+    assert torch.equal(out, full.view(-1)[3:38].to(torch.bfloat16))
+
+
+def _count_ops(fn) -> tuple[int, int]:
+    """(aten operations dispatched while ``fn`` runs, of which host reads of a tensor)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = syncs = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            Count.syncs += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n, Count.syncs
+
+
+@pytest.mark.parametrize("base", ["adam", "muon"])
+def test_the_step_does_not_grow_with_the_number_of_matrices(base):
+    """The same treatment on 4 and on 12 matrices of each shape (the engine's groups): one
+    step dispatches the same number of operations (a fixed count per group, none per matrix)
+    and reads nothing back to the host (no .item(), int(tensor), .tolist())."""
+    counts = []
+    for n in (4, 12):
+        spec = MatrixSpec("frobenius", "init", "rowcol", "softplus", muon_scale="sphere_rms",
+                          row_blocks=(4, 2, 2) if base == "muon" else ())  # fmt: skip
+        shapes = [(16, 8), (8, 16)] * n
+        pieces = [[(sliced.SliceMD(s, 0, s[0] * s[1], spec, base), torch.randn(s).view(-1), i)
+                   for i, s in enumerate(shapes)]]  # fmt: skip
+        ranks = Ranks(pieces, torch.float32)
+        ranks.init()
+        grads = [[torch.randn(s).view(-1) for s in shapes]]
+        hp = AdamHParams(1e-2) if base == "adam" else MuonHParams(1e-2)
+        ranks.step(grads, hp, AdamHParams(1e-2))  # the first step's one-off work
+        counts.append(_count_ops(lambda: ranks.step(grads, hp, AdamHParams(1e-2))))
+    assert counts[0] == counts[1] and counts[0][1] == 0, counts
+
+
+@pytest.mark.parametrize(
+    "base,sphere,tangent", [("adam", "frobenius", False), ("adam", "row", True),
+                            ("muon", "frobenius", False)]
+)  # fmt: skip
+def test_matrices_in_one_flat_buffer_are_one_view(base, sphere, tangent):
+    """Same-shape matrices whose gradients and weights lie in flat buffers, evenly spaced and
+    in reverse order (megatron lays its param and grad buffers out backwards, with padding):
+    the engine orders its group by address (``Member.order``) and reads the gradients and
+    writes W through one strided view of each buffer — no stack, no copy — with the
+    reference's result, and megatron's gradients are left as they were."""
+    shape, n, pad = (6, 5), 4, 2
+    L, stride = shape[0] * shape[1], shape[0] * shape[1] + pad
+    dt = torch.float64 if base == "adam" else torch.float32  # (Newton–Schulz: fp32 only)
+    tol = dict(rtol=1e-12, atol=1e-13) if base == "adam" else dict(rtol=1e-5, atol=1e-6)
+    spec = MatrixSpec(sphere, "init", "rowcol", "softplus", tangent_grad=tangent)
+    gen = torch.Generator().manual_seed(8)
+    w0 = [torch.randn(shape, generator=gen, dtype=dt) for _ in range(n)]
+    hp = AdamHParams(2e-2) if base == "adam" else MuonHParams(2e-2)
+    ghp = AdamHParams(1e-2)
+    at = lambda buf, i: buf[(n - 1 - i) * stride : (n - 1 - i) * stride + L]  # noqa: E731
+    grad_buf = torch.zeros(n * stride, dtype=dt)
+    param_buf = torch.zeros(n * stride, dtype=dt)
+    pieces = [[(sliced.SliceMD(shape, 0, L, spec, base), w.view(-1), i) for i, w in enumerate(w0)]]
+    ranks = Ranks(pieces, dt, order={i: at(grad_buf, i).data_ptr() for i in range(n)})
+    ranks.init()
+    ref = [(w.clone(), reference.init_state(w, spec, base)) for w in w0]
+    for _ in range(3):
+        grads = [torch.randn(shape, generator=gen, dtype=dt) for _ in range(n)]
+        for i, g in enumerate(grads):
+            at(grad_buf, i).copy_(g.view(-1))
+            reference.md_step(ref[i][0], g, ref[i][1], spec, hp, ghp)
+        before = grad_buf.clone()
+        seen = _ops(lambda: ranks.step([[at(grad_buf, i) for i in range(n)]], hp, ghp))
+        assert torch.equal(grad_buf, before)  # megatron's gradients: only read
+        stacks = {(op, n_out) for op, n_out in seen if op.startswith(("aten.stack", "aten.cat"))}
+        assert all(n_out < n * L for _, n_out in stacks), stacks  # (the gains' norms: small)
+    seen = _ops(lambda: ranks.fuse([[at(param_buf, i) for i in range(n)]]))
+    assert not {op for op, _ in seen} & {"aten._foreach_copy_.default", "aten.copy_.default"}
+    for i, (w, _) in enumerate(ref):
+        torch.testing.assert_close(at(param_buf, i).view(shape), w, **tol)
+
+
+def _ops(fn) -> set[tuple[str, int]]:
+    """The aten operations ``fn`` dispatches: (name, elements of the first output)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = set()
+
+    class Names(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            first = out[0] if isinstance(out, list | tuple) and out else out
+            seen.add((str(func), first.numel() if isinstance(first, torch.Tensor) else 0))
+            return out
+
+    with Names():
+        fn()
+    return seen

@@ -1,0 +1,170 @@
+"""The MD step's launch-bound cost, measured where any machine can: dispatched operations.
+
+On a GPU a small optimizer step is host-bound: its cost is the number of kernels Python
+issues, not their work. This counts every aten operation dispatched (a ``TorchDispatchMode``)
+during one ``optimizer.step()`` of megatron-core's own optimizers on the paper's 12-layer
+layout at a tiny width (compute negligible, so only the operation stream costs), for the base
+optimizer and with MD, at 12 and 24 layers:
+
+- operations per step, base and MD; MD's extra operations per added matrix (12 → 24 layers:
+  48 more matrices);
+- host synchronizations (``.item()``, ``int(tensor)``, ``.tolist()``: aten's
+  ``_local_scalar_dense``) in the step, base and MD, and of MD's those its own code issues
+  (the rest are megatron's: its gradient norm reads two);
+- the MD / base step time, measured side by side (A, B, A, B, … rounds; median of the
+  per-round ratios), one process.
+
+Base Adam as megatron runs it on a GPU without TE/apex: torch's multi-tensor Adam (``foreach``);
+AdamMD/Adam under ZeRO-1, MuonMD/Muon layer-wise (megatron's Muon: per matrix). The default MD
+path (``--md-fused-step auto``: eager at this size). Targets (docs/benchmarks.md): AdamMD/Adam
+≤ 1.15, MuonMD/Muon ≤ 1.00, ≤ 4 extra operations per added matrix.
+
+    python tools/bench_dispatch.py [--width 128] [--layers 12 24] [--rounds 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_md_step as bench  # noqa: E402  (CPU mode on a machine without CUDA, on import)
+
+PAIRS = {"adam_md/adam": ("adam", "adam_md"), "muon_md/muon": ("muon", "muon_md")}
+
+
+def count(step) -> tuple[int, int, int]:
+    """(aten operations dispatched by ``step()``, of which host reads of a tensor, of which
+    issued by MD's own code: a frame of megatron/md/ other than the CPU mode's redirection)."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = syncs = md_syncs = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            if func is torch.ops.aten._local_scalar_dense.default:
+                Count.syncs += 1
+                Count.md_syncs += any(
+                    "/megatron/md/" in f.filename and not f.filename.endswith("cpu_mode.py")
+                    for f in traceback.extract_stack()
+                )
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    return Count.ops, Count.syncs, Count.md_syncs
+
+
+def build(width: int, layers: int, run: str, vocab: int):
+    """megatron's optimizer of the shape model (``bench_md_step.shape_model``); the base Adam
+    multi-tensor, as on a GPU."""
+    from megatron.md.leaves import leaf_optimizers
+
+    bench.SHAPES["dispatch"] = (width, layers, 1, 1, 4 * width)
+    opt_name, md_on = run.split("_md")[0], "_md" in run
+    dtype = "bf16" if bench.DEV == "cuda" else "fp32"
+    _, opt = bench.build("dispatch", opt_name, md_on, dtype, vocab, fused="auto")
+    for o in leaf_optimizers(opt):
+        for g in o.optimizer.param_groups:
+            g["foreach"] = True
+    for _ in range(2):  # state, and any first-step work, before anything is counted or timed
+        opt.step()
+    return opt
+
+
+def timed(opt) -> float:
+    bench.sync()
+    t0 = time.perf_counter()
+    opt.step()
+    bench.sync()
+    return time.perf_counter() - t0
+
+
+def measure(args) -> dict:
+    out = {}
+    for key, (base, md) in PAIRS.items():
+        got = {}
+        for layers in args.layers:
+            opts = {run: build(args.width, layers, run, args.vocab) for run in (base, md)}
+            got[layers] = {run: count(o.step) for run, o in opts.items()}
+            if layers == args.layers[0]:
+                ratios = []
+                for _ in range(args.rounds):
+                    t = {run: timed(o) for run, o in opts.items()}
+                    ratios.append(t[md] / t[base])
+                got["time_ratio"] = statistics.median(ratios)
+            del opts
+        lo, hi = args.layers[0], args.layers[-1]
+        added = 4 * (hi - lo)  # QKV, proj, fc1, fc2 per layer
+        extra = lambda n: got[n][md][0] - got[n][base][0]  # noqa: E731
+        out[key] = {
+            "ops": {n: {r: got[n][r][0] for r in (base, md)} for n in args.layers},
+            "syncs": {n: {r: got[n][r][1] for r in (base, md)} for n in args.layers},
+            "md_code_syncs": {n: got[n][md][2] for n in args.layers},
+            "extra_ops_per_added_matrix": (extra(hi) - extra(lo)) / added if hi > lo else None,
+            "op_ratio": got[lo][md][0] / got[lo][base][0],
+            "time_ratio": got["time_ratio"],
+        }
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--width", type=int, default=128)
+    ap.add_argument("--layers", type=int, nargs="+", default=[12, 24])
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=30, help="timed rounds of each pair")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args(argv)
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    from megatron.md.launch import free_port
+
+    os.environ["MASTER_PORT"] = str(free_port())
+    if bench.DEV == "cuda":
+        torch.cuda.set_device(0)
+    torch.distributed.init_process_group("nccl" if bench.DEV == "cuda" else "gloo")
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(1, 1)
+    res = measure(args)
+    where = torch.cuda.get_device_name() if bench.DEV == "cuda" else "CPU"
+    lo = args.layers[0]
+    print(f"\nDispatched operations per optimizer step, {where}, width {args.width}, vocab "
+          f"{args.vocab}; time: median of {args.rounds} paired rounds at {lo} layers")  # fmt: skip
+    print(f"{'pair':<14} {'layers':>6} {'base ops':>9} {'MD ops':>8} {'syncs b/MD':>11} "
+          f"{'MD code':>8} {'op ratio':>9} {'time ratio':>11} {'extra/matrix':>13}")  # fmt: skip
+    for key, r in res.items():
+        base, md = PAIRS[key]
+        for n in args.layers:
+            first = n == lo
+            per = r["extra_ops_per_added_matrix"]
+            print(f"{key:<14} {n:>6} {r['ops'][n][base]:>9} {r['ops'][n][md]:>8} "
+                  f"{r['syncs'][n][base]:>5}/{r['syncs'][n][md]:<5} {r['md_code_syncs'][n]:>8} "
+                  f"{r['op_ratio'] if first else '':>9.4} "
+                  f"{r['time_ratio'] if first else '':>11.4} "
+                  f"{per if first and per is not None else '':>13}")  # fmt: skip
+    summary = {"device": where, "torch": torch.__version__, "width": args.width,
+               "vocab": args.vocab, "results": res}  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
