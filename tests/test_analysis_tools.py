@@ -180,7 +180,7 @@ def test_throughput_cpu_smoke_run(tmp_path):
 def test_bench_md_step_smoke(tmp_path):
     """bench_md_step.py end to end on small shapes (2 ranks): every ratio, MD's all-reduce
     payload by formula and the state ratio (numbers, not timings)."""
-    out = run_tool("bench_md_step.py", "--model", "smoke", "--vocab", "512", "--steps", "2",
+    out = run_tool("bench_md_step.py", "--model", "smoke", "--vocab-size", "512", "--steps", "2",
                    "--json", str(tmp_path / "b.json"), timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     (world,) = json.loads((tmp_path / "b.json").read_text())
@@ -203,7 +203,7 @@ def test_bench_md_step_under_tensor_parallelism(tmp_path):
     vocab-parallel rows); MD's all-reduce payload is the FULL matrices' partials (the TP sum
     folded in, independent of the TP size), set against megatron's TP activation all-reduces
     at the paper's batch."""
-    out = run_tool("bench_md_step.py", "--model", "smoke-tp", "--vocab", "512", "--steps", "2",
+    out = run_tool("bench_md_step.py", "--model", "smoke-tp", "--vocab-size", "512", "--steps", "2",
                    "--tp", "2", "--runs", "adam", "adam_md", "--json", str(tmp_path / "b.json"),
                    timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -256,8 +256,9 @@ def test_bench_dispatch_counts(tmp_path):
     fewer operations than a few per added matrix (12 → 24 layers' worth at a tiny width: 2 → 4
     here) and its own code reads nothing back to the host (the counts; the timing is printed,
     not asserted)."""
-    out = run_tool("bench_dispatch.py", "--width", "32", "--vocab", "128", "--layers", "2", "4",
-                   "--rounds", "1", "--json", str(tmp_path / "d.json"), timeout=300)  # fmt: skip
+    out = run_tool("bench_dispatch.py", "--hidden-size", "32", "--vocab-size", "128",
+                   "--num-layers", "2", "4", "--rounds", "1", "--json", str(tmp_path / "d.json"),
+                   timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads((tmp_path / "d.json").read_text())["results"]
     assert set(res) == {"adam_md/adam", "muon_md/muon"}

@@ -22,13 +22,13 @@ def corpus(tmp_path_factory):
     d = tmp_path_factory.mktemp("data")
     (d / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCS))
     train_tokenizer.main(
-        ["--input", str(d / "docs.jsonl"), "--vocab-size", "300", "--output", str(d / "tok")]
+        ["--input", str(d / "docs.jsonl"), "--vocab-size", "300", "--out", str(d / "tok")]
     )
     preprocess_data.main(
         [
             "--input",
             str(d / "docs.jsonl"),
-            "--tokenizer",
+            "--tokenizer-model",
             str(d / "tok"),
             "--output-prefix",
             str(d / "c"),
@@ -111,7 +111,7 @@ def test_preprocess_progress_counts_input_bytes(tmp_path, capsys):
     trailing one is counted at the end): its last line reads the whole file, 100 %."""
     src = tmp_path / "docs.jsonl"
     src.write_text("\n".join(json.dumps({"text": t}) for t in DOCS) + "\n\n")
-    train_tokenizer.main(["--input", str(src), "--vocab-size", "300", "--output", str(tmp_path)])
+    train_tokenizer.main(["--input", str(src), "--vocab-size", "300", "--out", str(tmp_path)])
     capsys.readouterr()
     _, n_docs, _ = preprocess_data.preprocess([src], tmp_path, str(tmp_path / "c"))
     err = capsys.readouterr().err

@@ -29,7 +29,7 @@ def _build(**overrides):
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (dict(weight_decay=0.1), "--weight-decay 0"),
+        (dict(weight_decay=0.1), "--weight-decay must be 0"),
         (dict(optimizer="muon", muon_split_qkv=False), "follows --muon-split-qkv"),
         (
             dict(optimizer="muon", muon_split_qkv=True, muon_extra_scale_factor=2.0),
@@ -43,6 +43,36 @@ def test_bad_settings_are_refused_before_any_step(overrides, message):
     dmodel, opt = _build(**overrides)
     with pytest.raises(ValueError, match=message):
         enable_md(opt, [dmodel], MDConfig())
+
+
+def test_one_compatibility_check_for_the_flags_and_enable_md():
+    """The flag parser and enable_md refuse through the same ``compatibility.refusal``: each
+    unsupported setting, read off the flags or off megatron's configs, gets one message."""
+    from argparse import Namespace
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron.md import compatibility as c
+
+    flags = dict(optimizer="adam", weight_decay=0.0, fp16=False, tensor_model_parallel_size=1,
+                 expert_tensor_parallel_size=None, num_experts=None, muon_tp_mode="duplicated",
+                 md_adam_layer_wise=False, md_variant="md")  # fmt: skip
+    cases = [
+        (dict(weight_decay=0.1), dict(weight_decay=0.1), {}, "--weight-decay must be 0"),
+        (dict(fp16=True), dict(fp16=True), {}, "--fp16"),
+        (dict(use_torch_fsdp2=True), {}, dict(use_megatron_fsdp=True), "FSDP"),
+        (dict(optimizer="muon", tensor_model_parallel_size=2, muon_tp_mode="blockwise"),
+         dict(optimizer="muon", muon_tp_mode="blockwise"), {}, "--muon-tp-mode duplicated"),
+    ]  # fmt: skip
+    for from_flags, opt_cfg, ddp_cfg, needle in cases:
+        via_flags = c.refusal(c.Setup.from_args(Namespace(**{**flags, **from_flags})))
+        cfg = OptimizerConfig(**{"optimizer": "adam", "lr": 1e-3, "weight_decay": 0.0, **opt_cfg})
+        ddp = DistributedDataParallelConfig(**ddp_cfg) if ddp_cfg else None
+        tp = "muon_tp_mode" in opt_cfg
+        via_enable = c.refusal(c.Setup.from_megatron(cfg, ddp, MDConfig(), tp, None))
+        assert via_flags == via_enable and needle in via_flags
+    assert c.refusal(c.Setup.from_args(Namespace(**flags))) is None
 
 
 def test_bad_md_value_is_refused():
@@ -115,7 +145,7 @@ def test_fused_step_auto_rule():
     assert auto.fused_step == "auto" and auto.use_fused("cpu", FUSED_MIN_ELEMENTS)
     assert not auto.use_fused("cpu", FUSED_MIN_ELEMENTS - 1) and not auto.use_fused("cuda", 1 << 30)
     assert MDConfig(fused_step="on").use_fused("cuda", 1) and not MDConfig(
-        fused_step=False
+        fused_step="off"
     ).use_fused("cpu", 1 << 30)
     with pytest.raises(ValueError, match="--md-fused-step"):
         MDConfig(fused_step="sometimes")

@@ -79,7 +79,8 @@ def test_slices_equal_whole_matrix(n_slices, sphere, gains):
 @pytest.mark.parametrize("n_slices", [2, 4])
 @pytest.mark.parametrize("sphere", ["frobenius", "row"])
 def test_slices_tangent_and_shape_radius(n_slices, sphere):
-    spec = MatrixSpec(sphere, "shape", "rowcol", "exp", tangent_grad=True)
+    """The shape radius of a residual-write projection under a scaled init (init_scale)."""
+    spec = MatrixSpec(sphere, "shape", "rowcol", "exp", tangent_grad=True, init_scale=0.5)
     w, w_ref, *_ = _run(spec, CUTS[n_slices])
     for a, b in zip(w, w_ref):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)

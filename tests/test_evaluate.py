@@ -188,10 +188,8 @@ def trained(tmp_path_factory):
     docs = tmp / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": text[i : i + 400]}) + "\n"
                             for i in range(0, len(text) - 400, 31)))  # fmt: skip
-    train_tokenizer.main(
-        ["--input", str(docs), "--vocab-size", "300", "--output", str(tmp / "tok")]
-    )
-    preprocess_data.main(["--input", str(docs), "--tokenizer", str(tmp / "tok"),
+    train_tokenizer.main(["--input", str(docs), "--vocab-size", "300", "--out", str(tmp / "tok")])
+    preprocess_data.main(["--input", str(docs), "--tokenizer-model", str(tmp / "tok"),
                           "--output-prefix", str(tmp / "c"), "--workers", "1"])  # fmt: skip
     run = tmp / "run"
     flags = ["--preset=tiny", "--optimizer=adam", "--md-decoupling", "--lr=1e-2",
@@ -223,7 +221,7 @@ def test_checkpoint_scores_its_own_validation_loss_and_runs_a_task(trained, tmp_
         + "\n" for i in range(0, 1500, 300)))  # fmt: skip
     report = tmp_path / "eval" / "report.json"
     cmd = [sys.executable, str(ROOT / "tools" / "evaluate.py"), f"--load={run}", "--valid-loss",
-           f"--local-task=quiz={quiz}", f"--output={report}", "--batch-size=3"]  # fmt: skip
+           f"--local-task=quiz={quiz}", f"--out={report}", "--batch-size=3"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     got = json.loads(report.read_text())

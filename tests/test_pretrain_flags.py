@@ -299,7 +299,7 @@ def test_a_gpu_job_stops_and_cpu_mode_on_purpose_runs(capsys, monkeypatch):
                 "--moe-grouped-gemm",
                 "--moe-single-grouped-weight",
             ],
-            "--moe-single-grouped-weight stores every local expert in one parameter",
+            "--moe-single-grouped-weight keeps every local expert in one parameter",
         ),  # fmt: skip
     ],
 )

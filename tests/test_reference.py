@@ -248,12 +248,16 @@ def test_qkv_split_muon_scale_and_relative_update_per_block():
 
 def test_shape_up_follows_a_scaled_init():
     """MoE appendix: a residual-write projection initialized at σ/sqrt(2L) has a sphere that
-    much smaller, and its shape_up factor is lowered with it (init_scale), only while the
-    radius is the init norm."""
+    much smaller, and its shape_up factor is lowered with it (init_scale), whether the radius
+    is the init norm or the shape formula (which init_scale scales too: the authors'
+    ``hypersphere_scale_out_proj_init``); a unit radius ignores it."""
     from megatron.md.base_steps import muon_scale_factor
 
     st = {"direction": torch.ones(8, 32), "radius": torch.tensor(2.0)}
-    for radius, expect in (("init", 0.25), ("shape", 1.0)):
+    spec = MatrixSpec("frobenius", "shape", "rowcol", "softplus", init_scale=0.25)
+    r = reference.shape_radius((8, 32), spec, torch.float64, "cpu")
+    assert float(r) == pytest.approx(0.25 * 32**0.5, rel=1e-12)
+    for radius, expect in (("init", 0.25), ("shape", 0.25), ("unit", 1.0)):
         spec = MatrixSpec("frobenius", radius, "rowcol", "softplus", muon_scale="shape_up",
                           init_scale=0.25)  # fmt: skip
         got = reference.muon_scales(st, spec)

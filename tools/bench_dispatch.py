@@ -94,23 +94,25 @@ def measure(args) -> dict:
     out = {}
     for key, (base, md) in PAIRS.items():
         got = {}
-        for layers in args.layers:
-            opts = {run: build(args.width, layers, run, args.vocab) for run in (base, md)}
+        for layers in args.num_layers:
+            opts = {
+                run: build(args.hidden_size, layers, run, args.vocab_size) for run in (base, md)
+            }
             got[layers] = {run: count(o.step) for run, o in opts.items()}
-            if layers == args.layers[0]:
+            if layers == args.num_layers[0]:
                 ratios = []
                 for _ in range(args.rounds):
                     t = {run: timed(o) for run, o in opts.items()}
                     ratios.append(t[md] / t[base])
                 got["time_ratio"] = statistics.median(ratios)
             del opts
-        lo, hi = args.layers[0], args.layers[-1]
+        lo, hi = args.num_layers[0], args.num_layers[-1]
         added = 4 * (hi - lo)  # QKV, proj, fc1, fc2 per layer
         extra = lambda n: got[n][md][0] - got[n][base][0]  # noqa: E731
         out[key] = {
-            "ops": {n: {r: got[n][r][0] for r in (base, md)} for n in args.layers},
-            "syncs": {n: {r: got[n][r][1] for r in (base, md)} for n in args.layers},
-            "md_code_syncs": {n: got[n][md][2] for n in args.layers},
+            "ops": {n: {r: got[n][r][0] for r in (base, md)} for n in args.num_layers},
+            "syncs": {n: {r: got[n][r][1] for r in (base, md)} for n in args.num_layers},
+            "md_code_syncs": {n: got[n][md][2] for n in args.num_layers},
             "extra_ops_per_added_matrix": (extra(hi) - extra(lo)) / added if hi > lo else None,
             "op_ratio": got[lo][md][0] / got[lo][base][0],
             "time_ratio": got["time_ratio"],
@@ -120,9 +122,9 @@ def measure(args) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--width", type=int, default=128)
-    ap.add_argument("--layers", type=int, nargs="+", default=[12, 24])
-    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--hidden-size", type=int, default=128)
+    ap.add_argument("--num-layers", type=int, nargs="+", default=[12, 24])
+    ap.add_argument("--vocab-size", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=30, help="timed rounds of each pair")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
@@ -143,14 +145,15 @@ def main(argv=None) -> None:
     ps.initialize_model_parallel(1, 1)
     res = measure(args)
     where = torch.cuda.get_device_name() if bench.DEV == "cuda" else "CPU"
-    lo = args.layers[0]
-    print(f"\nDispatched operations per optimizer step, {where}, width {args.width}, vocab "
-          f"{args.vocab}; time: median of {args.rounds} paired rounds at {lo} layers")  # fmt: skip
+    lo = args.num_layers[0]
+    print(f"\nDispatched operations per optimizer step, {where}, width {args.hidden_size}, "
+          f"vocab {args.vocab_size}; time: median of {args.rounds} paired rounds at {lo} "
+          "layers")  # fmt: skip
     print(f"{'pair':<14} {'layers':>6} {'base ops':>9} {'MD ops':>8} {'syncs b/MD':>11} "
           f"{'MD code':>8} {'op ratio':>9} {'time ratio':>11} {'extra/matrix':>13}")  # fmt: skip
     for key, r in res.items():
         base, md = PAIRS[key]
-        for n in args.layers:
+        for n in args.num_layers:
             first = n == lo
             per = r["extra_ops_per_added_matrix"]
             print(f"{key:<14} {n:>6} {r['ops'][n][base]:>9} {r['ops'][n][md]:>8} "
@@ -158,8 +161,8 @@ def main(argv=None) -> None:
                   f"{r['op_ratio'] if first else '':>9.4} "
                   f"{r['time_ratio'] if first else '':>11.4} "
                   f"{per if first and per is not None else '':>13}")  # fmt: skip
-    summary = {"device": where, "torch": torch.__version__, "width": args.width,
-               "vocab": args.vocab, "results": res}  # fmt: skip
+    summary = {"device": where, "torch": torch.__version__, "width": args.hidden_size,
+               "vocab": args.vocab_size, "results": res}  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))

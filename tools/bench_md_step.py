@@ -347,7 +347,7 @@ def worker(args) -> None:
     ps.initialize_model_parallel(args.tp, 1)
     rank = torch.distributed.get_rank()
     if args.profile:
-        return profile(args.model[0], args.vocab, args.dtype)
+        return profile(args.model[0], args.vocab_size, args.dtype)
     results = {}
     for name in args.model:
         for dtype in args.dtype:
@@ -401,7 +401,7 @@ def measure(name: str, dtype: str, args, rank: int) -> dict:
             opt_name, md_on = run.split("_md")[0], "_md" in run
             fused = {"fused": "on", "eager": "off"}.get(run.rsplit("_", 1)[-1], "auto")
             t0 = time.perf_counter()
-            dmodel, opts[run] = build(name, opt_name, md_on, dtype, args.vocab, fused, args.tp)
+            dmodel, opts[run] = build(name, opt_name, md_on, dtype, args.vocab_size, fused, args.tp)
             models.append(dmodel)
             log(rank, f"{name} {dtype} {run}: built in {time.perf_counter() - t0:.1f} s")
         got = time_interleaved(opts, args.steps)
@@ -424,7 +424,7 @@ def measure(name: str, dtype: str, args, rank: int) -> dict:
         return row
     sb = {}
     for md_on in (False, True):
-        dmodel, opt = build(name, "adam", md_on, "bf16", args.vocab, tp=args.tp)
+        dmodel, opt = build(name, "adam", md_on, "bf16", args.vocab_size, tp=args.tp)
         opt.step()  # torch AdamW creates its state lazily
         t = torch.tensor(float(state_bytes(opt)), device=DEV)
         torch.distributed.all_reduce(t)
@@ -450,7 +450,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", nargs="+", default=["181M", "457M"], choices=list(SHAPES))
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--nproc", type=int, default=torch.cuda.device_count() if DEV == "cuda" else 2)
-    ap.add_argument("--vocab", type=int, default=VOCAB)
+    ap.add_argument("--vocab-size", type=int, default=VOCAB)
     ap.add_argument("--dtype", nargs="+", choices=("fp32", "bf16"),
                     default=["bf16" if DEV == "cuda" else "fp32"])  # fmt: skip
     ap.add_argument("--runs", nargs="+", choices=RUNS, default=RUNS,

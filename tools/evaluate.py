@@ -13,10 +13,10 @@ JSONL of ``{"question", "choices", "answer"}`` into a zero-shot multiple-choice 
 read) through the same adapter: the mean must equal the validation loss the run logged at
 ``--eval-interval``, which checks that the rebuilt model is the trained one.
 
-    python tools/evaluate.py --load runs/moe-muonmd --tasks paper --output evals/moe-muonmd.json
+    python tools/evaluate.py --load runs/moe-muonmd --tasks paper --out evals/moe-muonmd.json
     python tools/evaluate.py --load runs/tiny --local-task quiz=quiz.jsonl --valid-loss
 
-Writes ``--output`` (JSON: the checkpoint, its iteration, per-task metrics, the paper's headline
+Writes ``--out`` (JSON: the checkpoint, its iteration, per-task metrics, the paper's headline
 metric per task and their average, versions) and prints one line per task.
 """
 
@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the tokenizer folder, where it moved since training")  # fmt: skip
     p.add_argument("--valid-loss", action="store_true",
                    help="also score the run's first validation evaluation's samples")  # fmt: skip
-    p.add_argument("--output", default=None, help="results JSON (default: print only)")
+    p.add_argument("--out", default=None, help="results JSON (default: print only)")
     a = p.parse_args(argv)
     a.tasks = [t for t in a.tasks.split(",") if t]
     if "paper" in a.tasks:

@@ -1,4 +1,4 @@
-"""Long-run invariants of MD (issue 7): a long CPU run of AdamMD and MuonMD on the tiny preset,
+"""Long-run invariants of MD: a long CPU run of AdamMD and MuonMD on the tiny preset,
 then checks on its metrics file: the sphere drift max |‖Ŵ‖ − c| / c stays ≤ 1e-5 at the end,
 every gain is finite, no loss is NaN/Inf, and the loss falls (mean of the last 100 logged
 iterations below the first 100). Prints a table and exits 1 if any check fails.

@@ -1,6 +1,6 @@
 """Parameter counts of every preset next to the paper's tables (recipe §3 dense, §4 MoE).
 
-    python tools/param_table.py [--vocab 131072] [--json out.json]
+    python tools/param_table.py [--vocab-size 131072] [--json out.json]
 
 Counts come from ``presets.count_params`` (checked against real megatron-core builds of the
 tiny presets by the end-to-end test). Totals include the untied embeddings and LM head;
@@ -39,10 +39,10 @@ def table(vocab: int) -> list[dict]:
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--vocab", type=int, default=VOCAB)
+    ap.add_argument("--vocab-size", type=int, default=VOCAB)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    rows = table(args.vocab)
+    rows = table(args.vocab_size)
     print(
         f"{'preset':<16} {'total':>10} {'paper':>8} {'diff':>7}"
         f"  {'active':>9} {'paper':>7} {'diff':>7}"

@@ -1,7 +1,8 @@
 """Text / JSONL → megatron ``.bin/.idx`` (one document per .txt file or JSONL line), tokenized
 with a local HF tokenizer folder (``tools/train_tokenizer.py``), in parallel, with progress.
 
-    python tools/preprocess_data.py --input corpus/*.txt --tokenizer tok --output-prefix data/c
+    python tools/preprocess_data.py --input corpus/*.txt --tokenizer-model tok \
+        --output-prefix data/c
     # -> data/c_text_document.bin/.idx ; use --data-path data/c_text_document
 
 Each document ends with the end-of-document token (``<|endoftext|>``) unless --no-append-eod.
@@ -94,7 +95,7 @@ def preprocess(
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--input", nargs="+", required=True, help=".txt / .jsonl files or globs")
-    ap.add_argument("--tokenizer", type=Path, required=True, help="local HF tokenizer folder")
+    ap.add_argument("--tokenizer-model", type=Path, required=True, help="local HF tokenizer folder")
     ap.add_argument("--output-prefix", required=True)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--json-key", default="text")
@@ -102,7 +103,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     preprocess(
         input_files(args.input),
-        args.tokenizer,
+        args.tokenizer_model,
         args.output_prefix,
         args.workers,
         not args.no_append_eod,

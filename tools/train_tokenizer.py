@@ -4,7 +4,7 @@ The folder loads with ``transformers.AutoTokenizer.from_pretrained(dir)`` and wi
 megatron-core's ``MegatronTokenizer.from_pretrained(dir)`` (library ``huggingface``), and is what
 ``tools/preprocess_data.py --tokenizer`` reads. ``<|endoftext|>`` is the end-of-document token.
 
-    python tools/train_tokenizer.py --input corpus/*.txt --vocab-size 8192 --output tok/
+    python tools/train_tokenizer.py --input corpus/*.txt --vocab-size 8192 --out tok/
 """
 
 from __future__ import annotations
@@ -68,11 +68,11 @@ def main(argv=None) -> None:
     ap.add_argument("--input", nargs="+", required=True, help=".txt / .jsonl files or globs")
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--json-key", default="text", help="field holding the text in .jsonl")
-    ap.add_argument("--output", type=Path, required=True, help="folder to write")
+    ap.add_argument("--out", type=Path, required=True, help="folder to write")
     args = ap.parse_args(argv)
     if args.vocab_size < 257:
         raise SystemExit("error: --vocab-size must exceed 256 (the byte alphabet + <|endoftext|>)")
-    out = train(input_files(args.input), args.vocab_size, args.output, args.json_key)
+    out = train(input_files(args.input), args.vocab_size, args.out, args.json_key)
     print(f"wrote a {args.vocab_size}-token byte-level BPE tokenizer to {out}", file=sys.stderr)
 
 

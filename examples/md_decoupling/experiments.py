@@ -103,7 +103,7 @@ SIDE_LR = {
     "side-base-lr": (
         "adamw",
         {
-            f"x{m:g}": [f"--lr={fmt(3e-3 * m)}", f"--embedding-lr={fmt(3e-3 * m)}",
+            f"x{m:g}": [f"--lr={fmt(1e-3 * m)}", f"--embedding-lr={fmt(3e-3 * m)}",
                         f"--output-lr={fmt(1e-3 * m)}"]  # fmt: skip
             for m in (0.25, 0.5, 1, 2, 4)
         },
@@ -404,7 +404,7 @@ PAPER = (
     ("Tab. moe-evals, fig. moe-evals", "downstream zero-shot (largest MoE per method; "
      "--ckpt-step N for the trajectory)", "moe-ladder",
      "python tools/evaluate.py --load runs/moe-ladder/RUN --tasks paper "
-     "--output runs/moe-ladder/evals/RUN.json"),
+     "--out runs/moe-ladder/evals/RUN.json"),
     ("Fig. ngpt", "nGPT as proposed, its architecture with our sphere / MD, residual scale 1",
      "ngpt-comparison", _LR),
 )  # fmt: skip

@@ -8,15 +8,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Literal, get_args, get_origin, get_type_hints
 
-SPHERES = ("frobenius", "row", "col", "hidden", "none")
-RADII = ("init", "shape", "unit")
-GAINS = ("none", "scalar", "row", "col", "rowcol", "lowrank")
-GAIN_MAPS = ("softplus", "exp", "direct", "direct-floor")
-ROW_NORMS = ("row", "none")
-MUON_SCALES = ("unit_rms_norm", "shape_scaling", "rms_match", "shape_up", "sphere_rms", "none")
-FUSED_STEPS = ("auto", "on", "off")
-VARIANTS = ("md", "muown", "muown-angular")
+Sphere = Literal["frobenius", "row", "col", "hidden", "none"]
+Radius = Literal["init", "shape", "unit"]
+Gains = Literal["none", "scalar", "row", "col", "rowcol", "lowrank"]
+GainMap = Literal["softplus", "exp", "direct", "direct-floor"]
+RowNorm = Literal["row", "none"]
+MuonScale = Literal["unit_rms_norm", "shape_scaling", "rms_match", "shape_up", "sphere_rms", "none"]
+FusedStep = Literal["auto", "on", "off"]
+Variant = Literal["md", "muown", "muown-angular"]
+SPHERES, RADII, GAINS, GAIN_MAPS = (get_args(t) for t in (Sphere, Radius, Gains, GainMap))
+ROW_NORMS, MUON_SCALES, FUSED_STEPS = (get_args(t) for t in (RowNorm, MuonScale, FusedStep))
+VARIANTS = get_args(Variant)
+#: each gain kind's raw tensors (MD's state fields), in partial-buffer order
+GAIN_NAMES = {
+    "none": (),
+    "scalar": ("gain_scalar",),
+    "row": ("gain_row",),
+    "col": ("gain_col",),
+    "rowcol": ("gain_row", "gain_col"),
+    "lowrank": ("gain_a", "gain_b"),
+}
 #: ``fused_step='auto'`` compiles a CPU optimizer instance's MD step from this many elements of
 #: MD matrices on the rank up: the paper's 181M model has ~4.7e7 in its hidden matrices, the
 #: test suite's models under 1e6 (compiling costs tens of seconds, more than their whole run)
@@ -38,29 +51,32 @@ def _check_choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{flag}={value!r} is not one of {', '.join(allowed)}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MDConfig:
-    """Magnitude–Direction decoupling choices (defaults: the paper's recipe)."""
+    """Magnitude–Direction decoupling choices (defaults: the paper's recipe). Frozen: a run's
+    choices are fixed once validated (``dataclasses.replace`` makes a changed copy)."""
 
-    sphere: str = "frobenius"
+    sphere: Sphere = "frobenius"
     """Axis of the fixed-norm constraint on the direction Ŵ: whole matrix (frobenius), each
     output row, each input column, each vector along the model's hidden dimension (hidden:
     nGPT's axes, rows of the matrices that read the residual stream and columns of the
     attention/MLP output projections that write it), or none (gains only)."""
 
-    radius: str = "init"
+    radius: Radius = "init"
     """Sphere radius: the matrix's norm when the MD state is created (init), the shape formula
-    sqrt(max(d_out, d_in)) (shape; per-row/col spheres split it evenly over rows/cols), or 1 for
-    every vector of a row/col/hidden sphere (unit: nGPT's unit-norm weights)."""
+    sqrt(max(d_out, d_in)) per Q/K/V block (shape: the paper's radius, which the paper recipes
+    set; × ``residual_init_scale`` for the residual-write projections; per-row/col spheres split
+    it evenly over rows/cols), or 1 for every vector of a row/col/hidden sphere (unit: nGPT's
+    unit-norm weights)."""
 
-    gains: str = "rowcol"
+    gains: Gains = "rowcol"
     """Magnitude gains: none, one scalar, per row, per column, per row and column, or a rank-k
     multiplicative gain Γ = 1 + A Bᵀ (lowrank: always the direct map; gain_map is not used)."""
 
     gain_rank: int = 4
     """Rank k of the lowrank gain."""
 
-    gain_map: str = "softplus"
+    gain_map: GainMap = "softplus"
     """Map φ from raw gain ĝ to gain g = φ(ĝ): softplus, exp, direct, or direct with the raw
     gain floored at 1e-5 after each step (direct-floor). Gains start at g = 1."""
 
@@ -83,16 +99,16 @@ class MDConfig:
     """Project the direction gradient onto the sphere's tangent space before the base step
     (Frobenius and per-row/col spheres)."""
 
-    embedding_norm: str = "row"
+    embedding_norm: RowNorm = "row"
     """Embedding rows (token vectors): held at unit L2 norm (row) or left free (none)."""
 
-    output_norm: str = "row"
+    output_norm: RowNorm = "row"
     """Untied LM-head rows: held at unit L2 norm (row) or left free (none)."""
 
-    router_norm: str = "row"
+    router_norm: RowNorm = "row"
     """MoE router rows (one per expert): held at their init norm (row) or left free (none)."""
 
-    muon_scale: str = "sphere_rms"
+    muon_scale: MuonScale = "sphere_rms"
     """Muon update scale for MD matrices: unit_rms_norm sqrt(d_out/d_in), shape_scaling
     max(1, sqrt(d_out/d_in)), rms_match 0.2·sqrt(max), shape_up sqrt(max(d_out/d_in,
     d_in/d_out)), sphere_rms c/sqrt(min(d_out, d_in)), or none (factor 1)."""
@@ -103,9 +119,10 @@ class MDConfig:
     residual_init_scale: float = 1.0
     """Init std of the residual-write projections (attention ``linear_proj``, every MLP's
     ``linear_fc2``) relative to the other matrices: 1/sqrt(2L) under ``--scaled-output-init``
-    (the paper's MoE MuonMD runs). With ``radius=init`` their sphere is that much smaller, and
-    the ``shape_up`` Muon scale is lowered with it (MoE appendix: "lowers the sphere-norm target
-    of those projections (by 1/sqrt(2L)) and adjusts their shape-up factor accordingly")."""
+    (the paper's MoE MuonMD runs). With ``radius=init`` or ``shape`` their sphere is that much
+    smaller, and the ``shape_up`` Muon scale is lowered with it (MoE appendix: "lowers the
+    sphere-norm target of those projections (by 1/sqrt(2L)) and adjusts their shape-up factor
+    accordingly")."""
 
     split_qkv: bool = True
     """MuonMD on the fused QKV matrix as megatron's Muon does it (``--muon-split-qkv``, on by
@@ -118,14 +135,14 @@ class MDConfig:
     slices: the optimizer is built as megatron's layer-wise Muon (megatron-core shards
     layer-wise only for emerging optimizers) and the matrices' base step is Adam."""
 
-    variant: str = "md"
+    variant: Variant = "md"
     """md: the paper's MD step. muown: the Muown baseline (``--optimizer muown``; its published
     description, no code): every Muon matrix as a per-row magnitude (the row norms, Adam, direct
     map) times a unit-row direction, the direction's Muon step tangent-projected per row and not
     projected back (the rows grow); muown-angular: projected back onto the unit rows. The
     embeddings and LM head stay free (plain Adam)."""
 
-    fused_step: str = "auto"
+    fused_step: FusedStep = "auto"
     """AdamMD's per-group work as compiled kernels (``torch.compile``,
     megatron/md/engine/compiled.py): on, off, or auto: on for a CPU optimizer whose MD matrices
     hold at least 2^24 elements on the rank (there AdamMD's step is then as fast as megatron's
@@ -135,22 +152,12 @@ class MDConfig:
     with MD off, checkpoints are interchangeable."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.fused_step, bool):  # the former on/off switch
-            self.fused_step = "on" if self.fused_step else "off"
         self.validate()
 
     def validate(self) -> None:
         """Raise ValueError naming the flag and the allowed values for any bad choice."""
-        _check_choice("--md-sphere", self.sphere, SPHERES)
-        _check_choice("--md-radius", self.radius, RADII)
-        _check_choice("--md-gains", self.gains, GAINS)
-        _check_choice("--md-gain-map", self.gain_map, GAIN_MAPS)
-        _check_choice("--md-embedding-norm", self.embedding_norm, ROW_NORMS)
-        _check_choice("--md-output-norm", self.output_norm, ROW_NORMS)
-        _check_choice("--md-router-norm", self.router_norm, ROW_NORMS)
-        _check_choice("--muon-scale-mode", self.muon_scale, MUON_SCALES)
-        _check_choice("--md-fused-step", self.fused_step, FUSED_STEPS)
-        _check_choice("--md-variant", self.variant, VARIANTS)
+        for name, allowed in CHOICES.items():
+            _check_choice(flag_of(name), getattr(self, name), allowed)
         if self.gains == "lowrank":
             if not isinstance(self.gain_rank, int) or self.gain_rank < 1:
                 raise ValueError(f"--md-gain-rank={self.gain_rank!r} must be an integer >= 1")
@@ -221,17 +228,9 @@ class MDConfig:
         return max(0.0, floor + (self.gain_lr - floor) * (lr - floor) / (peak - floor))
 
 
-#: MDConfig field -> allowed values (its flag's choices)
+#: MDConfig field -> allowed values (its flag's choices), read off the ``Literal`` field types
 CHOICES = {
-    "sphere": SPHERES,
-    "radius": RADII,
-    "gains": GAINS,
-    "gain_map": GAIN_MAPS,
-    "embedding_norm": ROW_NORMS,
-    "output_norm": ROW_NORMS,
-    "router_norm": ROW_NORMS,
-    "fused_step": FUSED_STEPS,
-    "variant": VARIANTS,
+    name: get_args(t) for name, t in get_type_hints(MDConfig).items() if get_origin(t) is Literal
 }
 #: choice flags that may be given bare: ``--md-fused-step`` alone means on
 BARE = {"fused_step": "on"}
@@ -242,6 +241,11 @@ FROM_MEGATRON_FLAGS = {
     "residual_init_scale": "--scaled-output-init",
     "split_qkv": "--muon-split-qkv",
 }
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag that sets MDConfig field ``name``."""
+    return FROM_MEGATRON_FLAGS.get(name, "--md-" + name.replace("_", "-"))
 
 
 def check_radius(radius: float, name: str = "matrix") -> float:
@@ -276,8 +280,8 @@ class MatrixSpec:
     """Std of the random init of lowrank factor A."""
     init_scale: float = 1.0
     """Init std relative to the other matrices (``MDConfig.residual_init_scale`` for
-    residual-write projections): the ``shape_up`` Muon scale is multiplied by it when the
-    sphere radius is the init norm."""
+    residual-write projections): the shape radius and the ``shape_up`` Muon scale are
+    multiplied by it (with the init radius it is in the init norm already)."""
     row_blocks: tuple[int, ...] = ()
     """Rows of one query group of a fused QKV matrix, per block (q, k, v), when Muon splits it
     (``MDConfig.split_qkv``): each block has its own sphere and Muon call. Empty: one block."""

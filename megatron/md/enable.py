@@ -12,7 +12,7 @@ ZeRO-1 ``DistributedOptimizer`` (AdamMD on slices, one all-reduce per step), the
 
 from __future__ import annotations
 
-from megatron.md import compat, tensor_parallel
+from megatron.md import compat, compatibility, tensor_parallel
 from megatron.md.config import MDConfig
 from megatron.md.leaves import is_md_wrapper, leaf_optimizers
 from megatron.md.roles import param_role
@@ -20,22 +20,13 @@ from megatron.md.whole import setup_whole
 from megatron.md.zero1 import setup_zero1
 
 
-def check_config(config, ddp_config=None) -> None:
-    """Refuse megatron settings MD does not support, before any work."""
-    if config.fp16:
-        raise ValueError(
-            "MD does not support --fp16 (use --bf16): loss scaling would hit the gains"
-        )
-    if getattr(config, "use_precision_aware_optimizer", False):
-        raise ValueError(
-            "MD needs fp32 main params held by megatron: drop --use-precision-aware-optimizer"
-        )
-    if config.weight_decay:
-        raise ValueError("MD keeps matrices on a sphere: use --weight-decay 0 with --md-decoupling")
-    if ddp_config is not None and getattr(ddp_config, "use_megatron_fsdp", False):
-        raise ValueError("MD does not support Megatron-FSDP; use --use-distributed-optimizer")
-    if ddp_config is not None and (ddp_config.fp8_param_gather or ddp_config.fp4_param_gather):
-        raise ValueError("MD does not support fp8/fp4 param gather")
+def check_config(config, ddp_config, md: MDConfig, grouped_weight: str | None = None) -> None:
+    """Refuse megatron settings MD does not support, before any work (``compatibility``, the
+    same check the flag parser makes), and a Muon optimizer sharded other than layer-wise."""
+    tp = max(tensor_parallel.tp_size(), tensor_parallel.etp_size()) > 1
+    compatibility.check(
+        compatibility.Setup.from_megatron(config, ddp_config, md, tp, grouped_weight)
+    )
     if "muon" in config.optimizer and config.use_distributed_optimizer:
         if not config.use_layer_wise_distributed_optimizer:
             raise ValueError(
@@ -53,10 +44,7 @@ def check_one_matrix_per_parameter(chunk) -> None:
     a parameter of more than 2 dimensions would otherwise be stepped as a vector."""
     for name, mod in chunk.named_modules():
         if getattr(mod, "single_grouped_weight", False):
-            raise ValueError(
-                f"{name} keeps every local expert in one parameter "
-                "(--moe-single-grouped-weight): MD needs one parameter per expert matrix"
-            )
+            compatibility.check(compatibility.Setup("adam", 0.0, False, grouped_weight=name))
     for name, p in chunk.named_parameters():
         if p.ndim > 2:
             raise ValueError(
@@ -94,7 +82,7 @@ def enable_md(optimizer, model_chunks, md: MDConfig):
 
     layer_wise = layer_wise_children(optimizer)
     for opt in leaf_optimizers(optimizer):
-        check_config(opt.config, getattr(opt, "ddp_config", None))
+        check_config(opt.config, getattr(opt, "ddp_config", None), md)
         if isinstance(opt, DistributedOptimizer):
             compat.check_distributed_optimizer(opt)
             setup_zero1(opt, roles, names, md)

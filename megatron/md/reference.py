@@ -19,17 +19,8 @@ from megatron.md.base_steps import (
     muon_scale_factor,
     muon_update,
 )
-from megatron.md.config import MatrixSpec, check_radius
+from megatron.md.config import GAIN_NAMES, MatrixSpec, check_radius
 from megatron.md.state import MatrixState
-
-GAIN_NAMES = {
-    "none": (),
-    "scalar": ("gain_scalar",),
-    "row": ("gain_row",),
-    "col": ("gain_col",),
-    "rowcol": ("gain_row", "gain_col"),
-    "lowrank": ("gain_a", "gain_b"),
-}
 
 
 def row_block_ids(d_out: int, row_blocks: tuple[int, ...]) -> torch.Tensor | None:
@@ -90,12 +81,16 @@ def block_shapes(shape: tuple[int, int], spec: MatrixSpec) -> list[tuple[int, in
 
 
 def shape_radius(shape: tuple[int, int], spec: MatrixSpec, dtype, device) -> torch.Tensor:
-    """The ``radius=shape`` sphere: sqrt(max(rows, d_in)) in Frobenius norm per block, split
-    evenly over the rows (row sphere) or columns (col sphere); shaped like ``init_radius``."""
+    """The ``radius=shape`` sphere: sqrt(max(rows, d_in)) in Frobenius norm per block, times
+    ``spec.init_scale`` (1/sqrt(2L) for the residual-write projections under a scaled output
+    init: the authors' ``hypersphere_scale_out_proj_init``, feat/md-decoupling-optimizer
+    megatron/core/optimizer/md_decoupling.py), split evenly over the rows (row sphere) or
+    columns (col sphere); shaped like ``init_radius``."""
     d_out, d_in = shape
     ids = row_block_ids(d_out, spec.row_blocks)
     blocks = block_shapes(shape, spec)
-    full = torch.tensor([math.sqrt(max(n, m)) for n, m in blocks], dtype=torch.float64)
+    full = torch.tensor([math.sqrt(max(n, m)) * spec.init_scale for n, m in blocks],
+                        dtype=torch.float64)  # fmt: skip
     if spec.sphere == "frobenius":
         r = full if ids is not None else full[0]
     elif spec.sphere == "row":
@@ -213,12 +208,12 @@ def frobenius_radius(st: MatrixState, spec: MatrixSpec) -> torch.Tensor:
 
 def muon_scales(st: MatrixState, spec: MatrixSpec) -> list:
     """Muon update scale of each block: the spec's mode; ``shape_up`` follows a scaled init
-    when the radius is the init norm (``MatrixSpec.init_scale``, MoE appendix)."""
+    (``MatrixSpec.init_scale``, MoE appendix) when the radius does (init or shape)."""
     radii = frobenius_radius(st, spec) if spec.muon_scale == "sphere_rms" else None
     out = []
     for b, (rows, d_in) in enumerate(block_shapes(tuple(st["direction"].shape), spec)):
         s = muon_scale_factor(spec.muon_scale, rows, d_in, None if radii is None else radii[b])
-        if spec.muon_scale == "shape_up" and spec.radius == "init":
+        if spec.muon_scale == "shape_up" and spec.radius != "unit":
             s = s * spec.init_scale
         out.append(s)
     return out

@@ -17,18 +17,8 @@ import torch
 
 from megatron.md import tensor_parallel
 from megatron.md.blocks import Block, TPShard, place_blocks, slice_blocks
-from megatron.md.config import MatrixSpec
+from megatron.md.config import GAIN_NAMES, MatrixSpec
 from megatron.md.engine.geometry import norm_count, row_to_block
-
-#: each gain kind's raw tensors (MD's state fields), in partial-buffer order
-GAIN_NAMES = {
-    "none": (),
-    "scalar": ("gain_scalar",),
-    "row": ("gain_row",),
-    "col": ("gain_col",),
-    "rowcol": ("gain_row", "gain_col"),
-    "lowrank": ("gain_a", "gain_b"),
-}
 
 
 class SliceMD:

@@ -71,13 +71,6 @@ def muon_hparams(config, md: MDConfig) -> MuonHParams:
             f"megatron's Muon splits QKV ({config.muon_split_qkv}) but the MD config says "
             f"split_qkv={md.split_qkv}: MuonMD follows --muon-split-qkv / --muon-no-split-qkv"
         )
-    split = max(tensor_parallel.tp_size(), tensor_parallel.etp_size()) > 1
-    if split and config.muon_tp_mode != "duplicated":
-        raise ValueError(
-            "MuonMD under tensor parallelism orthogonalizes each full matrix, as at TP=1: "
-            f"--muon-tp-mode duplicated (got {config.muon_tp_mode!r}, which orthogonalizes "
-            "each TP piece on its own)"
-        )
     if config.muon_extra_scale_factor != 1.0:
         raise ValueError(
             "MuonMD sets the update scale with --muon-scale-mode; "

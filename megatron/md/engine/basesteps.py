@@ -121,15 +121,15 @@ BASE_STEPS: dict[str, BaseStep] = {s.name: s for s in (AdamStep(), MuonStep())}
 def muon_scales(spec, shape: tuple[int, int], frobenius_radius) -> list:
     """The Muon update scale of each block of a ``shape`` matrix under ``spec``
     (``frobenius_radius``: each block's Frobenius radius, indexable by block: a number or a
-    tensor, for sphere_rms); ``shape_up`` follows a scaled init when the radius is the init
-    norm (MoE appendix)."""
+    tensor, for sphere_rms); ``shape_up`` follows a scaled init when the radius does (init or
+    shape; MoE appendix)."""
     from megatron.md.engine.geometry import block_dims
 
     out = []
     for b, (rows, cols) in enumerate(block_dims(shape, spec.row_blocks)):
         r = None if frobenius_radius is None else frobenius_radius[b]
         s = muon_scale_factor(spec.muon_scale, rows, cols, r)
-        if spec.muon_scale == "shape_up" and spec.radius == "init":
+        if spec.muon_scale == "shape_up" and spec.radius != "unit":
             s = s * spec.init_scale
         out.append(s)
     return out

@@ -423,7 +423,7 @@ class Group:
         elif spec.radius == "unit":
             r = torch.ones_like(cur)
         else:
-            one = shape_radius(self.full, spec.sphere, spec.row_blocks)
+            one = shape_radius(self.full, spec.sphere, spec.row_blocks) * spec.init_scale
             r = one.to(cur.dtype).to(cur.device).expand_as(cur)
         check_radius(float(r.min()), "matrix")  # (once, at set-up)
         rshape = radius_shape(self.full, spec.sphere, spec.row_blocks)

@@ -8,7 +8,7 @@ import dataclasses
 import math
 import os
 
-from megatron.md import errors
+from megatron.md import compatibility, errors
 from megatron.md.config import BARE, CHOICES, FROM_MEGATRON_FLAGS, MUON_SCALES, MDConfig
 from megatron.md.train import datacheck
 
@@ -31,8 +31,10 @@ def add_md_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--md-decoupling",
         action="store_true",
-        help="AdamMD / MuonMD: the MD step inside megatron's optimizer "
-        "(defaults: the paper's recipe; weight decay defaults to 0)",
+        help="AdamMD / MuonMD: the MD step inside megatron's optimizer (weight decay defaults "
+        "to 0; the --md-* defaults are the paper's choices except the radius: the paper's "
+        "runs, as the recipes of recipes.py and sweep.py set them, add --md-radius shape and, "
+        "for MuonMD, --muon-scale-mode shape_up, which on the shape sphere equals sphere_rms)",
     )
     add_md_config_flags(g)
     g.add_argument(
@@ -193,23 +195,15 @@ def md_config_from_args(args) -> MDConfig:
 
 
 def _check_tensor_parallel(args) -> None:
-    """What MD runs under TP > 1 or expert TP > 1 (megatron/md/tensor_parallel.py): AdamMD and
-    MuonMD (the full matrix orthogonalized); not Muown."""
+    """MuonMD's Q/K/V split under TP > 1 or expert TP > 1 (megatron/md/tensor_parallel.py):
+    whole query groups per TP rank (the rest of what TP needs: ``compatibility``)."""
     muon_md = args.optimizer == "muon" and not args.md_adam_layer_wise
-    if muon_md and args.md_variant != "md":
-        _fail(f"--md-variant {args.md_variant} (Muown) with (expert) TP > 1 is not supported")
     groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
     if muon_md and args.muon_split_qkv and groups % args.tensor_model_parallel_size:
         _fail(
             f"MuonMD splits Q, K and V per query group, and {groups} query group(s) do not "
             f"divide over TP = {args.tensor_model_parallel_size} ranks: use a TP size that "
             "divides --num-query-groups, or --muon-no-split-qkv"
-        )
-    if muon_md and args.muon_tp_mode != "duplicated":
-        _fail(
-            "MuonMD with (expert) TP > 1 orthogonalizes each full matrix, as at TP=1: "
-            f"--muon-tp-mode duplicated (got {args.muon_tp_mode}, which orthogonalizes each TP "
-            "piece alone)"
         )
 
 
@@ -236,15 +230,11 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
             _fail(str(e))
         if args.optimizer not in ("adam", "muon"):
             _fail(f"--md-decoupling works with --optimizer adam or muon, not {args.optimizer!r}")
+        why = compatibility.refusal(compatibility.Setup.from_args(args))
+        if why is not None:
+            _fail(why)
         if args.md_variant != "md" and args.optimizer != "muon":
             _fail(f"--md-variant {args.md_variant} is a Muon variant (use --optimizer muown)")
-        if args.weight_decay != 0:
-            _fail(
-                f"--md-decoupling keeps matrices on a sphere: --weight-decay must be 0 "
-                f"(got {args.weight_decay})"
-            )
-        if args.fp16:
-            _fail("--md-decoupling does not support --fp16 (use --bf16)")
         if args.ckpt_format != "torch_dist" and (args.save or args.load):
             _fail(
                 f"--ckpt-format {args.ckpt_format}: MD runs save and load their state in "
@@ -253,17 +243,9 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
         if "--md-gain-rank" in getattr(args, "given_flags", ()) and args.md_gains != "lowrank":
             _fail(f"--md-gain-rank {args.md_gain_rank} needs --md-gains lowrank (got "
                   f"--md-gains {args.md_gains}, which has no rank)")  # fmt: skip
-        if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
-            _fail("--md-decoupling does not support FSDP (use --use-distributed-optimizer)")
         etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
         if args.tensor_model_parallel_size > 1 or (args.num_experts and etp > 1):
             _check_tensor_parallel(args)  # megatron's default ETP is the TP size
-        if getattr(args, "moe_single_grouped_weight", False):
-            _fail(
-                "--md-decoupling needs one matrix per expert, and --moe-single-grouped-weight "
-                "stores every local expert in one parameter: leave it off (TE's grouped "
-                "GEMM then keeps one parameter per expert, weight0 ... weight{E-1})"
-            )
 
         if args.md_adam_layer_wise:
             if args.optimizer != "adam" or not (

@@ -40,7 +40,9 @@ def iters_for(tokens: float, gbs: int = GBS, seq: int = SEQ) -> int:
 # ---- optimizer recipes ----
 def dense_recipe(method: str, matrix_lr: float) -> list[str]:
     """Recipe §2, dense column: baselines wd 0.1 (AdamW warms up 1000 steps), MD none; linear
-    decay to 1e-8; betas (0.9, 0.99); clip 1.0; embedding LR 3e-3, LM head 1e-3."""
+    decay to 1e-8; betas (0.9, 0.99); clip 1.0; embedding LR 3e-3, LM head 1e-3, the other
+    Adam groups (norm gains) at the base Adam LR 1e-3 (appendix "The different parameter-group
+    learning rates": "our 1e-3 choice")."""
     common = [
         "--lr-decay-style=linear",
         "--min-lr=1e-8",
@@ -51,7 +53,7 @@ def dense_recipe(method: str, matrix_lr: float) -> list[str]:
         "--embedding-lr=3e-3",
         "--output-lr=1e-3",
         f"--matrix-lr={fmt(matrix_lr)}",
-        "--lr=3e-3",
+        "--lr=1e-3",
     ]
     return common + _method_flags(method, moe=False)
 
@@ -69,7 +71,8 @@ def moe_recipe(method: str, matrix_lr: float, lr_scale: float = 1.0, wd: float =
         "--adam-eps=1e-8",
         f"--embedding-lr={side}",
         f"--output-lr={side}",
-        f"--lr={side}",
+        "--lr=1e-3",  # norm gains: the base Adam LR, not transferred (paper: matrix, embedding
+        # and output LRs are)
         f"--matrix-lr={fmt(matrix_lr)}",
         "--clip-grad=1.0" if method == "adamw" else "--clip-grad=0",
     ]
@@ -95,14 +98,18 @@ def _method_flags(method: str, moe: bool, wd: float = 0.1) -> list[str]:
             f"--muon-scale-mode={scale}",
             *warm,
         ]
+    # MD: the paper's radius sqrt(max(d_out, d_in)) per Q/K/V block (§ Normalization axis; the
+    # authors' optimizer normalizes every block to it: feat/md-decoupling-optimizer,
+    # megatron/core/optimizer/md_decoupling.py, _normalize_single)
     if method == "adammd":
-        return ["--optimizer=adam", "--md-decoupling"]
+        return ["--optimizer=adam", "--md-decoupling", "--md-radius=shape"]
     if method == "muown":  # the MoE figure's baseline; warmup as the Muon baseline's (assumed)
         warm = ["--lr-warmup-iters=1000"] if moe else []
         return ["--optimizer=muown", "--muon-momentum=0.95", "--muon-nesterov",
                 "--muon-scale-mode=shape_scaling", *warm]  # fmt: skip
     if method == "muonmd":
-        return ["--optimizer=muon", "--md-decoupling", "--muon-scale-mode=shape_up"]
+        return ["--optimizer=muon", "--md-decoupling", "--md-radius=shape",
+                "--muon-scale-mode=shape_up"]  # fmt: skip
     raise ValueError(f"method {method!r} is not one of {', '.join(METHODS)}")
 
 
