@@ -94,7 +94,7 @@ def md_config(args):
     return MDConfig(
         sphere=args.sphere,
         adam_layer_wise=lw_adam,
-        fused_step=args.fused_step,
+        fused_step="on" if args.fused_step else "off",
         split_qkv=split_qkv(args),
     )
 

@@ -103,7 +103,7 @@ def run(ours, args) -> dict:
     md = MDConfig(
         sphere=args.sphere,
         gains=ours.md_gains,
-        fused_step=args.fused_step,
+        fused_step="on" if args.fused_step else "off",
         embedding_norm=ours.md_row_norms,
         output_norm=ours.md_row_norms,
         split_qkv=md_check.split_qkv(args),
