@@ -208,10 +208,10 @@ def main(argv: list[str] | None = None) -> None:
 
     report["versions"] = {"torch": torch.__version__, "lm_eval": lm_eval.__version__,
                           "megatron_core": megatron.core.__version__}  # fmt: skip
-    if a.output:
-        os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
-        Path(a.output).write_text(json.dumps(report, indent=1, default=str) + "\n")
-        print(f"[evaluate] wrote {a.output}", flush=True)
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        Path(a.out).write_text(json.dumps(report, indent=1, default=str) + "\n")
+        print(f"[evaluate] wrote {a.out}", flush=True)
 
 
 if __name__ == "__main__":
