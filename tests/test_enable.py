@@ -70,7 +70,7 @@ def test_one_compatibility_check_for_the_flags_and_enable_md():
         cfg = OptimizerConfig(**{"optimizer": "adam", "lr": 1e-3, "weight_decay": 0.0, **opt_cfg})
         ddp = DistributedDataParallelConfig(**ddp_cfg) if ddp_cfg else None
         tp = "muon_tp_mode" in opt_cfg
-        via_enable = c.refusal(c.Setup.from_megatron(cfg, ddp, MDConfig(), tp, None))
+        via_enable = c.refusal(c.Setup.from_megatron(cfg, ddp, MDConfig(), tp))
         assert via_flags == via_enable and needle in via_flags
     assert c.refusal(c.Setup.from_args(Namespace(**flags))) is None
 

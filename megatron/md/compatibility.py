@@ -57,10 +57,10 @@ class Setup:
         )
 
     @classmethod
-    def from_megatron(cls, config, ddp_config, md, tensor_parallel: bool, grouped_weight):
+    def from_megatron(cls, config, ddp_config, md, tensor_parallel: bool):
         """``config``: a leaf optimizer's OptimizerConfig; ``ddp_config``: its DDPConfig or
-        None; ``md``: the MDConfig; ``grouped_weight``: the name of a module with TE's
-        ``single_grouped_weight`` set, or None."""
+        None; ``md``: the MDConfig. (The model's grouped weights ``enable_md`` checks per
+        module: ``grouped_weight_refusal``.)"""
         low_bit = ddp_config is not None and bool(
             ddp_config.fp8_param_gather or ddp_config.fp4_param_gather
         )
@@ -73,10 +73,18 @@ class Setup:
             low_bit_param_gather=low_bit,
             tensor_parallel=tensor_parallel,
             muon_tp_mode=getattr(config, "muon_tp_mode", "duplicated"),
-            grouped_weight=grouped_weight,
             adam_layer_wise=md.adam_layer_wise,
             variant=md.variant,
         )
+
+
+def grouped_weight_refusal(where: str) -> str:
+    """Why ``where`` (the flag, or a module with TE's ``single_grouped_weight``) is refused."""
+    return (
+        f"{where} keeps every local expert in one parameter (--moe-single-grouped-weight): MD "
+        "needs one parameter per expert matrix; leave it off (TE's grouped GEMM then keeps one "
+        "parameter per expert, weight0 ... weight{E-1})"
+    )
 
 
 def refusal(s: Setup) -> str | None:
@@ -96,11 +104,7 @@ def refusal(s: Setup) -> str | None:
     if s.low_bit_param_gather:
         return "MD does not support fp8/fp4 param gather"
     if s.grouped_weight is not None:
-        return (
-            f"{s.grouped_weight} keeps every local expert in one parameter "
-            "(--moe-single-grouped-weight): MD needs one parameter per expert matrix; leave it "
-            "off (TE's grouped GEMM then keeps one parameter per expert, weight0 ... weight{E-1})"
-        )
+        return grouped_weight_refusal(s.grouped_weight)
     if muon_md and s.tensor_parallel and s.variant != "md":
         return f"--md-variant {s.variant} (Muown) with (expert) TP > 1 is not supported"
     if muon_md and s.tensor_parallel and s.muon_tp_mode != "duplicated":

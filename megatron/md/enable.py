@@ -20,13 +20,11 @@ from megatron.md.whole import setup_whole
 from megatron.md.zero1 import setup_zero1
 
 
-def check_config(config, ddp_config, md: MDConfig, grouped_weight: str | None = None) -> None:
+def check_config(config, ddp_config, md: MDConfig) -> None:
     """Refuse megatron settings MD does not support, before any work (``compatibility``, the
     same check the flag parser makes), and a Muon optimizer sharded other than layer-wise."""
     tp = max(tensor_parallel.tp_size(), tensor_parallel.etp_size()) > 1
-    compatibility.check(
-        compatibility.Setup.from_megatron(config, ddp_config, md, tp, grouped_weight)
-    )
+    compatibility.check(compatibility.Setup.from_megatron(config, ddp_config, md, tp))
     if "muon" in config.optimizer and config.use_distributed_optimizer:
         if not config.use_layer_wise_distributed_optimizer:
             raise ValueError(
@@ -44,7 +42,7 @@ def check_one_matrix_per_parameter(chunk) -> None:
     a parameter of more than 2 dimensions would otherwise be stepped as a vector."""
     for name, mod in chunk.named_modules():
         if getattr(mod, "single_grouped_weight", False):
-            compatibility.check(compatibility.Setup("adam", 0.0, False, grouped_weight=name))
+            raise ValueError(compatibility.grouped_weight_refusal(name))
     for name, p in chunk.named_parameters():
         if p.ndim > 2:
             raise ValueError(
