@@ -108,7 +108,7 @@ def test_only_settings_that_change_what_the_state_means_are_checked():
     check_same_config(saved, rates)
     for changed, said in (
         (MDConfig(sphere="row"), "--md-sphere frobenius, this run's --md-sphere row"),
-        (MDConfig(split_qkv=False), "--muon-split-qkv, this run's --muon-no-split-qkv"),
+        (MDConfig(split_qkv=False), "Q/K/V split (the default), this run's --muon-no-split-qkv"),
         (MDConfig(variant="muown"), "--md-variant md, this run's --md-variant muown"),
     ):
         with pytest.raises(ValueError, match=re.escape(said)):

@@ -83,6 +83,8 @@ def test_adam_md_zero1_fp32(nproc, experts):
     assert res["extra_collectives"] == md_collectives(res, nproc)
     if nproc == 4 and not experts:
         assert res["cut_inside_row"]  # a rank's slice starts or ends inside a row
+    # AdamMD's Q/K/V spheres (each layer's QKV; a matrix cut between ranks counts per slice)
+    assert res["split_qkv_matrices"] >= 2
 
 
 @pytest.mark.parametrize("nproc", [4])

@@ -325,9 +325,10 @@ def test_md_under_tensor_parallelism_refuses_what_it_lacks(capsys, monkeypatch, 
     monkeypatch.setenv("WORLD_SIZE", "2")
     tp = ["--md-decoupling", "--tensor-model-parallel-size=2"]
     assert needle in fails(capsys, *tp, *extra)
-    for dtype in ([], ["--bf16"]):
-        args, md = parse(*tp, *dtype, "--save=/tmp/x", "--save-interval=2")
-        assert md is not None and args.tensor_model_parallel_size == 2
+    for dtype in ([], ["--bf16"]):  # AdamMD splits Q/K/V too: whole query groups per rank
+        args, md = parse(*tp, *dtype, "--num-query-groups=2", "--save=/tmp/x", "--save-interval=2")
+        assert md is not None and args.tensor_model_parallel_size == 2 and md.split_qkv
+    assert "do not divide over TP = 2" in fails(capsys, *tp, "--num-query-groups=1")
     args, md = parse(*tp, "--optimizer=muon", "--bf16", "--num-query-groups=2")
     assert md is not None and args.muon_tp_mode == "duplicated" and md.split_qkv
 
@@ -413,13 +414,17 @@ def test_token_scan_runs_once_per_node(capsys, tmp_path, monkeypatch):
 
 def test_scaled_output_init_lowers_shape_up_and_qkv_split_follows_megatron():
     """MoE appendix: --scaled-output-init (σ/sqrt(2L) output projections) reaches the MD config
-    as their init scale; MuonMD splits Q/K/V unless --muon-no-split-qkv (upstream's default)."""
+    as their init scale; MuonMD and AdamMD split Q/K/V unless --muon-no-split-qkv (upstream's
+    default; the authors' optimizer splits for Adam too: feat/md-decoupling-optimizer,
+    md_decoupling.py _normalize)."""
     _, md = parse("--md-decoupling", "--optimizer=muon", "--scaled-output-init")
     assert md.residual_init_scale == pytest.approx(1 / math.sqrt(2 * 4)) and md.split_qkv
     _, md = parse("--md-decoupling", "--optimizer=muon", "--muon-no-split-qkv")
     assert not md.split_qkv and md.residual_init_scale == 1.0
     _, md = parse("--md-decoupling", "--optimizer=adam")
-    assert not md.split_qkv  # Adam has no Q/K/V split
+    assert md.split_qkv
+    _, md = parse("--md-decoupling", "--optimizer=adam", "--muon-no-split-qkv")
+    assert not md.split_qkv
 
 
 def test_paper_architecture_is_explicit_and_announced():

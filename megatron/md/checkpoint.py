@@ -161,7 +161,7 @@ def _direction_entry(self, key: str, t: torch.Tensor, slot) -> list:
 
 def _flag(name: str, value) -> str:
     if name == "split_qkv":
-        return "--muon-split-qkv" if value else "--muon-no-split-qkv"
+        return "Q/K/V split (the default)" if value else "--muon-no-split-qkv"
     flag = FROM_MEGATRON_FLAGS.get(name, "--md-" + name.replace("_", "-"))
     return flag if isinstance(value, bool) and value else f"{flag} {value}"
 

@@ -125,10 +125,12 @@ class MDConfig:
     accordingly")."""
 
     split_qkv: bool = True
-    """MuonMD on the fused QKV matrix as megatron's Muon does it (``--muon-split-qkv``, on by
-    default upstream): Q, K and V (interleaved per query group) each get their own
-    Newton–Schulz call, Muon scale and sphere (per-block radius; tangent projection per block).
-    Gains stay those of the whole matrix. Muon only; ``--muon-no-split-qkv`` keeps one block."""
+    """The fused QKV matrix as megatron's Muon splits it (on by default upstream; off with
+    ``--muon-no-split-qkv``): Q, K and V (interleaved per query group) each get their own
+    sphere (per-block radius; tangent projection per block) under AdamMD and MuonMD, as the
+    authors' optimizer does whatever the base (feat/md-decoupling-optimizer,
+    md_decoupling.py ``_normalize``), and under MuonMD their own Newton–Schulz call and Muon
+    scale. Gains stay those of the whole matrix. Off: one block."""
 
     adam_layer_wise: bool = False
     """AdamMD on whole matrices owned layer-wise (``--md-adam-layer-wise``) instead of ZeRO-1

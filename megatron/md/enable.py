@@ -15,7 +15,7 @@ from __future__ import annotations
 from megatron.md import compat, compatibility, tensor_parallel
 from megatron.md.config import MDConfig
 from megatron.md.leaves import is_md_wrapper, leaf_optimizers
-from megatron.md.roles import param_role
+from megatron.md.roles import param_role, tag_qkv
 from megatron.md.whole import setup_whole
 from megatron.md.zero1 import setup_zero1
 
@@ -67,6 +67,8 @@ def enable_md(optimizer, model_chunks, md: MDConfig):
     names, roles = {}, {}
     for i, chunk in enumerate(model_chunks):
         check_one_matrix_per_parameter(chunk)
+        if md.split_qkv:  # megatron tags QKV weights for Muon only; Adam's split needs them too
+            tag_qkv(chunk)
         for n, p in chunk.named_parameters():
             names[p] = n if len(model_chunks) == 1 else f"chunk{i}.{n}"
             roles[p] = param_role(n, p)

@@ -130,8 +130,7 @@ class MDOptimizer(torch.optim.Optimizer):
     def _md(self, p, st, group, role, name: str = "") -> None:
         # Embeddings and LM head always use Adam (paper); matrices and router the chosen base.
         base = self.base if role in ("matrix", "router") else "adam"
-        blocks = qkv_blocks(p) if base == "muon" else ()
-        spec = spec_for(role, self.md, residual_write(name), blocks)
+        spec = spec_for(role, self.md, residual_write(name), qkv_blocks(p))
         if not st:
             st.update(reference.init_state(p, spec, base))
         if base == "adam":

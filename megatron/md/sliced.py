@@ -79,11 +79,13 @@ class SliceMD:
             sq = blk.view(direction).square()
             if sphere == "row":
                 out[blk.r0 : blk.r0 + blk.nr] += sq.sum(1)
-            elif rb:  # a split matrix is whole: its rows are the block's rows
-                ids = row_to_block(sq.shape[0], rb).to(sq.device)  # (a TP piece: its rows)
+            elif rb:  # each row's Q/K/V block, looked up in the full matrix's rows
+                ids = row_to_block(self.shape[0], rb)[blk.r0 : blk.r0 + blk.nr].to(sq.device)
                 rows = sq.sum(1, keepdim=True) if sphere == "frobenius" else sq
-                nb = len(rb)
-                out.view(nb, -1).index_add_(0, ids, rows)
+                per = out.view(len(rb), -1)
+                (per if sphere == "frobenius" else per[:, blk.c0 : blk.c0 + blk.nc]).index_add_(
+                    0, ids, rows
+                )
             elif sphere == "frobenius":
                 out += sq.sum()
             else:

@@ -31,8 +31,6 @@ def check_layout(local: tuple[int, int], whole: bool, spec, base: str, piece) ->
         raise ValueError(f"unsupported tensor-parallel layout {piece} of a {local} matrix")
     if base == "muon" and not whole:
         raise ValueError("Muon needs whole matrices; use the layer-wise distributed optimizer")
-    if spec.row_blocks and not whole:
-        raise ValueError("a QKV split (Muon) needs the whole matrix")
     if piece is None:
         return
     if spec.row_blocks and (piece.axis, piece.stride) != (0, 1):

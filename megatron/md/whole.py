@@ -121,8 +121,8 @@ def setup_whole(opt, roles: dict, names: dict, md: MDConfig, layer_wise: bool) -
         role = roles[mp.model]
         shape = tuple(mp.model.shape)
         # Embeddings and LM head always use Adam (paper); matrices and router the chosen base;
-        # a fused QKV matrix under Muon is split as megatron's Muon splits it (its tags)
-        blocks = qkv_blocks(mp.model) if base == "muon" else ()
+        # a fused QKV matrix is split as megatron's Muon splits it (its tags, or ``tag_qkv``'s)
+        blocks = qkv_blocks(mp.model)
         if md.split_qkv and base == "muon" and not blocks and "linear_qkv" in names[mp.model]:
             raise ValueError(  # megatron tags only pieces holding whole query groups
                 f"{names[mp.model]}: megatron did not tag it for the Q/K/V split (its query "

@@ -95,12 +95,13 @@ def md_config(args):
         sphere=args.sphere,
         adam_layer_wise=lw_adam,
         fused_step="on" if args.fused_step else "off",
-        split_qkv=split_qkv(args),
+        split_qkv=args.split_qkv,  # AdamMD splits too (pretrain_gpt.py's --muon-split-qkv)
     )
 
 
 def split_qkv(args) -> bool:
-    """megatron's --muon-split-qkv for this check (layer-wise AdamMD is built without it)."""
+    """megatron's own Muon split for this check (its Adam, and layer-wise AdamMD built as
+    Muon, do not split: MD's step does)."""
     return args.split_qkv and args.optimizer == "muon"
 
 
@@ -362,7 +363,6 @@ def check(args) -> dict:
         ref.zero_grad()
         # sphere invariant of the distributed state: ‖Ŵ‖ = radius (Frobenius) / each row = 1
         for inner in inners:
-            n = len(inner.layout) if inner.layout is not None else len(inner.slots)
             sq = {}
             for k, (main, slot) in enumerate(inner.slots.items()):
                 d = inner.direction_of(main)
@@ -371,16 +371,20 @@ def check(args) -> dict:
                 for main, (_, d) in sq.items():
                     sphere_err = max(sphere_err, _sphere_err(inner, main, d.view(-1)))
                 continue
-            # ZeRO-1: Frobenius partials of all matrices in the global layout, one all-reduce
-            buf = torch.zeros(n, device=DEV)
+            # ZeRO-1: every matrix's norm partials (per Q/K/V block, row or column) in the
+            # global layout, one all-reduce
+            offs = [0]
+            for k in inner.norm_layout:
+                offs.append(offs[-1] + k)
+            buf = torch.zeros(offs[-1], device=DEV)
             for main, (i, d) in sq.items():
-                if inner.slots[main].md.spec.sphere == "frobenius":
-                    buf[i] = (d * d).sum()
+                inner.slots[main].md.norm_partials(d.view(-1).float(), buf[offs[i] : offs[i + 1]])
             dist.all_reduce(buf)
             for main, (i, _) in sq.items():
                 r = inner.md_state[main]["radius"]
-                if inner.slots[main].md.spec.sphere == "frobenius":
-                    sphere_err = max(sphere_err, abs(float(buf[i].sqrt() / r) - 1))
+                if r is not None and inner.slots[main].md.spec.sphere == "frobenius":
+                    got = buf[offs[i] : offs[i + 1]].sqrt()
+                    sphere_err = max(sphere_err, float((got / r.view(-1) - 1).abs().max()))
 
     worst, worst_ulp, worst_dir, n_same, n_bf16 = 0.0, 0.0, 0.0, 0, 0
     worst_name = ""  # --vs megatron: the parameter that differs most
@@ -418,15 +422,15 @@ def check(args) -> dict:
 
     # ZeRO-1 payload by formula (default MD): rowcol gains + Frobenius norm per matrix,
     # one norm per row of embedding, LM head and router
-    from megatron.md.roles import param_role
+    from megatron.md.roles import param_role, qkv_blocks
 
     expected = 0
     for name, p in model.named_parameters():
         role = param_role(name, p)
         if getattr(p, "is_managed_by_layer_wise_optimizer", False):
             continue  # whole matrices, no collective
-        if role == "matrix":
-            expected += p.shape[0] + p.shape[1] + 1
+        if role == "matrix":  # a Frobenius norm per Q/K/V block when split
+            expected += p.shape[0] + p.shape[1] + max(len(qkv_blocks(p)) if md.split_qkv else 0, 1)
         elif role != "vector":
             expected += p.shape[0]
     n_coll = sum(i.n_collectives for i in inners if i.layout is not None)

@@ -65,11 +65,13 @@ class Group:
         rb = self.spec.row_blocks
         self.nb = len(rb) or 1
         self.qkv_slices = qkv_slices(rb) if rb else []
-        self.period_ids = self.row_ids = None
-        if rb:  # (only whole matrices, or TP pieces of whole query groups, are split)
+        self.period_ids = self.row_ids = self.full_ids = None
+        if rb:  # whole matrices or TP pieces hold whole query groups; a ZeRO-1 slice may not
             dev = members[0].main.device
             self.period_ids = row_to_block(sum(rb), rb).to(dev)
             self.row_ids = row_to_block(self.local[0], rb).to(dev)  # of the local rows
+            if not md.whole:  # a cut slice: each block's rows looked up in the full matrix's
+                self.full_ids = row_to_block(M, rb).to(dev)
         self._phi_cache: dict[str, tuple] = {}
         self.pending = None  # a rescale of Ŵ left for the fuse (compiled path)
         self.kernels = None  # compiled kernels (engine.compiled) or None
@@ -195,6 +197,14 @@ class Group:
     def axis_add(self, blk, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add block ``x``'s (B, nr, nc) sums along the sphere axis into ``out`` (B, n_norm)."""
         sphere, B = self.spec.sphere, self.B
+        if self.full_ids is not None and sphere != "row":  # Q/K/V blocks of a cut slice
+            ids = self.full_ids[blk.r0 : blk.r0 + blk.nr]
+            rows = x.sum(2, keepdim=True) if sphere == "frobenius" else x
+            per = out.view(B, self.nb, -1)
+            (per if sphere == "frobenius" else per[:, :, blk.c0 : blk.c0 + blk.nc]).index_add_(
+                1, ids, rows
+            )
+            return
         if self.period_ids is not None and sphere != "row":  # Q/K/V blocks: sums per block
             period = self.period_ids.numel()
             rows = x.sum(2) if sphere == "frobenius" else x
@@ -213,6 +223,9 @@ class Group:
     def axis_bcast(self, blk, v: torch.Tensor) -> torch.Tensor:
         """A per-axis quantity ``v`` (B, n_norm) broadcast against a block (B, nr, nc)."""
         sphere, B = self.spec.sphere, self.B
+        if self.full_ids is not None and sphere != "row":  # a cut slice's block rows
+            per = v.view(B, self.nb, -1).index_select(1, self.full_ids[blk.r0 : blk.r0 + blk.nr])
+            return per if sphere == "frobenius" else per[:, :, blk.c0 : blk.c0 + blk.nc]
         if self.period_ids is not None and sphere != "row":  # (B, M, 1) / (B, M, N)
             return v.view(B, self.nb, -1).index_select(1, self.row_ids)
         if sphere == "frobenius":

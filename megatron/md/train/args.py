@@ -190,18 +190,22 @@ def md_config_from_args(args) -> MDConfig:
         muon_scale=scale,
         # the paper's MoE MuonMD: output projections at σ/sqrt(2L), shape_up follows (MoE app.)
         residual_init_scale=1 / math.sqrt(2 * args.num_layers) if args.scaled_output_init else 1.0,
-        split_qkv=args.optimizer == "muon" and args.muon_split_qkv and not args.md_adam_layer_wise,
+        # Q, K, V on their own spheres for Adam too: the authors' optimizer splits whatever the
+        # base (feat/md-decoupling-optimizer md_decoupling.py, _normalize); Muon's own split
+        # follows the same flag
+        split_qkv=args.muon_split_qkv,
     )
 
 
 def _check_tensor_parallel(args) -> None:
-    """MuonMD's Q/K/V split under TP > 1 or expert TP > 1 (megatron/md/tensor_parallel.py):
+    """MD's Q/K/V split under TP > 1 or expert TP > 1 (megatron/md/tensor_parallel.py):
     whole query groups per TP rank (the rest of what TP needs: ``compatibility``)."""
-    muon_md = args.optimizer == "muon" and not args.md_adam_layer_wise
+    if getattr(args, "arch", "gpt") == "ngpt":
+        return  # nGPT refuses TP > 1 itself, naming it
     groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
-    if muon_md and args.muon_split_qkv and groups % args.tensor_model_parallel_size:
+    if args.md_decoupling and args.muon_split_qkv and groups % args.tensor_model_parallel_size:
         _fail(
-            f"MuonMD splits Q, K and V per query group, and {groups} query group(s) do not "
+            f"MD splits Q, K and V per query group, and {groups} query group(s) do not "
             f"divide over TP = {args.tensor_model_parallel_size} ranks: use a TP size that "
             "divides --num-query-groups, or --muon-no-split-qkv"
         )
