@@ -191,9 +191,9 @@ def test_md_under_context_parallelism(job):
 # parallelism (core/transformer/torch_norm.py, WrappedTorchNorm.__new__ refuses it with torch
 # norms) and so MoE under TP; the arithmetic of SwiGLU's strided fc1 and of the TP-replicated
 # router is also tests/test_tensor_parallel.py's.
-TP_JOBS = {
-    "zero1": ("--dist", "zero1"),
-    "zero1-bf16": ("--dist", "zero1", "--dtype", "bf16"),
+TP_JOBS = {  # AdamMD's default Q/K/V split under ZeRO-1 (whole query groups per TP rank)
+    "zero1": ("--dist", "zero1", "--split-qkv"),
+    "zero1-bf16": ("--dist", "zero1", "--dtype", "bf16", "--split-qkv"),
     "layerwise": ("--dist", "layerwise"),
     "replicated": ("--dist", "replicated"),
 }

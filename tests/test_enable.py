@@ -228,3 +228,19 @@ def test_nonfinite_md_state_is_named_before_it_lands_or_is_saved(tmp_path):
         r"latest checkpoint in .* \(iteration 1\) is still the last good one",
     ):
         nonfinite.check_before_save([dmodel], opt, 2, str(tmp_path))
+
+
+def test_an_untagged_qkv_piece_is_refused_under_the_split():
+    """A fused QKV weight whose rank's piece does not hold whole query groups (megatron leaves
+    it untagged) cannot be split as at TP=1: refused by name for AdamMD and MuonMD alike."""
+    from megatron.md.roles import split_blocks, tag_qkv
+
+    name = "module.decoder.layers.0.self_attention.linear_qkv.weight"
+    piece = torch.nn.Parameter(torch.zeros(6, 8))  # not whole (4, 2, 2) query groups
+    with pytest.raises(ValueError, match="linear_qkv.weight: not tagged for the Q/K/V split"):
+        split_blocks(piece, name, split=True)
+    assert split_blocks(piece, name, split=False) == ()
+    model = tiny_gpt(3, 32, 2, 16)
+    tag_qkv(model)
+    qkv = model.decoder.layers[0].self_attention.linear_qkv.weight
+    assert split_blocks(qkv, name, split=True) == tuple(qkv.qkv_split_shapes)

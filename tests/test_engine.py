@@ -350,3 +350,25 @@ def _ops(fn) -> set[tuple[str, int]]:
     with Names():
         fn()
     return seen
+
+
+def test_lowrank_floor_and_init_follow_the_runs():
+    """Rank-k gains as the authors' runs (gainz master.py: ``gains_lowrank_init_std`` unset ->
+    A ~ N(0, 1/k), ``gains_lowrank_min`` 1e-2): the recipe's spec, and the floored multiplier
+    max(1 + A Bᵀ, floor) in the engine equal to the reference's, with the floor active."""
+    from megatron.md.config import MDConfig, spec_for
+
+    spec = spec_for("matrix", MDConfig(gains="lowrank", gain_rank=4))
+    assert spec.lowrank_init_std == 0.5 and spec.lowrank_min == 1e-2
+    st = {"gain_a": torch.ones(3, 1), "gain_b": -torch.tensor([[0.5], [1.0], [2.0]])}
+    one = torch.ones(3, 3)
+    got = reference.apply_gains(one, st, MatrixSpec("none", "init", "lowrank", "softplus",
+                                                    gain_rank=1, lowrank_min=1e-2))  # fmt: skip
+    assert got[0].tolist() == pytest.approx([0.5, 1e-2, 1e-2])
+    floored = MatrixSpec("frobenius", "init", "lowrank", "softplus", gain_rank=2,
+                         lowrank_init_std=2.0, lowrank_min=0.999)  # fmt: skip
+    w, w_ref, ranks, st_ref = _run(floored, CUTS[2])
+    gam = [1 + s["gain_a"] @ s["gain_b"].T for s in st_ref]
+    assert any(bool((x < 0.999).any()) for x in gam)  # the floor is active
+    for a, b in zip(w, w_ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)

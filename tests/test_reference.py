@@ -82,8 +82,19 @@ def test_sphere_and_fusion_invariants(sphere, base, gains):
 
 @pytest.mark.parametrize("role", ["embedding", "output"])
 def test_embedding_rows_unit_norm(role):
+    """Embedding and LM-head directions at unit rows; the LM head with the matrices' row and
+    column gains (the authors' runs: the fork's md_decoupling.py ``_resolve_gains_mode``), so
+    its fused rows are the row gains times the column-gained unit rows; --md-output-gains none
+    (the paper's text): no gains, unit fused rows."""
     spec = spec_for(role, MDConfig())
     w, st = _run_steps(spec, "adam", shape=(50, 12))
+    torch.testing.assert_close(st["direction"].norm(dim=1), torch.ones(50), rtol=1e-6, atol=1e-6)
+    assert spec.gains == ("rowcol" if role == "output" else "none")
+    if role == "output":
+        assert not torch.allclose(w.norm(dim=1), torch.ones(50), atol=1e-3)  # the gains moved
+        bare = spec_for(role, MDConfig(output_gains="none"))
+        assert bare.gains == "none" and spec_for("router", MDConfig()).gains == "rowcol"
+        w, st = _run_steps(bare, "adam", shape=(50, 12))
     torch.testing.assert_close(w.norm(dim=1), torch.ones(50), rtol=1e-6, atol=1e-6)
 
 

@@ -24,7 +24,7 @@ import dataclasses
 
 import torch
 
-from megatron.md.config import FROM_MEGATRON_FLAGS, STATE_FIELDS
+from megatron.md.config import FROM_MEGATRON_FLAGS, STATE_FIELDS, STATE_FIELDS_BEFORE
 from megatron.md.leaves import md_leaves
 
 MD_KEY_PREFIX = "optimizer.md."
@@ -173,6 +173,7 @@ def check_same_config(saved: dict | None, md) -> None:
         return
     norm = lambda v: list(v) if isinstance(v, (tuple, list)) else v
     now = dataclasses.asdict(md)
+    saved = {**STATE_FIELDS_BEFORE, **saved}  # a field newer than the checkpoint: as it trained
     diff = [
         f"the checkpoint's {_flag(k, saved[k])}, this run's {_flag(k, now.get(k))}"
         for k in STATE_FIELDS

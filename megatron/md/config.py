@@ -15,6 +15,7 @@ Radius = Literal["init", "shape", "unit"]
 Gains = Literal["none", "scalar", "row", "col", "rowcol", "lowrank"]
 GainMap = Literal["softplus", "exp", "direct", "direct-floor"]
 RowNorm = Literal["row", "none"]
+SideGains = Literal["matrix", "none"]
 MuonScale = Literal["unit_rms_norm", "shape_scaling", "rms_match", "shape_up", "sphere_rms", "none"]
 FusedStep = Literal["auto", "on", "off"]
 Variant = Literal["md", "muown", "muown-angular"]
@@ -39,8 +40,10 @@ FUSED_MIN_ELEMENTS = 1 << 24
 #: resumed run may change (a re-warming run changes the gains' LR, say)
 STATE_FIELDS = (
     "sphere", "radius", "gains", "gain_rank", "gain_map", "embedding_norm", "output_norm",
-    "router_norm", "split_qkv", "adam_layer_wise", "variant",
+    "router_norm", "output_gains", "router_gains", "split_qkv", "adam_layer_wise", "variant",
 )  # fmt: skip
+#: what a checkpoint saved before a STATE_FIELDS entry existed was trained with
+STATE_FIELDS_BEFORE = {"output_gains": "none", "router_gains": "none"}
 
 #: Floor applied to raw gains under ``gain_map='direct-floor'``.
 GAIN_FLOOR = 1e-5
@@ -108,13 +111,30 @@ class MDConfig:
     router_norm: RowNorm = "row"
     """MoE router rows (one per expert): held at their init norm (row) or left free (none)."""
 
+    output_gains: SideGains = "matrix"
+    """Gains of the untied LM head: the hidden matrices' gains (matrix: the authors' runs, whose
+    LM head takes the matrices' gains mode unless an output mode is set; the fork's
+    ``_resolve_gains_mode`` in md_decoupling.py, and its MoE recipe master.sh) or none (the
+    paper's text: LM-head rows at unit norm, no gains). Its rows stay on their sphere
+    (``output_norm``) either way."""
+
+    router_gains: SideGains = "matrix"
+    """Gains of the MoE router: the hidden matrices' gains (matrix: the authors' runs, as for
+    the LM head) or none (the paper's text)."""
+
     muon_scale: MuonScale = "sphere_rms"
     """Muon update scale for MD matrices: unit_rms_norm sqrt(d_out/d_in), shape_scaling
     max(1, sqrt(d_out/d_in)), rms_match 0.2·sqrt(max), shape_up sqrt(max(d_out/d_in,
     d_in/d_out)), sphere_rms c/sqrt(min(d_out, d_in)), or none (factor 1)."""
 
-    lowrank_init_std: float = 1.0
-    """Std of the random init of the lowrank factor A (B starts at 0, so Γ = 1)."""
+    lowrank_init_std: float | None = None
+    """Std of the random init of the lowrank factor A (B starts at 0, so Γ = 1); unset:
+    (1/k)^½ for rank k, as the authors' runs (gainz ``master.py``, ``gains_lowrank_init_std``)."""
+
+    lowrank_min: float = 1e-2
+    """Floor of the lowrank multiplier: Γ = max(1 + A Bᵀ, lowrank_min) wherever Γ is applied
+    (the factors' gradients are those of the unfloored product), as the authors' runs (gainz
+    ``master.py``, ``gains_lowrank_min``): an entry of 1 + A Bᵀ cannot reach 0 or flip sign."""
 
     residual_init_scale: float = 1.0
     """Init std of the residual-write projections (attention ``linear_proj``, every MLP's
@@ -163,6 +183,11 @@ class MDConfig:
         if self.gains == "lowrank":
             if not isinstance(self.gain_rank, int) or self.gain_rank < 1:
                 raise ValueError(f"--md-gain-rank={self.gain_rank!r} must be an integer >= 1")
+            std = self.lowrank_init_std
+            if std is not None and not (math.isfinite(std) and std >= 0):
+                raise ValueError(f"--md-lowrank-init-std={std!r} must be a number >= 0")
+            if not (math.isfinite(self.lowrank_min) and 0 < self.lowrank_min < 1):
+                raise ValueError(f"--md-lowrank-min={self.lowrank_min!r} must be in (0, 1)")
             if self.gain_map == "direct-floor":  # the floor would clamp the factors A and B
                 raise ValueError(
                     "--md-gain-map direct-floor floors gains at 1e-5; --md-gains lowrank has no "
@@ -211,6 +236,12 @@ class MDConfig:
         if self.fused_step == "auto":
             return device_type == "cpu" and elements >= FUSED_MIN_ELEMENTS
         return self.fused_step == "on"
+
+    def lowrank_init_std_for(self) -> float:
+        """The std of A's init: as set, or (1/k)^½ for rank k (the authors' runs)."""
+        if self.lowrank_init_std is not None:
+            return self.lowrank_init_std
+        return (1.0 / self.gain_rank) ** 0.5
 
     def gain_lr_for(self, group: dict) -> float:
         """The gain LR of a parameter group at its current LR.
@@ -280,6 +311,8 @@ class MatrixSpec:
     """Muon update scale mode (used only when the base step is Muon)."""
     lowrank_init_std: float = 1.0
     """Std of the random init of lowrank factor A."""
+    lowrank_min: float = 0.0
+    """Floor of the lowrank multiplier 1 + A Bᵀ (0: none)."""
     init_scale: float = 1.0
     """Init std relative to the other matrices (``MDConfig.residual_init_scale`` for
     residual-write projections): the shape radius and the ``shape_up`` Muon scale are
@@ -325,15 +358,22 @@ def spec_for(
             cfg.gain_rank,
             cfg.tangent_grad,
             cfg.muon_scale,
-            cfg.lowrank_init_std,
+            cfg.lowrank_init_std_for(),
+            lowrank_min=cfg.lowrank_min,
             init_scale=cfg.residual_init_scale if residual else 1.0,
             row_blocks=tuple(row_blocks) if cfg.split_qkv else (),
         )
     if role in ("embedding", "output"):
         norm = cfg.embedding_norm if role == "embedding" else cfg.output_norm
         sphere = "row" if norm == "row" else "none"
-        return MatrixSpec(sphere, "unit", "none", cfg.gain_map, muon_scale="none")
+        gains = cfg.gains if role == "output" and cfg.output_gains == "matrix" else "none"
+        return MatrixSpec(sphere, "unit", gains, cfg.gain_map, cfg.gain_rank,
+                          lowrank_init_std=cfg.lowrank_init_std_for(), lowrank_min=cfg.lowrank_min,
+                          muon_scale="none")  # fmt: skip
     if role == "router":
         sphere = "row" if cfg.router_norm == "row" else "none"
-        return MatrixSpec(sphere, "init", "none", cfg.gain_map, muon_scale="none")
+        gains = cfg.gains if cfg.router_gains == "matrix" else "none"
+        return MatrixSpec(sphere, "init", gains, cfg.gain_map, cfg.gain_rank,
+                          lowrank_init_std=cfg.lowrank_init_std_for(), lowrank_min=cfg.lowrank_min,
+                          muon_scale="none")  # fmt: skip
     raise ValueError(f"MD role {role!r} is not one of {', '.join(ROLES)}")

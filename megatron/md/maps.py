@@ -56,6 +56,15 @@ def raw_for_unit_gain(gain_map: str) -> float:
     return 1.0
 
 
+def raw_for(gain: torch.Tensor, gain_map: str) -> torch.Tensor:
+    """The raw gains ĝ with φ(ĝ) = ``gain`` (> 0): φ⁻¹."""
+    if gain_map == "softplus":  # log(e^g - 1), without overflow for large g
+        return gain + torch.log(-torch.expm1(-gain))
+    if gain_map == "exp":
+        return torch.log(gain)
+    return gain.clamp(min=GAIN_FLOOR) if gain_map == "direct-floor" else gain.clone()
+
+
 def after_step(raw: torch.Tensor, gain_map: str) -> None:
     """In-place constraint on ĝ after its Adam step (the 1e-5 floor of direct-floor)."""
     if gain_map == "direct-floor":

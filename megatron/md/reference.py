@@ -176,8 +176,9 @@ def apply_gains(x: torch.Tensor, st: MatrixState, spec: MatrixSpec) -> torch.Ten
     """Γ ⊙ x for W = Γ ⊙ Ŵ: diag(g_row) · x · diag(g_col), γ·x, or (1 + A Bᵀ) ⊙ x."""
     if spec.gains == "none":
         return x.clone()
-    if spec.gains == "lowrank":
-        return (1 + st["gain_a"] @ st["gain_b"].T) * x
+    if spec.gains == "lowrank":  # floored: an entry cannot reach 0 (gainz master.py)
+        gamma = 1 + st["gain_a"] @ st["gain_b"].T
+        return (gamma.clamp_min(spec.lowrank_min) if spec.lowrank_min > 0 else gamma) * x
     if spec.gains == "scalar":
         return maps.phi(st["gain_scalar"], spec.gain_map) * x
     if "gain_row" in st:

@@ -45,6 +45,20 @@ def qkv_blocks(param: torch.Tensor) -> tuple[int, ...]:
     return tuple(param.qkv_split_shapes)
 
 
+def split_blocks(param: torch.Tensor, name: str, split: bool) -> tuple[int, ...]:
+    """``qkv_blocks`` of a parameter MD steps, refusing a fused QKV weight that the split
+    (``split``: ``MDConfig.split_qkv``) cannot reach: one megatron (and ``tag_qkv``) left
+    untagged because its rank's piece does not hold whole query groups."""
+    blocks = qkv_blocks(param)
+    if split and not blocks and "linear_qkv.weight" in name and param.ndim == 2:
+        raise ValueError(
+            f"{name}: not tagged for the Q/K/V split (its query groups are cut across TP "
+            "ranks), so MD would not split it as at TP=1: use a TP size that divides the "
+            "query groups, or --muon-no-split-qkv"
+        )
+    return blocks
+
+
 def tag_qkv(model: torch.nn.Module) -> None:
     """Tag the fused QKV weights of a model megatron's optimizer factory did not build for."""
     for name, p in model.named_parameters():

@@ -19,7 +19,7 @@ from megatron.md.base_steps import MuonHParams
 from megatron.md.config import MDConfig, spec_for
 from megatron.md.inner import MDInner, MDSlot
 from megatron.md.mains import main_params
-from megatron.md.roles import qkv_blocks, residual_write
+from megatron.md.roles import residual_write, split_blocks
 from megatron.md.sliced import SliceMD
 from megatron.md.wrappers import md_wrapper
 
@@ -122,12 +122,7 @@ def setup_whole(opt, roles: dict, names: dict, md: MDConfig, layer_wise: bool) -
         shape = tuple(mp.model.shape)
         # Embeddings and LM head always use Adam (paper); matrices and router the chosen base;
         # a fused QKV matrix is split as megatron's Muon splits it (its tags, or ``tag_qkv``'s)
-        blocks = qkv_blocks(mp.model)
-        if md.split_qkv and base == "muon" and not blocks and "linear_qkv" in names[mp.model]:
-            raise ValueError(  # megatron tags only pieces holding whole query groups
-                f"{names[mp.model]}: megatron did not tag it for the Q/K/V split (its query "
-                "groups are cut across TP ranks); MuonMD would not split it as at TP=1"
-            )
+        blocks = split_blocks(mp.model, names[mp.model], md.split_qkv)
         spec = spec_for(role, md, residual_write(names[mp.model]), blocks)
         tp, counts = tensor_parallel.placement(mp.model)
         sm = SliceMD(shape, 0, shape[0] * shape[1], spec, base, tp=tp, counts=counts)

@@ -22,7 +22,7 @@ from megatron.md import tensor_parallel
 from megatron.md.config import MDConfig, spec_for
 from megatron.md.inner import MDInner, MDSlot
 from megatron.md.mains import main_params
-from megatron.md.roles import qkv_blocks, residual_write
+from megatron.md.roles import residual_write, split_blocks
 from megatron.md.sliced import SliceMD
 from megatron.md.wrappers import md_wrapper
 
@@ -118,7 +118,8 @@ def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
         for p in buf.params:
             if roles[p] != "vector":
                 tp, _ = tensor_parallel.placement(p)
-                specs[p] = spec_for(roles[p], md, residual_write(names[p]), qkv_blocks(p))
+                blocks = split_blocks(p, names[p], md.split_qkv)
+                specs[p] = spec_for(roles[p], md, residual_write(names[p]), blocks)
                 empty = SliceMD(tuple(p.shape), 0, 0, specs[p], "adam", tp=tp)
                 index[p] = len(inner.layout)
                 inner.layout.append(empty.n_partials())

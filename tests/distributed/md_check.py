@@ -431,8 +431,11 @@ def check(args) -> dict:
             continue  # whole matrices, no collective
         if role == "matrix":  # a Frobenius norm per Q/K/V block when split
             expected += p.shape[0] + p.shape[1] + max(len(qkv_blocks(p)) if md.split_qkv else 0, 1)
-        elif role != "vector":
+        elif role != "vector":  # one norm per row, and the LM head's and router's gains
             expected += p.shape[0]
+            side = {"output": md.output_gains, "router": md.router_gains}.get(role, "none")
+            if side == "matrix" and md.gains == "rowcol":
+                expected += p.shape[0] + p.shape[1]
     n_coll = sum(i.n_collectives for i in inners if i.layout is not None)
     # matrices stepped with a Q/K/V split (each owned by one rank under layer-wise sharding)
     n_split = sum(1 for i in inners for sl in i.slots.values() if sl.md.spec.row_blocks)

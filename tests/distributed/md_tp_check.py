@@ -44,7 +44,11 @@ def parse(argv):
     ap.add_argument("--sphere", default="frobenius")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--optimizer", default="adam", choices=["adam", "muon"])
-    ap.add_argument("--split-qkv", action="store_true", help="MuonMD: Q, K, V orthogonalized apart")
+    ap.add_argument(
+        "--split-qkv",
+        action="store_true",
+        help="Q, K, V on their own spheres (MuonMD: and Newton–Schulz calls)",
+    )
     ap.add_argument("--experts", type=int, default=0, help="MoE layers with this many experts")
     ap.add_argument("--etp", type=int, default=1, help="--expert-tensor-parallel-size")
     ap.add_argument("--ep", type=int, default=1, help="--expert-model-parallel-size")
@@ -171,30 +175,39 @@ def sphere_err(inner) -> float:
     return worst
 
 
-def expected_payload(named, copies, inners) -> int:
+def expected_payload(named, copies, inners, md) -> int:
     """Default MD, by formula on the full shapes: row+column gains and one Frobenius norm per
-    hidden matrix (per block of a split QKV), one norm per row of the embedding/LM head.
+    hidden matrix (per block of a split QKV), one norm per row of the embedding/LM head/router
+    and the LM head's and router's row+column gains.
     Whole-matrix optimizers: the rank's own matrices that are split or TP-replicated (whole
     ones need no sum); ZeRO-1 (also the embedding/head's under layer-wise sharding): every MD
     matrix it holds a slice of on any rank."""
     from megatron.core import parallel_state as ps
 
-    from megatron.md.roles import param_role
+    from megatron.md.roles import param_role, qkv_blocks
 
     def summed(p) -> bool:  # a whole-matrix optimizer sums (E)TP pieces and TP replicas
         tp_replica = ps.get_tensor_model_parallel_world_size() > 1 and getattr(p, "allreduce", True)
         return split_group(p) is not None or tp_replica
 
-    shapes = [(s.md.shape, s.md.spec.gains != "none", len(s.md.spec.row_blocks) or 1)
+    def norms(spec, d_out: int) -> int:  # Frobenius: one per Q/K/V block; row sphere: per row
+        return d_out if spec.sphere == "row" else len(spec.row_blocks) or 1
+
+    shapes = [(s.md.shape, s.md.spec.gains != "none", norms(s.md.spec, s.md.shape[0]))
               for i in inners if i.layout is None for s in i.slots.values()
               if summed(s.model_param)]  # fmt: skip
     if any(i.layout is not None for i in inners):
-        shapes += [(c.shape, param_role(n, p) == "matrix", 1) for (n, p), c in zip(named, copies)
-                   if param_role(n, p) != "vector"
-                   and not getattr(p, "is_managed_by_layer_wise_optimizer", False)]  # fmt: skip
-    # a QKV matrix split for Muon has one sphere per block (Q, K, V)
-    return sum(d_out + d_in + blocks if hidden else d_out
-               for (d_out, d_in), hidden, blocks in shapes)  # fmt: skip
+        side = {"output": md.output_gains, "router": md.router_gains, "embedding": "none"}
+        for (n, p), c in zip(named, copies):
+            role = param_role(n, p)
+            if role == "vector" or getattr(p, "is_managed_by_layer_wise_optimizer", False):
+                continue
+            d_out = c.shape[0]
+            if role == "matrix":  # a split QKV: one sphere per block (Q, K, V)
+                shapes.append((c.shape, True, (len(qkv_blocks(p)) if md.split_qkv else 0) or 1))
+            else:  # a unit (init-norm) row sphere, the LM head's and router's gains
+                shapes.append((c.shape, side[role] == "matrix", d_out))
+    return sum(d_out + d_in + n if gains else n for (d_out, d_in), gains, n in shapes)
 
 
 def check(args) -> dict:
@@ -308,7 +321,7 @@ def check(args) -> dict:
         "replicas_dropped": sum(not s.md.counts for i in inners for s in i.slots.values()),
         "collectives_per_step": sum(i.n_collectives for i in summing) / args.steps,
         "payload": sum(i.last_payload for i in summing),
-        "expected_payload": expected_payload(named, copies, inners),
+        "expected_payload": expected_payload(named, copies, inners, md),
         "megatron_step_elements": traffic,
         "extra_collectives": sorted(k for k, c in extra.items() for _ in range(max(c, 0))),
         "missing_collectives": sorted(k for k, c in missing.items() for _ in range(max(c, 0))),

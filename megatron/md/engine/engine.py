@@ -244,7 +244,8 @@ class Engine:
                 m.direction().copy_(m.main.data.reshape(-1))
         bufs = self.norm_buffers(reduce_fn)
         for g in self.groups:
-            g.finish_init(self._read("norm", g, bufs, g.n_norm) if g.n_norm else None)
+            g.finish_init(self._read("norm", g, bufs, g.n_norm) if g.n_norm else None,
+                          absorb=keep_base)  # fmt: skip
         if not keep_base:
             self.steps = 0
         self.share_step([m.state for m in self.members])

@@ -176,8 +176,10 @@ class Group:
             return []
         if gains == "lowrank":
             a, b = self._factors(g, rows, cols)
-            return [torch.baddbmm(torch.ones((), device=a.device, dtype=a.dtype), a,
-                                  b.transpose(1, 2))]  # fmt: skip
+            one = torch.ones((), device=a.device, dtype=a.dtype)
+            gamma = torch.baddbmm(one, a, b.transpose(1, 2))
+            floor = self.spec.lowrank_min
+            return [gamma.clamp_min_(floor) if floor > 0 else gamma]
         if gains == "scalar":
             return [g["gain_scalar"].view(B, 1, 1)]
         out = []
@@ -417,9 +419,11 @@ class Group:
         for t in self.moments.values():
             t.zero_()
 
-    def finish_init(self, norm_tot: torch.Tensor) -> None:
+    def finish_init(self, norm_tot: torch.Tensor, absorb: bool = False) -> None:
         """The radius from the reduced squared norms of the directions as they are; onto the
-        sphere when the radius is not their norm; Muown's magnitudes from the row norms."""
+        sphere when the radius is not their norm; Muown's magnitudes from the row norms.
+        ``absorb`` (MD state made from trained weights): a row sphere's rescale goes into the
+        row gains, so W keeps its rows (the LM head's, with ``output_gains``)."""
         from megatron.md.config import check_radius
         from megatron.md.engine.geometry import shape_radius
 
@@ -445,6 +449,9 @@ class Group:
         self.bind()  # the radius into the storage (own), or its view
         if spec.gain_init == "norm":  # Muown: magnitudes = the row norms, directions unit rows
             self.gains["gain_row"].copy_(cur)
+        elif absorb and spec.sphere == "row" and spec.radius != "init" and "gain_row" in self.gains:
+            self.gains["gain_row"].copy_(maps.raw_for(cur / self.radius, spec.gain_map))
+            self.gains_changed()
         if spec.radius != "init":
             self._rescale(self.radius / cur)
         self._set_muon_scale(self.radius)
