@@ -77,6 +77,8 @@ def test_ngpt_defaults():
     assert (args.arch, args.sandwich_norm, args.embedding_scale, args.qk_layernorm) == (
         "ngpt", False, False, False)  # fmt: skip
     assert (md.sphere, md.radius, md.gains) == ("hidden", "unit", "none")
+    assert args.ngpt_alpha_init == 1 / args.num_layers  # the authors' runs: alpha init 1/L
+    assert parse(*NGPT, "--ngpt-alpha-init=0.05")[0].ngpt_alpha_init == 0.05  # nGPT's own
     args, _ = parse()
     assert (args.arch, args.sandwich_norm, args.embedding_scale) == ("gpt", True, True)
 

@@ -56,3 +56,14 @@ def test_param_table_tool(tmp_path, capsys):
     for r in rows:
         assert abs(r["total_diff"]) < (0.02 if "active" in r else 0.01), r
         assert abs(r.get("active_diff", 0)) < 0.025, r
+
+
+def test_rewarm_and_moe_shapes_follow_the_authors_runs():
+    """The paper gives the re-warming model as d=512, L=8, head dim 64 and not the MoE ladder's
+    dense first layer; the rest as the authors' runs (feat/scaling-sweeps
+    _research/launch/framework/sizes/150m.sh, *-moe.sh: FFN_HIDDEN, NUM_KV_HEADS)."""
+    p = PRESETS["dense-150M"]
+    assert (p.hidden, p.layers, p.heads, p.kv_groups, p.ffn, p.head_dim) == (512, 8, 8, 2, 1280, 64)
+    assert not p.sandwich and count_params(p)[0] == pytest.approx(155.2e6, rel=1e-3)
+    ffn = {n: PRESETS[n].ffn for n in MOE}
+    assert list(ffn.values()) == [1920, 2560, 3200, 4096]

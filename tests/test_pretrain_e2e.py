@@ -152,6 +152,8 @@ def test_loss_decreases_and_diagnostics_are_logged(runs, name):
     classes = DENSE | ({"router", "experts", "shared"} if "moe" in name else set())
     assert set(diag[-1]["rel_update"]) == classes
     assert all(v > 0 for v in diag[-1]["rel_update"].values())
+    blocks = diag[-1]["rel_update_block"]  # the query block's is the lr-decay figure's
+    assert set(blocks) == {"q", "k", "v"} and all(v > 0 for v in blocks.values())
     assert len(diag[-1]["act_rms"]) == 4
     # the diagnostics carry the LRs of the step they measured: a train row's own "lr" is the
     # next step's (megatron logs after the scheduler), so they equal the previous row's
@@ -570,8 +572,8 @@ def test_weights_only_load_keeps_the_loaded_weights(runs, tmp_path, name, mode, 
 def test_init_from_starts_a_new_run_and_a_requeue_resumes_its_own(runs, tmp_path):
     """--init-from (the re-warming experiment): a new run from another run's checkpoint at
     iteration 0 with its own LR schedule, taking the weights and AdamW's moments into AdamMD
-    (--md-from-plain-checkpoint); launched again (a requeue) with the same command it resumes
-    its own checkpoint, never the source's."""
+    (--md-from-plain-checkpoint), or the weights alone (--init-weights-only). A requeue resumes
+    its own checkpoint, never the source's (the next test)."""
     _, src = runs["adamw"]
     d = tmp_path / "rewarm"
     flags = ["--train-iters=6", f"--init-from={src}", f"--load={d}", "--lr-warmup-iters=0",
@@ -593,7 +595,42 @@ def test_init_from_starts_a_new_run_and_a_requeue_resumes_its_own(runs, tmp_path
     fresh = train_rows(fresh)
     assert fresh[1]["lm loss"] == pytest.approx(first[1]["lm loss"], rel=1e-6)
     assert abs(fresh[2]["lm loss"] - first[2]["lm loss"]) > 1e-3
-    again, _ = pretrain(tmp_path, "rewarm-b", *flags, save=d)
+
+
+def test_rewarm_arms_continue_the_source_and_keep_its_gains(runs, tmp_path):
+    """The re-warming arms as the authors ran them (feat/scaling-sweeps warm-restart.sh: MuonMD
+    → MuonMD, every arm on the source's data stream, "fresh" zeroing the moments and keeping
+    the gains): with --init-continue-data the first step sees the batch the source would have
+    trained on next (its loss equals the source resumed for one more step); with
+    --init-fresh-moments the first loss is the same, the second another (no momentum), and
+    MD's gains are the source's, not 1 (--init-weights-only would reset them); a requeue
+    resumes the arm's own checkpoint, still on the source's stream."""
+    _, src = runs["muon_md"]
+    base = [*RUNS["muon_md"], "--lr-warmup-iters=0"]
+    nxt, _ = pretrain(tmp_path, "src-next", *base, "--train-iters=21", f"--load={src}",
+                      "--override-opt_param-scheduler")  # fmt: skip
+    nxt = train_rows(nxt)
+    assert sorted(nxt) == [21]
+    d = tmp_path / "reuse"
+    arm = [*base, "--train-iters=6", f"--init-from={src}", "--init-continue-data", f"--load={d}"]
+    reuse, _ = pretrain(tmp_path, "reuse-a", *arm, "--exit-interval=3", save=d)
+    reuse = train_rows(reuse)
+    assert reuse[1]["lm loss"] == nxt[21]["lm loss"]  # the same weights on the same batch
+    f = tmp_path / "fresh"
+    fresh = [x for x in arm if not x.startswith("--load")] + [f"--load={f}"]
+    fresh, _ = pretrain(tmp_path, "fresh", *fresh, "--init-fresh-moments", "--exit-interval=2",
+                        save=f)  # fmt: skip
+    fresh = train_rows(fresh)
+    assert fresh[1]["lm loss"] == reuse[1]["lm loss"]
+    assert abs(fresh[2]["lm loss"] - reuse[2]["lm loss"]) > 1e-4
+    before, after = read_checkpoint(src / "iter_0000020"), read_checkpoint(f / "iter_0000002")
+    gains = [k for k in before if k.endswith(".gain_row")]
+    assert gains
+    one = float(torch.log(torch.expm1(torch.tensor(1.0))))  # softplus⁻¹(1): gains at 1
+    moved = max(float((before[k].double() - one).abs().max()) for k in gains)
+    kept = max(float((after[k].double() - before[k].double()).abs().max()) for k in gains)
+    assert moved > 0.1 and kept < 0.25 * moved, (moved, kept)  # two steps of ≤ the LR each
+    again, _ = pretrain(tmp_path, "reuse-b", *arm, save=d)
     assert sorted(train_rows(again)) == [4, 5, 6]  # its own checkpoint at 3
 
 

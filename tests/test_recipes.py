@@ -113,11 +113,41 @@ def test_lowrank_gains_refuse_the_gain_floor():
 
 def test_norm_gains_train_at_the_base_adam_lr():
     """The Adam groups without an LR of their own (norm gains) train at the paper's base Adam
-    LR 1e-3 (appendix "The different parameter-group learning rates"), dense and MoE, and the
-    MoE transfer scales only the matrix, embedding and output LRs."""
+    LR 1e-3 (appendix "The different parameter-group learning rates"), dense and MoE; the MoE
+    transfer scales it with the length rule only, never with the width (the authors'
+    feat/scaling-sweeps sweep-scaling-laws.sh: "gains LR width-independent")."""
     from megatron.md.train import recipes
 
     for method in recipes.METHODS:
         assert "--lr=1e-3" in recipes.dense_recipe(method, 4e-3)
-    scaled = recipes.moe_recipe("muonmd", 1e-2, lr_scale=0.5)
-    assert "--lr=1e-3" in scaled and "--embedding-lr=0.0005" in scaled
+    wide = recipes.transfer("muon", 1536, recipes.BASE_TOKENS)  # k = 2, the base length
+    scaled = recipes.moe_recipe("muon", 5e-3 * wide.lr, wide)
+    assert "--lr=0.001" in scaled and "--embedding-lr=0.0005" in scaled
+    long = recipes.transfer("muonmd", 768, 16 * recipes.BASE_TOKENS)  # l = 16: LRs × 1/2
+    scaled = recipes.moe_recipe("muonmd", 1e-2 * long.lr, long)
+    assert "--lr=0.0005" in scaled and "--md-gain-lr=0.0005" in scaled
+
+
+def test_query_block_relative_update_over_zero1_pieces():
+    """The lr-decay figure reports the query block's relative update: each Q/K/V block's
+    ‖ΔW_b‖/‖W_b‖ of a fused QKV matrix (rows interleaved per query group), summed over the
+    ZeRO-1 pieces of the matrix (a cut inside a row included) before the ratio."""
+    from types import SimpleNamespace
+
+    from megatron.md.train import diagnostics
+
+    rows = (4, 2, 2)  # one query group: 4 query rows, 2 key, 2 value
+    w = torch.randn(16, 5, dtype=torch.float64)  # two query groups
+    dw = torch.randn(16, 5, dtype=torch.float64) * torch.rand(16, 1, dtype=torch.float64)
+    diag = SimpleNamespace(qkv_rows=rows)
+    parts = []
+    for start, end in ((0, 37), (37, 80)):  # a ZeRO-1 cut inside row 7
+        mp = SimpleNamespace(model=torch.empty(16, 5), start=start)
+        sq = diagnostics.StepDiagnostics._qkv_sq(diag, mp, w.view(-1)[start:end],
+                                                 dw.view(-1)[start:end])  # fmt: skip
+        parts.append(("l.0.linear_qkv.weight", "qkv", (0, start), 0.0, 1.0, None, sq))
+    got = diagnostics._merge_updates([parts])["rel_update_block"]
+    ids = torch.tensor([0] * 4 + [1] * 2 + [2] * 2).repeat(2)
+    for b, key in enumerate("qkv"):
+        want = float(dw[ids == b].norm() / w[ids == b].norm())
+        assert got[key] == pytest.approx(want, rel=1e-12), key

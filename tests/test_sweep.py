@@ -61,31 +61,59 @@ SHAPES = _unique_shapes()
 
 def test_experiment_sizes():
     counts = {e: len(experiments.experiment(e)) for e in experiments.EXPERIMENTS}
-    assert counts["dense-grid"] == 12 * 4 * 9 and counts["moe-ladder"] == 4 * 3 * 4
-    assert counts["throughput"] == 24 and all(n > 0 for n in counts.values())
+    assert counts["dense-grid"] == 12 * 4 * 9 + 2 * 9 and counts["moe-ladder"] == 4 * 3 * 4
+    assert counts["throughput"] == 30 and all(n > 0 for n in counts.values())
     names = [r.name for e in experiments.EXPERIMENTS for r in experiments.experiment(e)]
     assert len(names) == len(set(names))  # run names are unique: they are directories
 
 
 def test_experiments_run_what_the_paper_ran():
     """Sphere axes without gains (fig. norm-axis); plain Muon's scale modes with and without
-    warmup (fig. muon-scale-modes); the MoE base sweep's WSD arm with a 20 % linear cooldown
-    (fig. moe-wsd); the batch sweep at k× the batch with every LR × sqrt(k), same tokens."""
+    warmup (fig. muon-scale-modes); the MoE base sweep's WSD arm as the runs (1-sqrt cooldown
+    over 5,722 steps: feat/scaling-sweeps recipes/wsd/*.sh, lib/common.sh); the batch sweep as
+    the runs (sweep-batchsize.sh): 28,000 steps at batch 128/192/256, every LR × sqrt(k),
+    weight decay 0.1."""
     sphere = experiments.experiment("ablation-sphere")
     assert all("--md-gains=none" in r.flags for r in sphere)
+    headline = [r for r in experiments.experiment("dense-grid") if r.meta.get("axis") == "sphere"]
+    assert {r.meta["method"] for r in headline} == {"adammd", "muonmd"}  # the sphere alone
+    assert all("--md-gains=none" in r.flags and "sphere-" in r.name for r in headline)
+    free = [r for r in experiments.experiment("ablation-embedding-norm")
+            if r.meta["variant"] == "none"]  # fmt: skip
+    assert free and all("--md-output-norm=none" in r.flags for r in free)  # the LM head too
     scale = experiments.experiment("ablation-muon-scale")
     assert {r.meta["variant"].rsplit("-", 1)[1] for r in scale} == {"w0", "w1000"}
     wsd = [r for r in experiments.experiment("moe-base-sweep") if r.meta["variant"] == "wsd"]
-    assert wsd and all("--lr-wsd-decay-style=linear" in r.flags for r in wsd)
+    assert wsd and all("--lr-wsd-decay-style=minus_sqrt" in r.flags for r in wsd)
+    assert all("--lr-wsd-decay-iters=5722" in r.flags and "--train-iters=28000" in r.flags
+               for r in wsd)  # fmt: skip
     batch = {
         (r.meta["method"], r.meta["gbs"]): r for r in experiments.experiment("moe-batch-sweep")
     }
+    assert {g for _, g in batch} == {128, 192, 256}
     for m in ("adamw", "muon", "muonmd"):
-        one, four = batch[(m, 128)], batch[(m, 512)]
-        assert four.meta["matrix_lr"] == pytest.approx(2 * one.meta["matrix_lr"])
-        iters = [int(f.split("=")[1]) for r in (one, four) for f in r.flags if "train-iters" in f]
-        assert iters[0] == pytest.approx(4 * iters[1], abs=4)  # the same tokens, rounded
-        assert "--global-batch-size=512" in four.flags
+        one, two = batch[(m, 128)], batch[(m, 256)]
+        assert two.meta["matrix_lr"] == pytest.approx(math.sqrt(2) * one.meta["matrix_lr"])
+        for r in (one, two):
+            assert "--train-iters=28000" in r.flags
+        side = [f for f in two.flags if f.startswith(("--lr=", "--embedding-lr=", "--output-lr="))]
+        assert {f.split("=")[1] for f in side} == {recipes.fmt(1e-3 * math.sqrt(2))}
+        if m != "muonmd":
+            assert "--weight-decay=0.1" in two.flags and "--lr-warmup-iters=1000" in two.flags
+        assert "--global-batch-size=256" in two.flags
+
+
+def test_moe_recipe_as_the_runs():
+    """Every MoE method clips at 1.0 (megatron's default, which feat/scaling-sweeps keeps for
+    Muon and MuonMD) and uses the scaled output-projection init (megatron's default there);
+    Muown as recipes/muown.sh: no warmup, no weight decay, the magnitudes at the matrix LR,
+    Moonlight's Muon scale."""
+    for m in (*experiments.MOE_METHODS, "muown"):
+        flags = recipes.moe_recipe(m, 1e-3)
+        assert "--clip-grad=1.0" in flags and "--scaled-output-init" in flags, m
+    muown = recipes.moe_recipe("muown", 2.4e-3)
+    assert "--muon-scale-mode=rms_match" in muown
+    assert not any(f.startswith(("--lr-warmup", "--md-gain-lr", "--weight-decay")) for f in muown)
 
 
 def test_docs_experiment_table_is_generated():
@@ -148,9 +176,12 @@ def test_dry_run_prints_every_command_and_writes_nothing(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     sweep.main(["ablation-rewarm", "--dry-run", "--mock-data", "--run-root", str(tmp_path)])
     out = capsys.readouterr().out.strip().splitlines()
-    src = [ln for ln in out if "--job-name=dense-150M-adamw-lr0.003-rewarm-source " in ln]
-    assert len(src) == 1 and all(f"--init-from={tmp_path}/" in ln for ln in out if ln not in src)
-    assert sum("--init-weights-only" in ln for ln in out) == 4 * 2 * 9  # fresh: every method
+    src = [ln for ln in out if "--job-name=dense-150M-muonmd-lr0.02-rewarm-source " in ln]
+    arms = [ln for ln in out if "--init-from=" in ln]
+    assert len(src) == 1 and len(out) == 6 and len(arms) == 4  # source, target, 2 × 2 arms
+    assert all(f"--init-from={tmp_path}/" in ln and "--init-continue-data" in ln for ln in arms)
+    assert sum("--init-fresh-moments" in ln for ln in arms) == 2
+    assert sum("--lr-warmup-iters=500" in ln for ln in arms) == 2
 
 
 def test_data_arguments_are_explicit(tmp_path, capsys, monkeypatch):
@@ -194,7 +225,7 @@ def test_list_shows_runs_and_gpu_hours(capsys):
     sweep.main(["--list"])
     out = capsys.readouterr().out
     rows = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines()[1:]}
-    assert rows["dense-grid"][0] == "432" and float(rows["dense-grid"][1].replace(",", "")) > 1e3
+    assert rows["dense-grid"][0] == "450" and float(rows["dense-grid"][1].replace(",", "")) > 1e3
     assert rows["smoke"] == ["2", "0"] and "all" in rows
 
 
@@ -233,30 +264,46 @@ def test_names_encode_the_knobs():
     assert f"--matrix-lr={recipes.fmt(run.meta['matrix_lr'])}" in run.flags
 
 
+B = recipes.BASE_TOKENS  # the base sweep's 28,000 steps at batch 128 (14.68B tokens)
+
+
 @pytest.mark.parametrize(
-    "method,width,tokens,batch,lr,wd",
+    "method,width,tokens,batch,lr,scalar,wd",
     [
-        ("adamw", 1024, 15e9, 1, 0.75, 4 / 3),  # k = 4/3: LR × 3/4, wd × 4/3
-        ("adamw", 768, 60e9, 1, 0.5, 0.5),  # l = 4: LR × 1/2, wd × 1/2
-        ("adamw", 768, 15e9, 2, math.sqrt(2), 1.0),  # 2× batch: LR × sqrt(2)
-        ("muon", 1536, 44e9, 1, 1 / (2 * math.sqrt(44 / 15)), 2 / math.sqrt(44 / 15)),
-        ("muon", 1280, 23e9, 1, 0.6 / math.sqrt(23 / 15), (5 / 3) / math.sqrt(23 / 15)),
-        ("muon", 768, 7.5e9, 4, 2 * math.sqrt(2), math.sqrt(2)),
-        ("muonmd", 1536, 60e9, 1, 4**-0.25, 0.0),  # no width factor; l^-1/4
-        ("muonmd", 768, 15e9, 4, 2.0, 0.0),
-        ("muonmd", 1024, 7.5e9, 1, 2**0.25, 0.0),
+        ("adamw", 1024, B, 1, 0.75, 1.0, 4 / 3),  # k = 4/3: LR × 3/4, wd × 4/3, scalar LR × 1
+        ("adamw", 768, 4 * B, 1, 0.5, 0.5, 0.5),  # l = 4: every LR × 1/2, wd × 1/2
+        ("adamw", 768, 2 * B, 2, math.sqrt(2), math.sqrt(2), 1.0),  # 2× batch, same steps
+        (
+            "muon",
+            1536,
+            44.15e9,
+            1,
+            0.5 * (B / 44.15e9) ** 0.5,
+            (B / 44.15e9) ** 0.5,
+            2 * (B / 44.15e9) ** 0.5,
+        ),  # fmt: skip
+        ("muonmd", 1536, 4 * B, 1, 4**-0.25, 4**-0.25, 0.0),  # no width factor; l^-1/4
+        ("muonmd", 768, 4 * B, 4, 2.0, 2.0, 0.0),
+        ("muonmd", 1024, B / 2, 1, 2**0.25, 2**0.25, 0.0),
     ],
 )
-def test_lr_transfer_rules(method, width, tokens, batch, lr, wd):
+def test_lr_transfer_rules(method, width, tokens, batch, lr, scalar, wd):
+    """Paper, MoE appendix, as feat/scaling-sweeps sweep-scaling-laws.sh and sweep-batchsize.sh
+    apply it (the scalar LR follows the length rule, not the width rule)."""
     t = recipes.transfer(method, width, tokens, batch)
     assert t.lr == pytest.approx(lr, rel=1e-12) and t.wd == pytest.approx(wd, rel=1e-12)
+    assert t.scalar_lr == pytest.approx(scalar, rel=1e-12)
+    assert t.side_lr == pytest.approx(lr, rel=1e-12)
 
 
 def test_moe_ladder_applies_transfer():
-    run = next(r for r in experiments.moe_ladder() if r.name == "moe-0.81B-6.7B-muonmd-44B")
-    assert run.meta["matrix_lr"] == pytest.approx(1e-2 * (44 / 15) ** -0.25)
-    run = next(r for r in experiments.moe_ladder() if r.name == "moe-0.27B-1.2B-adamw-15B")
+    run = next(r for r in experiments.moe_ladder() if r.name == "moe-0.81B-6.7B-muonmd-44.15B")
+    ell = 44.15e9 / B
+    assert run.meta["matrix_lr"] == pytest.approx(1e-2 * ell**-0.25)
+    assert f"--lr={recipes.fmt(1e-3 * ell**-0.25)}" in run.flags
+    run = next(r for r in experiments.moe_ladder() if r.name == "moe-0.27B-1.2B-adamw-14.68B")
     assert "--matrix-lr=0.0024" in run.flags and "--weight-decay=0.1" in run.flags
+    assert "--train-iters=28000" in run.flags and "--lr=0.001" in run.flags
 
 
 def test_shellcheck_clean():

@@ -192,7 +192,8 @@ def replot(path: Path, out: Path, x: str) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("manifest", type=Path, help="sweep manifest (JSON)")
+    ap.add_argument("manifest", type=Path, nargs="+", help="sweep manifest(s) (JSON)")
+    ap.add_argument("--only", help="regular expression: score only the runs whose name matches")
     ap.add_argument("--tail", type=int, default=TAIL, help="iterations in the tail loss")
     ap.add_argument("--out", type=Path, default=None, help="default: <manifest dir>/analysis")
     ap.add_argument(
@@ -202,15 +203,22 @@ def main(argv=None) -> dict:
         "--replot", action="store_true", help="the positional is an lr_sweep.csv: redraw figures"
     )
     args = ap.parse_args(argv)
+    first = args.manifest[0]
     if args.replot:
-        return replot(args.manifest, args.out or args.manifest.parent, args.x)
+        return replot(first, args.out or first.parent, args.x)
     try:
-        manifest = read_manifest(args.manifest)
+        manifests = [read_manifest(m) for m in args.manifest]
     except LogError as e:
         sys.exit(f"[lr_sweep] {e}")
-    out = args.out or args.manifest.parent / "analysis"
+    entries = {e["name"]: e for m in manifests for e in m["runs"]}  # one run, one row
+    if args.only:
+        entries = {n: e for n, e in entries.items() if re.search(args.only, n)}
+        if not entries:
+            sys.exit(f"[lr_sweep] --only {args.only!r} matches no run of the manifest(s)")
+    manifest = {"experiment": "+".join(str(m.get("experiment")) for m in manifests)}
+    out = args.out or first.parent / "analysis"
     out.mkdir(parents=True, exist_ok=True)
-    rows = [score_run(e, args.tail, args.x) for e in manifest["runs"]]
+    rows = [score_run(e, args.tail, args.x) for e in entries.values()]
     best = optima(rows)
     for r in rows:
         if r["status"] != "ok":

@@ -66,6 +66,7 @@ def plot(runs: dict[str, list], out: Path) -> None:
             return bool(keys)
 
         draw(row[0], "rel_update")
+        draw(row[0], "rel_update_block", ":", "qkv/")  # the query block: the lr-decay figure's
         row[0].set_yscale("log")
         row[0].set_title(f"{name}: relative update ‖ΔW‖/‖W‖")
         if draw(row[1], "out_change"):

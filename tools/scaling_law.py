@@ -93,7 +93,11 @@ def bootstrap(env: dict[str, list], baseline: str, loss: float, n: int, seed: in
     }  # fmt: skip
 
 
-def read_points(path: Path, exclude: str | None) -> dict[str, list[tuple[float, float]]]:
+def read_points(
+    path: Path, exclude: str | None, fit_exclude: str | None = None
+) -> tuple[dict[str, list[tuple[float, float]]], dict[str, list[tuple[float, float]]]]:
+    """(points fitted, points only plotted) per method: ``exclude`` leaves runs out, ``fit_exclude``
+    keeps them out of the envelope and fit but in the figure (the paper's 810M-active @ 7.5B)."""
     if not path.is_file():
         raise InputError(f"{path}: no such file")
     with path.open(newline="") as f:
@@ -109,6 +113,7 @@ def read_points(path: Path, exclude: str | None) -> dict[str, list[tuple[float, 
             f"and tokens); has {sorted(cols)}"
         )
     pts: dict[str, list[tuple[float, float]]] = {}
+    shown: dict[str, list[tuple[float, float]]] = {}
     for n, r in enumerate(rows, 2):
         if r.get("status", "ok") != "ok" or (exclude and re.search(exclude, r.get("name", ""))):
             continue
@@ -120,8 +125,9 @@ def read_points(path: Path, exclude: str | None) -> dict[str, list[tuple[float, 
             raise InputError(f"{path}:{n}: compute/loss are not numbers") from None
         if not (c > 0 and loss > 0 and math.isfinite(c * loss)):
             raise InputError(f"{path}:{n}: compute and loss must be positive and finite")
-        pts.setdefault(r["method"], []).append((c, loss))
-    return pts
+        unfitted = fit_exclude and re.search(fit_exclude, r.get("name", ""))
+        (shown if unfitted else pts).setdefault(r["method"], []).append((c, loss))
+    return pts, shown
 
 
 def analyse(points, baseline: str, target: float | None, n_boot: int, seed: int) -> dict:
@@ -145,7 +151,7 @@ def analyse(points, baseline: str, target: float | None, n_boot: int, seed: int)
     }
 
 
-def plot(points, result: dict, out: Path) -> None:
+def plot(points, result: dict, out: Path, shown=None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -159,6 +165,10 @@ def plot(points, result: dict, out: Path) -> None:
         line = ax.plot(c, [p[1] for p in pts], "o", alpha=0.25, ms=4, color=method_color(m))[0]
         env = result["envelope"][m]
         ax.plot([p[0] for p in env], [p[1] for p in env], "o", color=line.get_color(), ms=5)
+        extra = (shown or {}).get(m, [])
+        if extra:  # plotted, not fitted
+            ax.plot([p[0] for p in extra], [p[1] for p in extra], "o", mfc="none", ms=5,
+                    color=line.get_color())  # fmt: skip
         f = Fit(**result["fits"][m])
         grid = np.geomspace(min(c), max(c), 50)
         ax.plot(grid, f.loss(grid), "-", color=line.get_color(),
@@ -183,10 +193,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--bootstrap", type=int, default=500, help="resamples for the CI")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--exclude", help="regular expression on run names to leave out")
+    ap.add_argument("--fit-exclude", help="regular expression on run names to plot (hollow) "
+                    "but keep out of the envelope and fit")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="default: the CSV's directory")
     args = ap.parse_args(argv)
     try:
-        points = read_points(args.csv, args.exclude)
+        points, shown = read_points(args.csv, args.exclude, args.fit_exclude)
         result = analyse(points, args.baseline, args.target_loss, args.bootstrap, args.seed)
     except InputError as e:
         sys.exit(f"[scaling_law] {e}")
@@ -211,7 +223,8 @@ def main(argv=None) -> dict:
             ci = s.get("ci95") or {}
             w.writerow([m, fit["A"], fit["alpha"], fit["n"], s.get("ratio", 1.0),
                         ci.get("lo"), ci.get("hi")])  # fmt: skip
-    plot(points, result, out)
+    result["not_fitted"] = shown
+    plot(points, result, out, shown)
     print(f"[scaling_law] wrote {out}/scaling_law.{{json,csv,png}}", file=sys.stderr)
     return result
 

@@ -29,8 +29,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 from runlog import LogError, RunLog, read_log, read_manifest, run_pretrain  # noqa: E402
 
-METHODS = ("adamw", "muon", "adammd", "muonmd")
-BASE = {"adammd": "adamw", "muonmd": "muon"}
+#: adammd-lw: AdamMD on whole matrices owned layer-wise (--md-adam-layer-wise), as the paper's
+#: throughput table ran it (appendix "Implementation, Efficiency, and Throughput")
+METHODS = ("adamw", "muon", "adammd", "muonmd", "adammd-lw")
+BASE = {"adammd": "adamw", "muonmd": "muon", "adammd-lw": "adamw"}
 #: dense bf16 peak TFLOP/s by device-name substring (first match wins)
 PEAKS = (("GH200", 989.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0),
          ("A100", 312.0), ("B200", 2250.0))  # fmt: skip

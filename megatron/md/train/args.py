@@ -48,14 +48,29 @@ def add_md_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=str,
         default=None,
         help="continual training (re-warming): while --load holds no checkpoint of this run, "
-        "start from this checkpoint directory instead: its weights and optimizer state, at "
-        "iteration 0 with this run's LR schedule and data from the start; a requeued run "
-        "resumes from --load as usual",
+        "start from this checkpoint directory instead (its latest iteration): its weights and "
+        "optimizer state, at iteration 0 with this run's LR schedule; a requeued run resumes "
+        "from --load as usual",
     )
     g.add_argument(
         "--init-weights-only",
         action="store_true",
-        help="with --init-from: take only the weights (a fresh optimizer)",
+        help="with --init-from: take only the weights (a fresh optimizer; MD's state is made "
+        "from them: gains 1)",
+    )
+    g.add_argument(
+        "--init-fresh-moments",
+        action="store_true",
+        help="with --init-from: take the optimizer state but zero its moments and step counts "
+        "(MD's directions and gains are kept): the re-warming experiment's fresh-optimizer "
+        "arm as the authors ran it (their --reset-optimizer-moments)",
+    )
+    g.add_argument(
+        "--init-continue-data",
+        action="store_true",
+        help="with --init-from: the data stream goes on where the source's stopped (its "
+        "consumed samples are skipped), as the authors' re-warming arms; without it this run "
+        "reads the data from the start",
     )
     g.add_argument(
         "--md-log-interval",
@@ -127,8 +142,10 @@ def add_md_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--ngpt-alpha-init",
         type=float,
-        default=0.05,
-        help="--arch ngpt: initial residual step |alpha| of every block (nGPT's 0.05)",
+        default=None,
+        help="--arch ngpt: initial residual step |alpha| of every block (default 1/L, the "
+        "number of layers, as the authors' nGPT runs: gainz submissions/exp13-ngpt-matrix-lr.sh "
+        "--layer-scale; nGPT's own paper: 0.05)",
     )
     g.add_argument(
         "--ngpt-residual-scale",
@@ -310,13 +327,19 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
     if args.arch == "ngpt":
         from megatron.md.train.ngpt import check_args
 
+        if args.ngpt_alpha_init is None:
+            args.ngpt_alpha_init = 1.0 / args.num_layers
         err = check_args(args)
         if err:
             _fail(err)
     if args.md_from_plain_checkpoint and not (args.md_decoupling and args.load):
         _fail("--md-from-plain-checkpoint needs --md-decoupling and --load")
-    if args.init_weights_only and not args.init_from:
-        _fail("--init-weights-only needs --init-from")
+    for flag in ("init_weights_only", "init_fresh_moments", "init_continue_data"):
+        if getattr(args, flag) and not args.init_from:
+            _fail(f"--{flag.replace('_', '-')} needs --init-from")
+    if args.init_weights_only and args.init_fresh_moments:
+        _fail("--init-fresh-moments keeps the optimizer state (moments zeroed); "
+              "--init-weights-only drops it: give one")  # fmt: skip
     if args.init_from:
         if not args.load:
             _fail("--init-from needs --load (this run's own directory, where it resumes)")

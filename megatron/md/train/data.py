@@ -18,6 +18,13 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
     from megatron.training.utils import get_blend_and_blend_per_split
 
     args = get_args()
+    offset = 0
+    if getattr(args, "init_continue_data", False):  # the source's data stream goes on
+        from megatron.md.train.continual import source_samples
+
+        offset = source_samples(args.init_from)
+        train_val_test_num_samples = (train_val_test_num_samples[0] + offset,
+                                      *train_val_test_num_samples[1:])  # fmt: skip
     blend, blend_per_split = get_blend_and_blend_per_split(args)
     config = GPTDatasetConfig(
         random_seed=args.seed,
@@ -33,9 +40,14 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
         create_attention_mask=args.create_attention_mask_in_dataloader,
     )
     cls = MockGPTDataset if args.mock_data else GPTDataset
-    return BlendedMegatronDatasetBuilder(
+    train, valid, test = BlendedMegatronDatasetBuilder(
         cls, train_val_test_num_samples, lambda: True, config
     ).build()
+    if offset and train is not None:
+        from megatron.md.train.continual import OffsetDataset
+
+        train = OffsetDataset(train, offset)
+    return train, valid, test
 
 
 datasets_provider.is_distributed = True  # every rank builds (TP = PP = 1)

@@ -10,6 +10,9 @@ Per matrix class (``matrix_class``; mean over its matrices unless said otherwise
   routing); each rank measures the rows it owns on its own X (a ZeRO-1 cut row counts as two
   pieces), the sums are added over ranks; under tensor parallelism a row-parallel layer's
   partial outputs are first summed over its TP group (one all-reduce per such layer);
+- ``rel_update_block``: ``rel_update`` of the fused QKV matrices' query, key and value blocks
+  (``q``, ``k``, ``v``: each block's ‖ΔW‖/‖W‖, mean over layers; the paper's lr-decay figure
+  reports the query block's), for every method;
 - ``act_rms``: per-layer RMS of block outputs (first micro-batch);
 - MD runs: ``sphere_drift`` max |‖Ŵ‖−c|/c, gain spread (``raw_gain_norm``, ``gain_min``,
   ``gain_max``), and ``gains_by_layer``: per ``<class>/<layer>/<row|col>`` the raw-gain norm
@@ -26,7 +29,7 @@ import re
 import torch
 
 from megatron.md import tensor_parallel
-from megatron.md.roles import matrix_class
+from megatron.md.roles import matrix_class, qkv_split_shapes
 
 #: tokens of X kept per layer for the output change
 OUT_TOKENS = 512
@@ -72,6 +75,9 @@ class StepDiagnostics:
         self.global_names = global_param_names(model_chunks)  # fixed for the run
         self.acts: dict[int, float] = {}
         self.inputs: dict[torch.Tensor, torch.Tensor] = {}  # weight -> X (first micro-batch)
+        config = getattr(unwrap(model_chunks[0]), "config", None) if model_chunks else None
+        #: rows of one query group of the fused QKV weight: (q, k, v)
+        self.qkv_rows = qkv_split_shapes(config) if config is not None else None
         for chunk in model_chunks:
             module = unwrap(chunk)
             decoder = getattr(module, "decoder", None)
@@ -136,7 +142,8 @@ class StepDiagnostics:
             w = fp32_weight(opt, mp)
             dw = w - before[(name, _piece(mp))]
             out = self._out_change(mp, w, dw)
-            parts.append((name, cls, _piece(mp), _sq(dw), _sq(w), out))
+            blocks = self._qkv_sq(mp, w, dw) if cls == "qkv" else None
+            parts.append((name, cls, _piece(mp), _sq(dw), _sq(w), out, blocks))
         gathered = [None] * torch.distributed.get_world_size()
         local = _md_local(self.opt, self.global_names)
         torch.distributed.all_gather_object(gathered, (parts, local))
@@ -145,6 +152,25 @@ class StepDiagnostics:
         result["act_rms"] = [self.acts[i] for i in sorted(self.acts)]
         self.acts, self.inputs = {}, {}
         return result
+
+    def _qkv_sq(self, mp, w: torch.Tensor, dw: torch.Tensor):
+        """(‖ΔW_b‖², ‖W_b‖²) for the q, k, v blocks b of this rank's piece of a fused QKV
+        matrix (rows interleaved per query group, as megatron lays them out); None when the
+        piece is not whole query groups."""
+        from megatron.md.blocks import slice_blocks
+
+        shape = tuple(mp.model.shape)
+        if self.qkv_rows is None or shape[0] % sum(self.qkv_rows):
+            return None
+        period = sum(self.qkv_rows)
+        pattern = torch.repeat_interleave(torch.arange(3), torch.tensor(self.qkv_rows))
+        sums = torch.zeros(2, 3, dtype=torch.float64)
+        for blk in slice_blocks(shape, mp.start, mp.start + w.numel()):
+            ids = pattern[torch.arange(blk.r0, blk.r0 + blk.nr) % period]
+            for k, t in enumerate((dw, w)):
+                rows = blk.view(t).double().square().sum(1).cpu()
+                sums[k].index_add_(0, ids, rows)
+        return sums[0].tolist(), sums[1].tolist()
 
     def _out_change(self, mp, w: torch.Tensor, dw: torch.Tensor):
         """(‖X ΔWᵀ‖², ‖X Wᵀ‖²) over the rows of this rank's piece, or None."""
@@ -179,19 +205,28 @@ def _merge_updates(gathered: list[list]) -> dict:
     piece counted once)."""
     pieces: dict[tuple, dict] = {}
     for rank_parts in gathered:
-        for name, cls, start, dw2, w2, out in rank_parts:
-            pieces.setdefault((name, cls), {})[start] = (dw2, w2, out)
+        for name, cls, start, dw2, w2, out, blocks in rank_parts:
+            pieces.setdefault((name, cls), {})[start] = (dw2, w2, out, blocks)
     rel: dict[str, list[float]] = {}
     change: dict[str, list[float]] = {}
+    per_block: dict[str, list[float]] = {}
     for (_, cls), by_start in pieces.items():
         dw2 = sum(v[0] for v in by_start.values())
         w2 = sum(v[1] for v in by_start.values())
         rel.setdefault(cls, []).append(math.sqrt(dw2 / max(w2, 1e-60)))
+        blocks = [v[3] for v in by_start.values()]
+        if blocks and all(b is not None for b in blocks):
+            for i, b in enumerate("qkv"):
+                d = sum(x[0][i] for x in blocks)
+                n = sum(x[1][i] for x in blocks)
+                per_block.setdefault(b, []).append(math.sqrt(d / max(n, 1e-60)))
         outs = [v[2] for v in by_start.values() if v[2] is not None]
         if outs:
             num, den = sum(o[0] for o in outs), sum(o[1] for o in outs)
             change.setdefault(cls, []).append(math.sqrt(num / max(den, 1e-60)))
     out = {"rel_update": {c: sum(v) / len(v) for c, v in rel.items()}}
+    if per_block:
+        out["rel_update_block"] = {b: sum(v) / len(v) for b, v in per_block.items()}
     if change:
         out["out_change"] = {c: sum(v) / len(v) for c, v in change.items()}
     return out

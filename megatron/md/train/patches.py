@@ -274,8 +274,10 @@ def wrap_save(orig, run: Run):
 
 def _load_init(load, model, optimizer, scheduler, *a, **kw):
     """``--init-from``: megatron's load pointed at that checkpoint (weights, optimizer state
-    unless ``--init-weights-only``; no RNG, no LR schedule: ``scheduler`` is not passed, so this
-    run's starts at step 0), then iteration and consumed samples reset to 0."""
+    unless ``--init-weights-only``, its moments zeroed with ``--init-fresh-moments``; no RNG, no
+    LR schedule: ``scheduler`` is not passed, so this run's starts at step 0), then iteration and
+    consumed samples reset to 0 (``--init-continue-data`` offsets the dataset instead:
+    data.py)."""
     from megatron.training import get_args
     from megatron.training.utils import print_rank_0
 
@@ -291,6 +293,13 @@ def _load_init(load, model, optimizer, scheduler, *a, **kw):
         args.load, args.ckpt_step, args.no_load_optim, args.no_load_rng = saved
         for opt in adopted:
             del opt.load_state_dict  # the class's again
+    if args.init_fresh_moments:
+        from megatron.md.train.continual import reset_moments
+
+        if not reset_moments(optimizer):
+            errors.fail(f"--init-fresh-moments: {args.init_from} gave no optimizer state to reset")
+        print_rank_0("[megatron-md] --init-fresh-moments: moments and steps zeroed, "
+                     "weights and MD state kept")  # fmt: skip
     args.consumed_train_samples = args.consumed_valid_samples = args.skipped_train_samples = 0
     return 0, 0
 

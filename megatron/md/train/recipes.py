@@ -58,11 +58,17 @@ def dense_recipe(method: str, matrix_lr: float) -> list[str]:
     return common + _method_flags(method, moe=False)
 
 
-def moe_recipe(method: str, matrix_lr: float, lr_scale: float = 1.0, wd: float = 0.1) -> list[str]:
-    """Recipe §2 / MoE appendix: betas (0.9, 0.95), linear decay to 1e-5 (absolute, per group),
-    embedding/output/gain LR 1e-3 (× the transfer scale), AdamW clips at 1.0, Muon/MuonMD not;
-    baselines warm up 1000 steps with weight decay ``wd``; MuonMD scaled output-projection init."""
-    side = fmt(1e-3 * lr_scale)
+def moe_recipe(method: str, matrix_lr: float, t: Transfer | None = None) -> list[str]:
+    """The MoE appendix as the authors ran it (feat/scaling-sweeps
+    _research/launch/framework/recipes/{adamw,muon,master,muown}.sh and lib/common.sh): betas
+    (0.9, 0.95), linear decay to 1e-5 (absolute, per group), embedding/output/1-D LR 1e-3
+    (MuonMD's gains too; × the transfer ``t``), gradients clipped at 1.0 for every method
+    (megatron's default, which the runs keep: the paper's text says Muon and MuonMD ran
+    unclipped; ``--clip-grad 0`` is that reading), the scaled output-projection init σ/sqrt(2L)
+    for every method (megatron's default init there; MuonMD's sphere and shape_up follow it),
+    baselines warm up 1000 steps with weight decay 0.1 × ``t.wd``."""
+    t = t or Transfer(1.0, 1.0, 1.0, 1.0)
+    side, scalar = fmt(1e-3 * t.side_lr), fmt(1e-3 * t.scalar_lr)
     common = [
         "--lr-decay-style=linear",
         "--min-lr=1e-5",
@@ -71,16 +77,14 @@ def moe_recipe(method: str, matrix_lr: float, lr_scale: float = 1.0, wd: float =
         "--adam-eps=1e-8",
         f"--embedding-lr={side}",
         f"--output-lr={side}",
-        "--lr=1e-3",  # norm gains: the base Adam LR, not transferred (paper: matrix, embedding
-        # and output LRs are)
+        f"--lr={scalar}",  # norm gains: the scalar LR, transferred in length only
         f"--matrix-lr={fmt(matrix_lr)}",
-        "--clip-grad=1.0" if method == "adamw" else "--clip-grad=0",
+        "--clip-grad=1.0",
+        "--scaled-output-init",
     ]
-    flags = common + _method_flags(method, moe=True, wd=wd)
-    if method == "muonmd":
-        flags += ["--scaled-output-init", f"--md-gain-lr={side}"]
-    if method == "muown":  # its magnitudes are Adam gains: the side LR, as MuonMD's gains
-        flags += [f"--md-gain-lr={side}"]
+    flags = common + _method_flags(method, moe=True, wd=0.1 * t.wd)
+    if method == "muonmd":  # the runs' --gains-lr is the scalar LR
+        flags += [f"--md-gain-lr={scalar}"]
     return flags
 
 
@@ -101,12 +105,14 @@ def _method_flags(method: str, moe: bool, wd: float = 0.1) -> list[str]:
     # MD: the paper's radius sqrt(max(d_out, d_in)) per Q/K/V block (§ Normalization axis; the
     # authors' optimizer normalizes every block to it: feat/md-decoupling-optimizer,
     # megatron/core/optimizer/md_decoupling.py, _normalize_single)
-    if method == "adammd":
-        return ["--optimizer=adam", "--md-decoupling", "--md-radius=shape"]
-    if method == "muown":  # the MoE figure's baseline; warmup as the Muon baseline's (assumed)
-        warm = ["--lr-warmup-iters=1000"] if moe else []
+    if method in ("adammd", "adammd-lw"):  # -lw: layer-wise, as the paper's throughput table
+        lw = ["--md-adam-layer-wise"] if method == "adammd-lw" else []
+        return ["--optimizer=adam", "--md-decoupling", "--md-radius=shape", *lw]
+    if method == "muown":  # the MoE figure's baseline as the runs (recipes/muown.sh): no
+        # warmup, no weight decay, the magnitudes at the matrix LR (the optimizer's one LR),
+        # Moonlight's 0.2·sqrt(max(d_out, d_in)) Muon scale
         return ["--optimizer=muown", "--muon-momentum=0.95", "--muon-nesterov",
-                "--muon-scale-mode=shape_scaling", *warm]  # fmt: skip
+                "--muon-scale-mode=rms_match"]  # fmt: skip
     if method == "muonmd":
         return ["--optimizer=muon", "--md-decoupling", "--md-radius=shape",
                 "--muon-scale-mode=shape_up"]  # fmt: skip
@@ -114,32 +120,42 @@ def _method_flags(method: str, moe: bool, wd: float = 0.1) -> list[str]:
 
 
 # ---- LR transfer (MoE section of the paper) ----
-BASE_WIDTH, BASE_TOKENS = 768, 15e9
+BASE_WIDTH = 768
+#: the base sweep's length: 3,584,000 samples of 4096 tokens, 28,000 steps at batch 128
+#: (paper appendix "Data and batching"; ~15B): the reference of the length rule, as the
+#: authors' feat/scaling-sweeps sweep-scaling-laws.sh (REF_TOKENS=14.68)
+BASE_TOKENS = 3_584_000 * SEQ
 MOE_BASE_LR = {"adamw": 2.4e-3, "muon": 5e-3, "muonmd": 1e-2}
 
 
 @dataclass(frozen=True)
 class Transfer:
-    """Multipliers from the base sweep (d = 768, 15B tokens, batch 128) to a target."""
+    """Multipliers from the base sweep (d = 768, 28,000 steps, batch 128) to a target."""
 
     lr: float
     """on the matrix LR"""
     side_lr: float
-    """on the embedding / output (and gain) LRs"""
+    """on the embedding and output LRs"""
+    scalar_lr: float
+    """on the scalar LR of the 1-D parameters (and MuonMD's gains)"""
     wd: float
     """on the weight decay"""
 
 
 def transfer(method: str, width: int, tokens: float, batch_mult: float = 1.0) -> Transfer:
-    """Complete(d)P for AdamW/Muon (LRs × 1/k in width, × 1/sqrt(l) in length, weight decay
-    ∝ k/sqrt(l)); MuonMD: no width factor, LRs × 1/l^0.25, no weight decay; a k_b-fold batch
-    multiplies every LR by sqrt(k_b). k = width/768, l = tokens/15B."""
-    k, ell = width / BASE_WIDTH, tokens / BASE_TOKENS
+    """The paper's transfer (MoE appendix) as the authors' sweeps apply it (feat/scaling-sweeps
+    sweep-scaling-laws.sh, sweep-batchsize.sh). AdamW/Muon, Complete(d)P: matrix, embedding
+    and output LRs × 1/k in width, every LR (the scalar LR too) × 1/sqrt(l) in length, weight
+    decay ∝ k/sqrt(l); MuonMD: no width factor, every LR × 1/l^0.25, no weight decay. A
+    k_b-fold batch multiplies every LR by sqrt(k_b). k = width/768; l = the length in steps
+    relative to the base (tokens / (14.68B · k_b)): the batch sweep holds the steps, so its
+    LRs get sqrt(k_b) alone and its weight decay stays 0.1, as the authors ran it."""
+    k, ell = width / BASE_WIDTH, tokens / (BASE_TOKENS * batch_mult)
     b = math.sqrt(batch_mult)
     if method in ("adamw", "muon"):
-        lr = b / (k * math.sqrt(ell))
-        return Transfer(lr=lr, side_lr=lr, wd=k / math.sqrt(ell))
+        scalar = b / math.sqrt(ell)
+        return Transfer(lr=scalar / k, side_lr=scalar / k, scalar_lr=scalar, wd=k / math.sqrt(ell))
     if method == "muonmd":
         lr = b / ell**0.25
-        return Transfer(lr=lr, side_lr=lr, wd=0.0)
+        return Transfer(lr=lr, side_lr=lr, scalar_lr=lr, wd=0.0)
     raise ValueError(f"no LR transfer rule for {method!r}")
