@@ -113,3 +113,9 @@ def test_only_settings_that_change_what_the_state_means_are_checked():
     ):
         with pytest.raises(ValueError, match=re.escape(said)):
             check_same_config(saved, changed)
+    # a format-1 checkpoint's "muown" is the earlier reading, now muown-unit
+    old = {**dataclasses.asdict(MDConfig(variant="muown-unit")), "variant": "muown"}
+    check_same_config(old, MDConfig(variant="muown-unit"))
+    with pytest.raises(ValueError, match="--md-variant muown-unit, this run's --md-variant muown"):
+        check_same_config(old, MDConfig(variant="muown"))
+    check_same_config({**old, "format": 2}, MDConfig(variant="muown"))

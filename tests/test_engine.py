@@ -189,12 +189,18 @@ def test_adam_qkv_split_compiled():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("variant", ["muown", "muown-angular"])
+@pytest.mark.parametrize("variant", ["muown", "muown-unit", "muown-angular", "muown-qkv"])
 def test_muown_whole_matrix_matches_reference(variant):
+    """Muown's per-row forms (weight normalization: the authors'; the unit-row readings) in
+    the engine equal the reference (fp32: 1e-6 as for MuonMD); muown-qkv: the authors' Muown
+    on a split fused QKV matrix (Newton–Schulz and scale per block, magnitudes per row)."""
     from megatron.md.config import MDConfig, spec_for
 
-    spec = spec_for("matrix", MDConfig(variant=variant, muon_scale="shape_scaling"))
-    w, w_ref, ranks, st_ref = _run(spec, [], base="muon", dtype=torch.float32)
+    qkv = variant.endswith("-qkv")
+    spec = spec_for("matrix", MDConfig(variant=variant.removesuffix("-qkv")),
+                    row_blocks=(4, 2, 2) if qkv else ())  # fmt: skip
+    w, w_ref, ranks, st_ref = _run(spec, [], base="muon", dtype=torch.float32,
+                                   shape=(16, 11) if qkv else (9, 11))  # fmt: skip
     for a, b in zip(w, w_ref):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     _same_gains(ranks, st_ref, ["gain_row"], rtol=1e-6, atol=1e-7)

@@ -275,12 +275,12 @@ def test_shape_up_follows_a_scaled_init():
         assert got == [muon_scale_factor("shape_up", 8, 32) * expect]
 
 
-@pytest.mark.parametrize("variant", ["muown", "muown-angular"])
-def test_muown_baseline(variant):
-    """Muown (the MoE figure's baseline, from its description): W = diag(m) D with D at unit
-    rows and m the row norms at creation (W unchanged); the direction's Muon step is projected
-    onto each row's tangent space, so the rows grow (muown: ‖d − ηu‖² = 1 + η²‖u‖²) or go back
-    to unit norm (angular); W = diag(m) D throughout."""
+@pytest.mark.parametrize("variant", ["muown-unit", "muown-angular"])
+def test_muown_unit_readings(variant):
+    """The earlier reading of Muown's description (muown-unit) and its angular variant: W =
+    diag(m) D with D at unit rows and m the row norms at creation (W unchanged); the direction's
+    Muon step is projected onto each row's tangent space, so the rows grow (‖d − ηu‖² = 1 +
+    η²‖u‖²) or go back to unit norm (angular); W = diag(m) D throughout."""
     spec = spec_for("matrix", MDConfig(variant=variant, muon_scale="shape_scaling"))
     assert (spec.sphere, spec.gains, spec.gain_map) == ("row", "row", "direct")
     assert spec.tangent_update and spec.project == (variant == "muown-angular")
@@ -295,7 +295,7 @@ def test_muown_baseline(variant):
         reference.md_step(w, torch.randn(12, 20, generator=gen), st, spec, MuonHParams(5e-2),
                           AdamHParams(1e-2))  # fmt: skip
     rows = st["direction"].norm(dim=1)
-    if variant == "muown":
+    if variant == "muown-unit":
         assert float(rows.min()) > 1 + 1e-4  # the norm grows: an implicit LR decay
     else:
         torch.testing.assert_close(rows, torch.ones(12), rtol=1e-6, atol=0)
@@ -304,6 +304,82 @@ def test_muown_baseline(variant):
         MDConfig(variant=variant).variant == variant
         and spec_for("embedding", MDConfig(variant=variant)).sphere == "none"
     )
+
+
+def _authors_muown_step(w, grad, st, lr, momentum, betas, eps, ns, qkv=None):
+    """One step of the authors' Muown for one matrix (feat/scaling-sweeps
+    megatron/core/optimizer/muown.py, ``Muown.step`` with Nesterov, no weight decay), written
+    out here from their per-parameter arithmetic: W = g·v/‖v‖ per row with the state (g, ‖v‖,
+    m_v, m_g, v_g); ``ns`` orthogonalizes one matrix; ``qkv``: rows per query group (q, k, v)
+    when the fused QKV is split for Newton–Schulz."""
+    st["step"] += 1
+    g, v_norm = st["g"], st["v_norm"]
+    u = w / g
+    v = u * v_norm
+    grad_g = (grad * u).sum(dim=1, keepdim=True)
+    grad_v = (g / v_norm) * (grad - u * grad_g)
+    st["m_v"].mul_(momentum).add_(grad_v)
+    d = grad_v.add(st["m_v"], alpha=momentum)
+    if qkv is None:
+        upd = ns(d) * 0.2 * max(d.shape) ** 0.5
+    else:
+        groups = d.shape[0] // sum(qkv)
+        parts = torch.split(d.view(groups, sum(qkv), -1), list(qkv), dim=1)
+        outs = []
+        for part in parts:
+            x = part.reshape(-1, d.shape[1])
+            outs.append((ns(x) * 0.2 * max(x.shape) ** 0.5).view(groups, -1, d.shape[1]))
+        upd = torch.cat(outs, dim=1).view(d.shape)
+    v_new = v - lr * upd
+    b1, b2 = betas
+    st["m_g"].mul_(b1).add_(grad_g, alpha=1 - b1)
+    st["v_g"].mul_(b2).addcmul_(grad_g, grad_g, value=1 - b2)
+    bc1, bc2 = 1 - b1 ** st["step"], 1 - b2 ** st["step"]
+    g.addcdiv_(st["m_g"] / bc1, (st["v_g"] / bc2).sqrt().add_(eps), value=-lr)
+    st["v_norm"] = v_new.norm(dim=1, keepdim=True)
+    w.copy_(g * (v_new / st["v_norm"]))
+
+
+@pytest.mark.parametrize("qkv", [None, (4, 2, 2)])
+def test_muown_is_the_authors_muown(qkv):
+    """--md-variant muown (``--optimizer muown``) is the authors' Muown step for step (their
+    muown.py, ported above from its per-parameter math): weight normalization W = g·v/‖v‖ per
+    row, g the row norms at the start, v's Muon step on the tangent-projected, g/‖v‖-scaled
+    gradient with Moonlight's 0.2·sqrt(max(d_out, d_in)) scale (per Q/K/V block when split), g's
+    Adam at the same LR, v's row norms free. fp32 (emerging-optimizers' Newton–Schulz takes
+    fp32 only), the same Newton–Schulz on both sides: equal to fp32 rounding after 6 steps (the
+    two compute W in another order; seen ≤ 3e-7)."""
+    from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz
+
+    spec = spec_for("matrix", MDConfig(variant="muown"), row_blocks=qkv or ())
+    assert spec.weight_norm and spec.tangent_grad and not spec.project
+    assert (spec.sphere, spec.gains, spec.gain_map, spec.muon_scale) == (
+        "row", "row", "direct", "rms_match")  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(16, 24, generator=gen) / 24**0.5
+    w[:4] *= 3  # rows of unequal norms
+    ref_w = w.clone()
+    lr, betas, eps = 2e-2, (0.9, 0.95), 1e-8
+    st = reference.init_state(w, spec, "muon")
+    torch.testing.assert_close(reference.fused_weight(st, spec), ref_w, rtol=1e-6, atol=1e-7)
+    norms0 = ref_w.norm(dim=1, keepdim=True)
+    theirs = {"step": 0, "g": norms0.clone(), "v_norm": norms0.clone(),
+              "m_v": torch.zeros_like(ref_w), "m_g": torch.zeros_like(norms0),
+              "v_g": torch.zeros_like(norms0)}  # fmt: skip
+
+    def ns(x):
+        return newton_schulz(x, steps=5, coefficient_type="quintic")
+
+    for _ in range(6):
+        grad = torch.randn(16, 24, generator=gen)
+        reference.md_step(w, grad, st, spec, MuonHParams(lr, momentum=0.95, nesterov=True),
+                          AdamHParams(lr, *betas, eps=eps))  # fmt: skip
+        _authors_muown_step(ref_w, grad, theirs, lr, 0.95, betas, eps, ns, qkv)
+    torch.testing.assert_close(w, ref_w, rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(st["gain_row"], theirs["g"].view(-1), rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(st["direction"].norm(dim=1), theirs["v_norm"].view(-1),
+                               rtol=2e-6, atol=1e-6)  # fmt: skip
+    assert float((theirs["v_norm"] / norms0 - 1).abs().max()) > 1e-3  # v's rows are free
 
 
 @pytest.mark.parametrize("base", ["adam", "muon"])

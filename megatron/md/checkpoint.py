@@ -28,6 +28,9 @@ from megatron.md.config import FROM_MEGATRON_FLAGS, STATE_FIELDS, STATE_FIELDS_B
 from megatron.md.leaves import md_leaves
 
 MD_KEY_PREFIX = "optimizer.md."
+#: the saved MD config's format: 2 since ``--md-variant muown`` is the authors' weight-normalized
+#: Muown (a format-1 checkpoint's "muown" is what is now called muown-unit)
+MD_FORMAT = 2
 
 
 def _find_md_configs(tree) -> list[dict]:
@@ -174,6 +177,8 @@ def check_same_config(saved: dict | None, md) -> None:
     norm = lambda v: list(v) if isinstance(v, (tuple, list)) else v
     now = dataclasses.asdict(md)
     saved = {**STATE_FIELDS_BEFORE, **saved}  # a field newer than the checkpoint: as it trained
+    if saved.get("format", 1) < 2 and saved.get("variant") == "muown":
+        saved["variant"] = "muown-unit"  # renamed when "muown" became the authors' Muown
     diff = [
         f"the checkpoint's {_flag(k, saved[k])}, this run's {_flag(k, now.get(k))}"
         for k in STATE_FIELDS
@@ -227,7 +232,7 @@ def md_entry(self, model_sharded_state_dict) -> dict:
             else:
                 fields[name] = _replicated(full, t, slot.replica)
         state[key] = fields
-    return {"config": dataclasses.asdict(inner.md), "state": state}
+    return {"config": {**dataclasses.asdict(inner.md), "format": MD_FORMAT}, "state": state}
 
 
 def load_md(self, md: dict | None) -> None:

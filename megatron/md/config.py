@@ -18,7 +18,7 @@ RowNorm = Literal["row", "none"]
 SideGains = Literal["matrix", "none"]
 MuonScale = Literal["unit_rms_norm", "shape_scaling", "rms_match", "shape_up", "sphere_rms", "none"]
 FusedStep = Literal["auto", "on", "off"]
-Variant = Literal["md", "muown", "muown-angular"]
+Variant = Literal["md", "muown", "muown-unit", "muown-angular"]
 SPHERES, RADII, GAINS, GAIN_MAPS = (get_args(t) for t in (Sphere, Radius, Gains, GainMap))
 ROW_NORMS, MUON_SCALES, FUSED_STEPS = (get_args(t) for t in (RowNorm, MuonScale, FusedStep))
 VARIANTS = get_args(Variant)
@@ -158,11 +158,14 @@ class MDConfig:
     layer-wise only for emerging optimizers) and the matrices' base step is Adam."""
 
     variant: Variant = "md"
-    """md: the paper's MD step. muown: the Muown baseline (``--optimizer muown``; its published
-    description, no code): every Muon matrix as a per-row magnitude (the row norms, Adam, direct
-    map) times a unit-row direction, the direction's Muon step tangent-projected per row and not
-    projected back (the rows grow); muown-angular: projected back onto the unit rows. The
-    embeddings and LM head stay free (plain Adam)."""
+    """md: the paper's MD step. muown: the Muown baseline as the paper ran it (``--optimizer
+    muown``; the authors' feat/scaling-sweeps megatron/core/optimizer/muown.py): weight
+    normalization of every Muon matrix, W = g·v/‖v‖ per row, g the row norms (Adam, direct map,
+    at the matrix LR unless ``gain_lr``), v's Muon step on the tangent-projected,
+    g/‖v‖-scaled gradient, v's row norms free; muown-unit: an earlier reading of its
+    description, W = g·v with v at unit rows at the start, the Muon update (not the gradient)
+    tangent-projected and the rows left to grow; muown-angular: muown-unit with v put back on
+    the unit rows. The embeddings and LM head stay free (plain Adam)."""
 
     fused_step: FusedStep = "auto"
     """AdamMD's per-group work as compiled kernels (``torch.compile``,
@@ -328,8 +331,13 @@ class MatrixSpec:
     """Put Ŵ back on its sphere after the base step (Algorithm 2, line 8); False (Muown): the
     sphere only defines the tangent projection and the rows grow."""
     tangent_update: bool = False
-    """Project the Muon update (not the gradient) onto the sphere's tangent space (Muown's
+    """Project the Muon update (not the gradient) onto the sphere's tangent space (muown-unit's
     "tangent-projected Muon step")."""
+    weight_norm: bool = False
+    """Weight normalization (Muown as the authors ran it): W = Γ ⊙ (Ŵ/‖Ŵ‖ per row), the
+    direction's row norms free (``project`` off); the gains' gradients are taken on Ŵ/‖Ŵ‖, the
+    direction's is tangent-projected (``tangent_grad``) and divided by ‖Ŵ‖, the exact gradient
+    of W with respect to Ŵ. Row sphere only."""
 
 
 def spec_for(
@@ -341,11 +349,18 @@ def spec_for(
     if cfg.variant != "md":  # Muown: every Muon matrix (router too); embeddings, LM head free
         if role in ("embedding", "output"):
             return MatrixSpec("none", "unit", "none", "direct", muon_scale="none")
-        scale = "shape_scaling" if cfg.muon_scale == "sphere_rms" else cfg.muon_scale
-        return MatrixSpec("row", "unit", "row", "direct", muon_scale=scale,
-                          row_blocks=tuple(row_blocks) if cfg.split_qkv else (),
-                          gain_init="norm", project=cfg.variant == "muown-angular",
-                          tangent_update=True)  # fmt: skip
+        blocks = tuple(row_blocks) if cfg.split_qkv else ()
+        unset = cfg.muon_scale == "sphere_rms"  # MD's default: each variant's own instead
+        if cfg.variant == "muown":  # muown.py: v = W at the start, g its row norms; Moonlight's
+            # 0.2·sqrt(max(d_out, d_in)) Muon scale per Q/K/V block
+            return MatrixSpec("row", "init", "row", "direct", tangent_grad=True,
+                              muon_scale="rms_match" if unset else cfg.muon_scale,
+                              row_blocks=blocks, gain_init="norm", project=False,
+                              weight_norm=True)  # fmt: skip
+        return MatrixSpec("row", "unit", "row", "direct",
+                          muon_scale="shape_scaling" if unset else cfg.muon_scale,
+                          row_blocks=blocks, gain_init="norm",
+                          project=cfg.variant == "muown-angular", tangent_update=True)  # fmt: skip
     if role == "matrix":
         sphere = cfg.sphere
         if sphere == "hidden":  # nGPT: normalized along the residual stream's dimension

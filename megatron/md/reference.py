@@ -188,9 +188,15 @@ def apply_gains(x: torch.Tensor, st: MatrixState, spec: MatrixSpec) -> torch.Ten
     return x
 
 
+def unit_direction(st: MatrixState, spec: MatrixSpec) -> torch.Tensor:
+    """What the gains multiply: Ŵ, or Ŵ/‖Ŵ‖ per row under weight normalization (Muown)."""
+    wh = st["direction"]
+    return wh / norms(wh, "row")[:, None] if spec.weight_norm else wh
+
+
 def fused_weight(st: MatrixState, spec: MatrixSpec) -> torch.Tensor:
-    """W = Γ ⊙ Ŵ (Algorithm 2, line 10)."""
-    return apply_gains(st["direction"], st, spec)
+    """W = Γ ⊙ Ŵ (Algorithm 2, line 10); Γ ⊙ Ŵ/‖Ŵ‖ under weight normalization."""
+    return apply_gains(unit_direction(st, spec), st, spec)
 
 
 def frobenius_radius(st: MatrixState, spec: MatrixSpec) -> torch.Tensor:
@@ -224,8 +230,9 @@ def split_gradient(g: torch.Tensor, st: MatrixState, spec: MatrixSpec) -> tuple[
     """Algorithm 2, lines 1-6: gradients of the raw gains and of the direction Ŵ."""
     wh = st["direction"]
     # 1. the gains g = φ(ĝ) are materialized where used; 2. Ŵ is the state's direction
-    # 3.-5. gain gradients: the chain rule through W = Γ ⊙ Ŵ and g = φ(ĝ)
-    p = wh * g
+    # 3.-5. gain gradients: the chain rule through W = Γ ⊙ Ŵ and g = φ(ĝ) (Ŵ/‖Ŵ‖ in place of
+    # Ŵ under weight normalization)
+    p = unit_direction(st, spec) * g
     gain_grads = {}
     if spec.gains == "lowrank":
         gain_grads["gain_a"] = p @ st["gain_b"]
@@ -249,6 +256,8 @@ def split_gradient(g: torch.Tensor, st: MatrixState, spec: MatrixSpec) -> tuple[
         r2 = sq_norms(wh, spec.sphere, ids)
         inner = axis_sum(g_dir * wh, spec.sphere, ids)
         g_dir -= _bcast(inner / r2, spec.sphere, ids) * wh
+    if spec.weight_norm:  # ∂(v/‖v‖)/∂v = (I − u uᵀ)/‖v‖: the projection above, then 1/‖v‖
+        g_dir /= norms(wh, "row")[:, None]
 
     return gain_grads, g_dir
 

@@ -35,7 +35,7 @@ def check_layout(local: tuple[int, int], whole: bool, spec, base: str, piece) ->
         return
     if spec.row_blocks and (piece.axis, piece.stride) != (0, 1):
         raise ValueError(f"a QKV split needs whole query groups per TP rank, not {piece}")
-    if spec.tangent_update:
+    if spec.tangent_update or spec.weight_norm:
         raise ValueError("Muown's per-row step needs whole rows: use TP=1")
     if base == "muon" and spec.sphere == "none" and spec.muon_scale == "sphere_rms":
         raise ValueError("the sphere_rms Muon scale without a sphere needs TP=1")

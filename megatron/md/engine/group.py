@@ -291,7 +291,8 @@ class Group:
             w, gb = self.views3(self.W, blk), self.views3(G, blk)
             factors = self.gamma(blk, g)
             if gains != "none":
-                self._add_gain_partials(blk, w * gb, g, views)
+                u = w / self._row_norms(w) if self.spec.weight_norm else w
+                self._add_gain_partials(blk, u * gb, g, views)
             o = self.views3(out, blk)
             for i, f in enumerate(factors):  # G_Ŵ = Γ ⊙ G, the reference's order
                 if i == 0 and not own:
@@ -348,9 +349,18 @@ class Group:
     def tangent(self, G: torch.Tensor, pre_total: torch.Tensor) -> None:
         """G_Ŵ without its radial component, from the reduced ⟨G_Ŵ, Ŵ⟩ and ‖Ŵ‖²."""
         ratio = pre_total[:, : self.n_norm] / pre_total[:, self.n_norm :]
+        norm = pre_total[:, self.n_norm :].sqrt() if self.spec.weight_norm else None
         for blk in self.blocks:
             w, gb = self.views3(self.W, blk), self.views3(G, blk)
             gb.sub_(self.axis_bcast(blk, ratio) * w)
+            if norm is not None:  # weight normalization: ∂(v/‖v‖)/∂v = (I − u uᵀ)/‖v‖
+                gb.div_(self.axis_bcast(blk, norm))
+
+    @staticmethod
+    def _row_norms(w: torch.Tensor) -> torch.Tensor:
+        """‖Ŵ‖ of each row of a block (B, nr, nc) -> (B, nr, 1): weight normalization's divisor
+        (its matrices are whole on the rank, so every row is)."""
+        return torch.linalg.vector_norm(w, dim=2, keepdim=True)
 
     def _tangent_update(self, upd: torch.Tensor) -> torch.Tensor:
         """Muown: the Muon update on the tangent space of each row of the (whole) Ŵ."""
@@ -389,15 +399,21 @@ class Group:
             if self.pending is not None:
                 w.mul_(self.axis_bcast(blk, self.pending))
             factors = self.gamma(blk, g)
+            if self.spec.weight_norm:  # W = Γ ⊙ Ŵ/‖Ŵ‖ per row (Muown)
+                factors.append(self._row_norms(w).reciprocal_())
             if not factors:
                 o.copy_(w)
             elif len(factors) == 1:
                 torch.mul(w, factors[0], out=o)
             elif o.dtype == w.dtype:
                 torch.mul(w, factors[0], out=o)
-                o.mul_(factors[1])
+                for f in factors[1:]:
+                    o.mul_(f)
             else:  # one rounding, from the fp32 product
-                torch.mul(w * factors[0], factors[1], out=o)
+                t = w * factors[0]
+                for f in factors[1:-1]:
+                    t.mul_(f)
+                torch.mul(t, factors[-1], out=o)
         self.pending = None
 
     # ---- state made once ----

@@ -135,7 +135,9 @@ def optimizer_name(a) -> str:
     if not getattr(a, "md_decoupling", False):
         return "AdamW" if base == "Adam" else base
     if getattr(a, "md_variant", "md") != "md":
-        return "Muown" + ("-angular" if a.md_variant == "muown-angular" else "")
+        return {"muown-unit": "Muown (unit rows)", "muown-angular": "Muown-angular"}.get(
+            a.md_variant, "Muown"
+        )
     if base == "Adam" and getattr(a, "md_adam_layer_wise", False):
         return "AdamMD (layer-wise)"
     return base + "MD"

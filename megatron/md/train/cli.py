@@ -28,8 +28,8 @@ def given(argv: list[str], flag: str) -> bool:
 
 def muown(argv: list[str]) -> list[str]:
     """``--optimizer muown`` (the Muown baseline: MDConfig.variant) is MuonMD's machinery with
-    Muown's per-row treatment: ``--optimizer=muon --md-decoupling --md-variant=muown`` in its
-    place (a later ``--md-variant muown-angular`` wins)."""
+    Muown's weight-normalized rows: ``--optimizer=muon --md-decoupling --md-variant=muown`` in
+    its place (a later ``--md-variant muown-unit`` or ``muown-angular`` wins)."""
     out, i = [], 0
     while i < len(argv):
         a = argv[i]
