@@ -378,3 +378,15 @@ def test_lowrank_floor_and_init_follow_the_runs():
     assert any(bool((x < 0.999).any()) for x in gam)  # the floor is active
     for a, b in zip(w, w_ref):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("qkv", [False, True])
+def test_muonh_matches_reference(qkv):
+    """MuonH (the ``hyperball`` Muon scale on the Frobenius sphere, no gains) in the engine's
+    batched Newton–Schulz equals the reference, per Q/K/V block when split (fp32: 1e-6)."""
+    spec = MatrixSpec("frobenius", "init", "none", "softplus", muon_scale="hyperball",
+                      row_blocks=(4, 2, 2) if qkv else ())  # fmt: skip
+    w, w_ref, *_ = _run(spec, [], base="muon", dtype=torch.float32,
+                        shape=(16, 11) if qkv else (9, 11))  # fmt: skip
+    for a, b in zip(w, w_ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -531,3 +531,16 @@ def test_optimizer_muown(capsys):
     _, md = parse("--optimizer", "muown", "--md-variant=muown-angular")
     assert md.variant == "muown-angular"
     assert "is a Muon variant" in fails(capsys, "--md-decoupling", "--md-variant=muown")
+
+
+def test_optimizer_muonh(capsys):
+    """--optimizer muonh is MuonH on MD's machinery: the Frobenius sphere at the init norm, no
+    gains, the hyperball scale (tests/test_reference.py: equal to emerging-optimizers'
+    MuonHyperball); the hyperball scale without MD is refused (it follows the sphere)."""
+    args, md = parse("--optimizer", "muonh")
+    assert args.optimizer == "muon" and args.md_decoupling and args.weight_decay == 0
+    assert (md.sphere, md.radius, md.gains, md.muon_scale) == (
+        "frobenius", "init", "none", "hyperball")  # fmt: skip
+    assert "hyperball needs --md-decoupling" in fails(
+        capsys, "--optimizer=muon", "--muon-scale-mode=hyperball"
+    )

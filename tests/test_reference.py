@@ -400,3 +400,32 @@ def test_every_state_field_is_declared(gains, base):
         Engine([m], {"d": Domain(None)}).init_state(lambda key, buf: None)
         made = {*m.state, *m.md_state}
         assert made <= declared and "radius" in made and "step" in made, made - declared
+
+
+def test_muonh_is_emerging_optimizers_muon_hyperball():
+    """--optimizer muonh (MuonH, the Hyperball family's Muon: ‖W‖ and ‖ΔW‖ fixed) is MD with
+    the Frobenius sphere at the init norm, no gains and the ``hyperball`` scale (the
+    orthogonalized update at the sphere's norm): step for step emerging-optimizers 0.3.0's
+    ``MuonHyperball`` (fused QKV unsplit, no weight decay), to fp32 rounding after 6 steps."""
+    from emerging_optimizers.orthogonalized_optimizers import MuonHyperball
+
+    from megatron.md.train.cli import OPTIMIZER_ALIASES
+
+    flags = dict(f.split("=", 1) for f in OPTIMIZER_ALIASES["muonh"] if "=" in f)
+    cfg = MDConfig(sphere=flags["--md-sphere"], radius=flags["--md-radius"],
+                   gains=flags["--md-gains"], muon_scale=flags["--muon-scale-mode"])  # fmt: skip
+    spec = spec_for("matrix", cfg)
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(12, 20, generator=gen) / 20**0.5
+    p = torch.nn.Parameter(w.clone())
+    theirs = MuonHyperball([p], lr=3e-2, momentum=0.95, weight_decay=0.0, nesterov=True,
+                           fp32_matmul_prec="highest")  # fmt: skip
+    st = reference.init_state(w, spec, "muon")
+    r0 = float(w.norm())
+    for _ in range(6):
+        grad = torch.randn(12, 20, generator=gen)
+        p.grad = grad.clone()
+        theirs.step()
+        reference.md_step(w, grad, st, spec, MuonHParams(3e-2), AdamHParams(1e-3))
+    torch.testing.assert_close(w, p.detach(), rtol=2e-6, atol=1e-6)
+    assert float(w.norm()) == pytest.approx(r0, rel=1e-6)  # ‖W‖ fixed

@@ -95,6 +95,10 @@ def muon_scale_factor(mode: str, d_out: int, d_in: int, radius=None):
         if radius is None:
             raise ValueError("muon scale 'sphere_rms' needs the sphere radius")
         return radius / math.sqrt(min(d_out, d_in))
+    if mode == "hyperball":  # c; the update's own norm divides it (``hyperball_``)
+        if radius is None:
+            raise ValueError("muon scale 'hyperball' needs the sphere radius")
+        return radius
     if mode == "none":
         return 1.0
     raise ValueError(f"--muon-scale-mode={mode!r} is not one of {', '.join(MUON_SCALES)}")
@@ -121,6 +125,13 @@ def orthogonalize(x: torch.Tensor, hp: MuonHParams) -> torch.Tensor:
         return newton_schulz(x, steps=hp.ns_steps, coefficient_type=hp.coefficient_type)
 
 
+def hyperball_(update: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """The orthogonalized update at unit Frobenius norm, in place (the ``hyperball`` scale then
+    multiplies by the radius: emerging-optimizers' MuonHyperball,
+    ``pre_weight_update_fn_inplace``); over the last two axes of a batch."""
+    return update.div_(torch.linalg.vector_norm(update, dim=(-2, -1), keepdim=True).clamp_min(eps))
+
+
 def muon_update(
     grad: torch.Tensor,
     momentum_buffer: torch.Tensor,
@@ -128,6 +139,7 @@ def muon_update(
     scale,
     row_blocks: tuple[int, ...] = (),
     gather=None,
+    hyperball: bool = False,
 ) -> torch.Tensor:
     """Momentum (optionally Nesterov) then scaled orthogonalization; the caller applies
     ``param -= lr * update``. ``row_blocks``: a fused QKV matrix split as megatron's Muon does
@@ -135,20 +147,24 @@ def muon_update(
     block orthogonalized on its own and scaled by its entry of ``scale``, a list); empty: ``scale``
     is one number. ``gather`` (a ``tensor_parallel.PieceGather``): the arguments are a TP piece;
     the full matrix is orthogonalized and this piece of it returned (megatron's ``duplicated``
-    mode)."""
+    mode). ``hyperball``: each block's orthogonalized update at unit norm before its scale."""
     momentum_buffer.lerp_(grad, 1 - hp.momentum)
     g = grad.lerp(momentum_buffer, hp.momentum) if hp.nesterov else momentum_buffer
     if gather is not None:
         g = gather.full(g)
+
+    def ortho(x):
+        o = orthogonalize(x, hp)
+        return hyperball_(o) if hyperball else o
+
     if not row_blocks:
-        out = orthogonalize(g, hp) * (scale[0] if isinstance(scale, list) else scale)
+        out = ortho(g) * (scale[0] if isinstance(scale, list) else scale)
     else:
         d_out, d_in = g.shape
         groups = d_out // sum(row_blocks)
         parts = torch.split(g.view(groups, sum(row_blocks), d_in), list(row_blocks), dim=1)
         outs = [
-            (orthogonalize(x.reshape(-1, d_in), hp) * s).view(groups, -1, d_in)
-            for x, s in zip(parts, scale)
+            (ortho(x.reshape(-1, d_in)) * s).view(groups, -1, d_in) for x, s in zip(parts, scale)
         ]
         out = torch.cat(outs, dim=1).view(d_out, d_in)
     return out if gather is None else gather.own(out)

@@ -16,7 +16,9 @@ Gains = Literal["none", "scalar", "row", "col", "rowcol", "lowrank"]
 GainMap = Literal["softplus", "exp", "direct", "direct-floor"]
 RowNorm = Literal["row", "none"]
 SideGains = Literal["matrix", "none"]
-MuonScale = Literal["unit_rms_norm", "shape_scaling", "rms_match", "shape_up", "sphere_rms", "none"]
+MuonScale = Literal[
+    "unit_rms_norm", "shape_scaling", "rms_match", "shape_up", "sphere_rms", "hyperball", "none"
+]
 FusedStep = Literal["auto", "on", "off"]
 Variant = Literal["md", "muown", "muown-unit", "muown-angular"]
 SPHERES, RADII, GAINS, GAIN_MAPS = (get_args(t) for t in (Sphere, Radius, Gains, GainMap))
@@ -56,8 +58,11 @@ def _check_choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True)
 class MDConfig:
-    """Magnitude–Direction decoupling choices (defaults: the paper's recipe). Frozen: a run's
-    choices are fixed once validated (``dataclasses.replace`` makes a changed copy)."""
+    """Magnitude–Direction decoupling choices (defaults: the paper's recipe, except the radius
+    and the Muon scale: ``init`` and ``sphere_rms`` are the text's reading, which MD state made
+    from trained weights needs to keep the model's function; the paper recipes set the runs'
+    ``shape`` and ``shape_up``, equal to ``sphere_rms`` on that sphere). Frozen: a run's choices
+    are fixed once validated (``dataclasses.replace`` makes a changed copy)."""
 
     sphere: Sphere = "frobenius"
     """Axis of the fixed-norm constraint on the direction Ŵ: whole matrix (frobenius), each
@@ -125,7 +130,9 @@ class MDConfig:
     muon_scale: MuonScale = "sphere_rms"
     """Muon update scale for MD matrices: unit_rms_norm sqrt(d_out/d_in), shape_scaling
     max(1, sqrt(d_out/d_in)), rms_match 0.2·sqrt(max), shape_up sqrt(max(d_out/d_in,
-    d_in/d_out)), sphere_rms c/sqrt(min(d_out, d_in)), or none (factor 1)."""
+    d_in/d_out)), sphere_rms c/sqrt(min(d_out, d_in)), hyperball c/‖update‖ (the update
+    itself at the sphere's Frobenius norm c: MuonH, emerging-optimizers' MuonHyperball; per
+    Q/K/V block when split), or none (factor 1)."""
 
     lowrank_init_std: float | None = None
     """Std of the random init of the lowrank factor A (B starts at 0, so Γ = 1); unset:

@@ -216,7 +216,7 @@ def frobenius_radius(st: MatrixState, spec: MatrixSpec) -> torch.Tensor:
 def muon_scales(st: MatrixState, spec: MatrixSpec) -> list:
     """Muon update scale of each block: the spec's mode; ``shape_up`` follows a scaled init
     (``MatrixSpec.init_scale``, MoE appendix) when the radius does (init or shape)."""
-    radii = frobenius_radius(st, spec) if spec.muon_scale == "sphere_rms" else None
+    radii = frobenius_radius(st, spec) if spec.muon_scale in ("sphere_rms", "hyperball") else None
     out = []
     for b, (rows, d_in) in enumerate(block_shapes(tuple(st["direction"].shape), spec)):
         s = muon_scale_factor(spec.muon_scale, rows, d_in, None if radii is None else radii[b])
@@ -283,9 +283,8 @@ def md_step(
     if isinstance(base_hp, AdamHParams):
         adam_step_(wh, g_dir, st["exp_avg"], st["exp_avg_sq"], t, base_hp)
     else:  # Muon: one Newton–Schulz call per block (Q, K, V when split)
-        upd = muon_update(
-            g_dir, st["momentum_buffer"], base_hp, muon_scales(st, spec), spec.row_blocks
-        )
+        upd = muon_update(g_dir, st["momentum_buffer"], base_hp, muon_scales(st, spec),
+                          spec.row_blocks, hyperball=spec.muon_scale == "hyperball")  # fmt: skip
         if spec.tangent_update:  # Muown: the step itself on the tangent space
             ids = row_block_ids(wh.shape[0], spec.row_blocks)
             inner = axis_sum(upd * wh, spec.sphere, ids) / sq_norms(wh, spec.sphere, ids)

@@ -37,8 +37,8 @@ def check_layout(local: tuple[int, int], whole: bool, spec, base: str, piece) ->
         raise ValueError(f"a QKV split needs whole query groups per TP rank, not {piece}")
     if spec.tangent_update or spec.weight_norm:
         raise ValueError("Muown's per-row step needs whole rows: use TP=1")
-    if base == "muon" and spec.sphere == "none" and spec.muon_scale == "sphere_rms":
-        raise ValueError("the sphere_rms Muon scale without a sphere needs TP=1")
+    if base == "muon" and spec.sphere == "none" and spec.muon_scale in ("sphere_rms", "hyperball"):
+        raise ValueError(f"the {spec.muon_scale} Muon scale without a sphere needs TP=1")
 
 
 def tp_size() -> int:

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from megatron.md.base_steps import AdamHParams, MuonHParams, adam_multi_, muon_scale_factor
+from megatron.md.base_steps import (
+    AdamHParams,
+    MuonHParams,
+    adam_multi_,
+    hyperball_,
+    muon_scale_factor,
+)
 
 #: on a CPU, matrices (or Q/K/V blocks) from this many elements are orthogonalized one call
 #: each: there torch's batched matmul is slower than one matmul per matrix (8 % at 4096×1024,
@@ -85,9 +91,12 @@ class MuonStep(BaseStep):
     def _orthogonalized(g, x: torch.Tensor, hp: MuonHParams) -> torch.Tensor:
         from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz
 
+        hyperball = g.spec.muon_scale == "hyperball"  # MuonH: the update at the sphere's norm
+
         def ns(y):
             def one(z):
-                return newton_schulz(z, steps=hp.ns_steps, coefficient_type=hp.coefficient_type)
+                o = newton_schulz(z, steps=hp.ns_steps, coefficient_type=hp.coefficient_type)
+                return hyperball_(o) if hyperball else o
 
             if y.device.type != "cpu" or y.shape[0] == 1 or y[0].numel() < NS_ONE_BY_ONE_CPU:
                 return one(y)

@@ -478,10 +478,11 @@ class Group:
         self._scale_follows_norm = False
         if self.base.name != "muon":
             return
-        if self.spec.muon_scale == "sphere_rms" and radius is None:  # no sphere: ‖Ŵ‖ now
+        by_radius = self.spec.muon_scale in ("sphere_rms", "hyperball")
+        if by_radius and radius is None:  # no sphere: ‖Ŵ‖ now
             self._scale_follows_norm = True
             return
-        fro = self._frobenius_radius(radius) if self.spec.muon_scale == "sphere_rms" else None
+        fro = self._frobenius_radius(radius) if by_radius else None
         self.muon_scale = self._scales(fro)
 
     def current_muon_scale(self) -> torch.Tensor:

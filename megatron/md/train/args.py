@@ -280,8 +280,9 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
             args.use_distributed_optimizer = False
     elif args.md_adam_layer_wise:
         _fail("--md-adam-layer-wise needs --md-decoupling")
-    elif args.muon_scale_mode == "sphere_rms":
-        _fail("--muon-scale-mode sphere_rms needs --md-decoupling (it follows the sphere radius)")
+    elif args.muon_scale_mode in ("sphere_rms", "hyperball"):
+        _fail(f"--muon-scale-mode {args.muon_scale_mode} needs --md-decoupling (it follows the "
+              "sphere radius)")  # fmt: skip
     if args.optimizer == "muon" and not args.md_decoupling and args.muon_scale_mode == "none":
         _fail("--muon-scale-mode none is only for --md-decoupling")
     if args.use_layer_wise_distributed_optimizer and args.save and not args.bf16:

@@ -26,15 +26,26 @@ def given(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
-def muown(argv: list[str]) -> list[str]:
-    """``--optimizer muown`` (the Muown baseline: MDConfig.variant) is MuonMD's machinery with
-    Muown's weight-normalized rows: ``--optimizer=muon --md-decoupling --md-variant=muown`` in
-    its place (a later ``--md-variant muown-unit`` or ``muown-angular`` wins)."""
+#: optimizer names that are MuonMD's machinery with other settings, expanded in place (later
+#: flags win): Muown (``MDConfig.variant``: its weight-normalized rows) and MuonH (the sphere
+#: alone, the update at the sphere's norm: emerging-optimizers' MuonHyperball)
+OPTIMIZER_ALIASES = {
+    "muown": ["--optimizer=muon", "--md-decoupling", "--md-variant=muown"],
+    "muonh": ["--optimizer=muon", "--md-decoupling", "--md-sphere=frobenius", "--md-radius=init",
+              "--md-gains=none", "--muon-scale-mode=hyperball"],
+}  # fmt: skip
+
+
+def optimizer_aliases(argv: list[str]) -> list[str]:
+    """``--optimizer muown`` / ``muonh`` replaced by their flags (``OPTIMIZER_ALIASES``)."""
     out, i = [], 0
     while i < len(argv):
         a = argv[i]
-        if a == "--optimizer=muown" or (a == "--optimizer" and argv[i + 1 : i + 2] == ["muown"]):
-            out += ["--optimizer=muon", "--md-decoupling", "--md-variant=muown"]
+        name = a.split("=", 1)[1] if a.startswith("--optimizer=") else None
+        if a == "--optimizer" and i + 1 < len(argv):
+            name = argv[i + 1]
+        if name in OPTIMIZER_ALIASES:
+            out += OPTIMIZER_ALIASES[name]
             i += 1 if "=" in a else 2
             continue
         out.append(a)
@@ -44,7 +55,7 @@ def muown(argv: list[str]) -> list[str]:
 
 def expand_argv(argv: list[str], on_cpu: bool) -> list[str]:
     """Preset, CPU and MD-recipe flags placed before the user's own (later flags win)."""
-    argv = muown(argv)
+    argv = optimizer_aliases(argv)
     front: list[str] = []
     preset = flag_value(argv, "--preset")
     if preset is not None:

@@ -1,0 +1,211 @@
+"""Laptop-scale evidence under the corrected recipes: the side-LR control and long runs with
+seeds (docs/cpu_repro.md, "Laptop evidence").
+
+The setting of ``controls.py`` (d = 128, the paper's architecture, 2 gloo processes, sequence
+256, global batch 8), with the dense recipe as the paper's runs set it (``recipes.py``): MD on
+the shape sphere, Q/K/V on their own spheres, the LM head with gains, 1-D parameters at 1e-3;
+Muon without warmup (the paper's dense Muon), MuonMD's gains at 1e-3 (the gain LR the controls
+found). Parts:
+
+- ``side``: at each method's best matrix LR from the controls (160 iterations, the speeches
+  corpus), the Adam-stepped groups' LRs (embeddings 3e-3, LM head 1e-3, 1-D 1e-3) scaled
+  together by ``SIDE_MULTS`` (×3 apart), two seeds: does a larger side LR close the gap to
+  nGPT's architecture (whose laptop arms train every parameter at the matrix LR), and which
+  multiplier the laptop recipe uses from then on (the best mean over the four methods);
+- ``long``: the four methods at those optima with that side LR, ``--long-iters`` (1200)
+  iterations on the prose corpus (``tools/build_demo_corpus.py --prose``), two seeds each.
+
+Finished runs are kept: re-running continues (a part per sitting is fine). Writes
+``<out>/evidence.json`` (every run, the tables) and ``evidence.png`` (the side-LR panel and the
+long runs' validation curves, the mean of the seeds with their range).
+
+    python examples/md_decoupling/cpu_repro/evidence.py --parts side        # ~50 min, 2 cores
+    python examples/md_decoupling/cpu_repro/evidence.py --parts side long   # + ~100 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import run as repro  # noqa: E402
+
+MD = ["--md-decoupling", "--md-radius=shape"]
+MUON = ["--optimizer=muon", "--muon-momentum=0.95", "--muon-nesterov"]
+#: method -> (flags, warmup?, best matrix LR at 160 iterations: docs/cpu_repro.md's controls)
+METHODS = {
+    "adamw": (["--optimizer=adam", "--weight-decay=0.1"], True, 6.4e-2),
+    "adammd": (["--optimizer=adam", *MD], False, 1.6e-2),
+    "muon": ([*MUON, "--weight-decay=0.1", "--muon-scale-mode=unit_rms_norm"], False, 2.56e-1),
+    "muonmd": ([*MUON, *MD, "--muon-scale-mode=shape_up", "--md-gain-lr=1e-3"], False, 6.4e-2),
+}
+SIDE = {"embedding-lr": 3e-3, "output-lr": 1e-3, "lr": 1e-3}  # the dense recipe's
+SIDE_MULTS = (1 / 3, 1.0, 3.0, 9.0)
+SEEDS = (1234, 1235)
+
+
+def spec(args, part: str, method: str, mult: float, seed: int, iters: int) -> dict:
+    flags, warm, lr = METHODS[method]
+    side = [f"--{k}={v * mult:.4g}" for k, v in SIDE.items()]
+    warmup = [f"--lr-warmup-iters={max(1, iters // 10)}"] if warm else []
+    data = args.long_data_flags if part == "long" else args.data_flags
+    evals = iters if part == "side" else 200
+    name = f"{part}-{method}-side{mult:.3g}-s{seed}"
+    common = [*data, "--preset=tiny", *repro.width_flags(128), f"--train-iters={iters}",
+              f"--seq-length={args.seq}", f"--max-position-embeddings={args.seq}",
+              f"--micro-batch-size={args.gbs // 2}", f"--global-batch-size={args.gbs}",
+              "--lr-decay-style=linear", "--min-lr=1e-6", "--adam-beta1=0.9",
+              "--adam-beta2=0.99", "--clip-grad=1.0", *side, f"--matrix-lr={lr:.4g}",
+              "--log-interval=1", "--md-log-interval=10", f"--eval-interval={evals}",
+              f"--eval-iters={args.eval_iters}", "--use-distributed-optimizer",
+              f"--seed={seed}", *flags, *warmup]  # fmt: skip
+    meta = {"size": "d128", "method": method, "matrix_lr": lr, "side_mult": mult,
+            "seed": seed, "part": part, "variant": f"side ×{mult:.3g}"}  # fmt: skip
+    return {"name": name, "flags": common, "run_dir": str(args.out / name), "meta": meta}
+
+
+def execute(runs: list[dict], args) -> None:
+    todo = [r for r in runs if not repro.done(r, int(_flag(r, "train-iters")))]
+    print(f"[evidence] {len(runs)} runs, {len(runs) - len(todo)} finished", file=sys.stderr)
+    repro.run_all(todo, "evidence", lambda r: repro.run_one(r, 2, args.out))
+
+
+def _flag(run: dict, name: str) -> str:
+    return next(f.split("=", 1)[1] for f in run["flags"] if f.startswith(f"--{name}="))
+
+
+def seeds_of(runs: list[dict]) -> dict:
+    """(method, side multiplier) -> the final validation losses of its seeds (None: not done)."""
+    out: dict[tuple, list] = {}
+    for r in runs:
+        m = r["meta"]
+        out.setdefault((m["method"], m["side_mult"]), []).append(repro.final_valid(r["run_dir"]))
+    return out
+
+
+def summary(vals: list) -> dict | None:
+    if not vals or any(v is None for v in vals):
+        return None
+    return {"mean": statistics.mean(vals), "min": min(vals), "max": max(vals), "seeds": vals}
+
+
+def choose_side(side: dict) -> float | None:
+    """The multiplier with the lowest mean over the methods of (loss − the method's best)."""
+    methods = {m for m, _ in side}
+    regret: dict[float, list] = {}
+    for m in methods:
+        pts = {k: v for (mm, k), v in side.items() if mm == m and v is not None}
+        if not pts:
+            continue
+        best = min(v["mean"] for v in pts.values())
+        for k, v in pts.items():
+            regret.setdefault(k, []).append(v["mean"] - best)
+    full = {k: statistics.mean(v) for k, v in regret.items() if len(v) == len(methods)}
+    return min(full, key=full.get) if full else None
+
+
+def plot(side: dict, long_runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from runlog import read_log
+
+    from megatron.md.figstyle import method_color
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for m in METHODS:
+        pts = sorted((k, v) for (mm, k), v in side.items() if mm == m and v is not None)
+        if pts:
+            xs = [k for k, _ in pts]
+            mean = [v["mean"] for _, v in pts]
+            err = [[v["mean"] - v["min"] for _, v in pts], [v["max"] - v["mean"] for _, v in pts]]
+            a.errorbar(xs, mean, yerr=err, marker="o", ms=4, capsize=2, label=m,
+                       color=method_color(m))  # fmt: skip
+    a.set_xscale("log", base=3)
+    a.set_xlabel("side-LR multiplier (embeddings 3e-3, LM head 1e-3, 1-D 1e-3 at ×1)")
+    a.set_ylabel("final validation loss (2 seeds: mean, range)")
+    a.set_title("d = 128, 160 iterations, each method at its best matrix LR")
+    curves: dict[str, dict[int, list]] = {}
+    for r in long_runs:
+        try:
+            log = read_log(Path(r["run_dir"]))
+        except ValueError:
+            continue
+        for it, row in log.valid.items():
+            curves.setdefault(r["meta"]["method"], {}).setdefault(it, []).append(row["lm loss"])
+    for m, by_it in curves.items():
+        its = sorted(by_it)
+        mean = [statistics.mean(by_it[i]) for i in its]
+        b.plot(its, mean, marker="o", ms=3, label=m, color=method_color(m))
+        b.fill_between(its, [min(by_it[i]) for i in its], [max(by_it[i]) for i in its],
+                       alpha=0.2, color=method_color(m))  # fmt: skip
+    b.set_xlabel("iteration")
+    b.set_ylabel("validation loss (mean of 2 seeds, range shaded)")
+    b.set_title("long runs (prose corpus)")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", type=Path, default=repro.ROOT / "runs" / "cpu_repro_evidence")
+    ap.add_argument("--data", type=Path, default=repro.ROOT / "data" / "demo")
+    ap.add_argument("--parts", nargs="+", default=["side"], choices=["side", "long"])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--long-iters", type=int, default=1200)
+    ap.add_argument("--side-mult", type=float, help="long runs: this multiplier, not the chosen")
+    args = ap.parse_args(argv)
+    args.out = args.out.resolve()
+    args.iters, args.seq, args.gbs, args.eval_iters = 160, 256, 8, 8
+    import build_demo_corpus
+
+    build_demo_corpus.build(args.data, 8192)
+    args.data_flags = ["--tokenizer-type=HuggingFaceTokenizer",
+                       f"--tokenizer-model={args.data / 'tokenizer'}",
+                       f"--data-path={args.data / 'sotu_text_document'}", "--split=98,2,0",
+                       f"--data-cache-path={args.data / 'cache'}"]  # fmt: skip
+    prose = build_demo_corpus.build_prose(args.data, 8192) if "long" in args.parts else None
+    args.long_data_flags = [*args.data_flags[:2], f"--data-path={prose}", *args.data_flags[3:]]
+    args.out.mkdir(parents=True, exist_ok=True)
+    side_runs = [spec(args, "side", m, k, s, args.iters)
+                 for m in args.methods for k in SIDE_MULTS for s in SEEDS]  # fmt: skip
+    if "side" in args.parts:
+        execute(side_runs, args)
+    side = {key: summary(v) for key, v in seeds_of(side_runs).items()}
+    chosen = args.side_mult or choose_side(side)
+    long_runs = []
+    if "long" in args.parts:
+        if chosen is None:
+            sys.exit("[evidence] the long runs need the side part's results (or --side-mult)")
+        long_runs = [spec(args, "long", m, chosen, s, args.long_iters)
+                     for m in args.methods for s in SEEDS]  # fmt: skip
+        execute(long_runs, args)
+    long = {m: summary(v) for (m, _), v in seeds_of(long_runs).items()}
+    plot(side, long_runs, args.out / "evidence.png")
+    runs = side_runs + long_runs
+    (args.out / "manifest.json").write_text(json.dumps({"experiment": "cpu_repro_evidence",
+                                                        "runs": runs}, indent=1))  # fmt: skip
+    result = {
+        "side": {f"{m} ×{k:.3g}": v for (m, k), v in side.items()},
+        "side_mult": chosen,
+        "long": long,
+        "iters": args.iters,
+        "long_iters": args.long_iters,
+    }
+    (args.out / "evidence.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
