@@ -201,15 +201,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     args.out = args.out.resolve()
     args.iters, args.seq, args.gbs, args.eval_iters = 160, 256, 8, 8
-    import build_demo_corpus
-
-    build_demo_corpus.build(args.data, 8192)
-    args.data_flags = ["--tokenizer-type=HuggingFaceTokenizer",
-                       f"--tokenizer-model={args.data / 'tokenizer'}",
-                       f"--data-path={args.data / 'sotu_text_document'}", "--split=98,2,0",
-                       f"--data-cache-path={args.data / 'cache'}"]  # fmt: skip
-    prose = build_demo_corpus.build_prose(args.data, 8192) if "long" in args.parts else None
-    args.long_data_flags = [*args.data_flags[:2], f"--data-path={prose}", *args.data_flags[3:]]
+    args.data_flags, args.long_data_flags = repro.corpus_flags(args.data, "long" in args.parts)
     args.out.mkdir(parents=True, exist_ok=True)
     table, runs = {}, []
     for arm in args.arms:

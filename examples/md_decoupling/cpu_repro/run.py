@@ -145,6 +145,21 @@ def run_spec(args, part: str, method: str, width: int, lr: float, seed: int = SE
     return {"name": name, "flags": flags, "run_dir": str(args.out / name), "meta": meta}
 
 
+def corpus_flags(data: Path, prose: bool) -> tuple[list[str], list[str] | None]:
+    """The demo corpus under ``data`` (built once; the prose corpus too with ``prose``) as
+    pretrain_gpt.py data flags: (the speeches', the prose corpus's or None)."""
+    import build_demo_corpus
+
+    build_demo_corpus.build(data, 8192)
+    flags = ["--tokenizer-type=HuggingFaceTokenizer", f"--tokenizer-model={data / 'tokenizer'}",
+             f"--data-path={data / 'sotu_text_document'}", "--split=98,2,0",
+             f"--data-cache-path={data / 'cache'}"]  # fmt: skip
+    if not prose:
+        return flags, None
+    path = build_demo_corpus.build_prose(data, 8192)
+    return flags, [*flags[:2], f"--data-path={path}", *flags[3:]]
+
+
 def done(run: dict, iters: int) -> bool:
     try:
         log = read_log(Path(run["run_dir"]))
@@ -361,13 +376,7 @@ def main(argv=None) -> dict:
         args.seq, args.gbs, args.eval_iters = 64, 4, 1
         args.data_flags = ["--mock-data", "--tokenizer-type=NullTokenizer", "--vocab-size=1024"]
     else:
-        import build_demo_corpus
-
-        build_demo_corpus.build(args.data, 8192)
-        args.data_flags = ["--tokenizer-type=HuggingFaceTokenizer",
-                           f"--tokenizer-model={args.data / 'tokenizer'}",
-                           f"--data-path={args.data / 'sotu_text_document'}", "--split=98,2,0",
-                           f"--data-cache-path={args.data / 'cache'}"]  # fmt: skip
+        args.data_flags, _ = corpus_flags(args.data, prose=False)
     args.out.mkdir(parents=True, exist_ok=True)
     runs = plan(args)
     manifest = args.out / "manifest.json"
