@@ -173,8 +173,47 @@ def test_plot_curves_places_a_continual_run_after_its_source(tmp_path):
     assert out.returncode != 0 and "none of nope" in out.stderr
 
 
+def test_paired_comparison_by_seed(tmp_path):
+    """tools/paired.py: arms paired by seed against the reference; the paired differences'
+    t-interval and a verdict against the threshold (ahead / behind / equal / undecided); an arm
+    without a shared seed and a run without a validation row are named, not mis-paired."""
+    import paired
+
+    finals = {  # arm -> seed -> final validation loss
+        "muonmd": {1: 4.000, 2: 4.010, 3: 3.990},
+        "sphere": {1: 4.030, 2: 4.041, 3: 4.020},  # behind by 0.030 ± 0.001
+        "muonh": {1: 4.001, 2: 4.009, 3: 3.991},  # equal
+        "muon": {1: 3.900, 2: 4.050, 3: 4.000},  # spread: undecided
+        "adamw": {9: 4.2},  # no shared seed
+    }
+    runs = []
+    for arm, seeds in finals.items():
+        for seed, v in seeds.items():
+            d = tmp_path / f"{arm}-{seed}"
+            d.mkdir()
+            rows = [{"type": "run", "args": {}}, {"type": "train", "iteration": 1, "lm loss": 9.0},
+                    {"type": "valid", "iteration": 1, "lm loss": v}]  # fmt: skip
+            (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            runs.append({"name": d.name, "meta": {"method": arm, "seed": seed, "part": "long"},
+                         "run_dir": str(d)})  # fmt: skip
+    (tmp_path / "late").mkdir()  # never validated: left out
+    runs.append({"name": "late", "meta": {"method": "muon", "seed": 4, "part": "long"},
+                 "run_dir": str(tmp_path / "late")})  # fmt: skip
+    (tmp_path / "m.json").write_text(json.dumps({"runs": runs}))
+    rep = paired.main([str(tmp_path / "m.json"), "--ref", "muonmd", "--threshold", "0.01"])
+    arms = rep["arms"]
+    assert arms["sphere"]["verdict"] == "behind" and arms["sphere"]["signs"] == "+++"
+    assert arms["sphere"]["diff_mean"] == pytest.approx(0.0303333, abs=1e-6)
+    assert arms["muonh"]["verdict"] == "equal"
+    assert arms["muon"]["verdict"] == "undecided" and arms["muon"]["seeds"] == [1, 2, 3]
+    assert "verdict" not in arms["adamw"] and "verdict" not in arms["muonmd"]
+    assert paired.verdict(-0.05, -0.02, 0.01) == "ahead"
+    out = run_tool("paired.py", str(tmp_path / "m.json"), "--ref", "nope")
+    assert out.returncode != 0 and "reference arm 'nope' has no finished runs" in out.stderr
+
+
 @pytest.mark.parametrize("tool", ["throughput.py", "lr_sweep.py", "scaling_law.py",
-                                  "plot_diagnostics.py", "plot_curves.py"])  # fmt: skip
+                                  "plot_diagnostics.py", "plot_curves.py", "paired.py"])  # fmt: skip
 def test_tools_explain_themselves(tool):
     out = run_tool(tool, "--help")
     assert out.returncode == 0 and len(out.stdout) > 500, out.stderr

@@ -155,6 +155,8 @@ def test_loss_decreases_and_diagnostics_are_logged(runs, name):
     blocks = diag[-1]["rel_update_block"]  # the query block's is the lr-decay figure's
     assert set(blocks) == {"q", "k", "v"} and all(v > 0 for v in blocks.values())
     assert len(diag[-1]["act_rms"]) == 4
+    assert len(diag[-1]["attn_logit_max"]) == 4 and all(
+        math.isfinite(v) for v in diag[-1]["attn_logit_max"])  # fmt: skip
     # the diagnostics carry the LRs of the step they measured: a train row's own "lr" is the
     # next step's (megatron logs after the scheduler), so they equal the previous row's
     by_it = {r["iteration"]: r for r in train}

@@ -151,3 +151,21 @@ def test_query_block_relative_update_over_zero1_pieces():
     for b, key in enumerate("qkv"):
         want = float(dw[ids == b].norm() / w[ids == b].norm())
         assert got[key] == pytest.approx(want, rel=1e-12), key
+
+
+def test_max_attention_logit_is_the_softmax_input_under_gqa():
+    """The stability view's largest attention logit: max over heads and causal positions of
+    q·k·scale, each query head reading its GQA key group (megatron's layout), computed head by
+    head; equal to the full (heads, s, s) score tensor's masked max."""
+    from megatron.md.train.diagnostics import max_attention_logit
+
+    gen = torch.Generator().manual_seed(0)
+    s, heads, groups, d = 7, 4, 2, 5
+    q = torch.randn(s, heads, d, generator=gen)
+    k = torch.randn(s, groups, d, generator=gen)
+    k_full = k.repeat_interleave(heads // groups, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k_full) * 0.3
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    want = float(scores.masked_fill(~causal, -math.inf).max())
+    assert max_attention_logit(q, k, 0.3) == pytest.approx(want, rel=1e-6)
+    assert max_attention_logit(q, k, 0.3) < float(scores.max())  # the future is masked out

@@ -91,7 +91,8 @@ def plot(runs: dict[str, list], out: Path) -> None:
         else:
             row[3].set_title("no gains (not MD)")
         draw(row[4], "act_rms", "-", "layer ")
-        row[4].set_title("block-output RMS")
+        draw(row[4], "attn_logit_max", ":", "max logit, layer ")
+        row[4].set_title("block-output RMS; largest attention logit (dotted)")
         has_drift = draw(row[5], "sphere_drift")
         row[5].set_title("sphere drift |‖Ŵ‖−c|/c" if has_drift else "no sphere (not MD)")
         if has_drift:

@@ -14,6 +14,9 @@ Per matrix class (``matrix_class``; mean over its matrices unless said otherwise
   (``q``, ``k``, ``v``: each block's ‖ΔW‖/‖W‖, mean over layers; the paper's lr-decay figure
   reports the query block's), for every method;
 - ``act_rms``: per-layer RMS of block outputs (first micro-batch);
+- ``attn_logit_max``: per layer, the largest attention logit q·k·scale (the softmax's input:
+  after RoPE and any QK norm) over heads and causal positions of the first sequence of the
+  first micro-batch (the max over ranks under TP): "more stable" as a number, for every arm;
 - MD runs: ``sphere_drift`` max |‖Ŵ‖−c|/c, gain spread (``raw_gain_norm``, ``gain_min``,
   ``gain_max``), and ``gains_by_layer``: per ``<class>/<layer>/<row|col>`` the raw-gain norm
   and the min and max effective gain (the paper's gain-dynamics figure).
@@ -74,6 +77,7 @@ class StepDiagnostics:
         self.opt, self.chunks, self.due = optimizer, model_chunks, due
         self.global_names = global_param_names(model_chunks)  # fixed for the run
         self.acts: dict[int, float] = {}
+        self.logits: dict[int, float] = {}  # layer -> largest attention logit
         self.inputs: dict[torch.Tensor, torch.Tensor] = {}  # weight -> X (first micro-batch)
         config = getattr(unwrap(model_chunks[0]), "config", None) if model_chunks else None
         #: rows of one query group of the fused QKV weight: (q, k, v)
@@ -83,6 +87,9 @@ class StepDiagnostics:
             decoder = getattr(module, "decoder", None)
             for i, layer in enumerate(getattr(decoder, "layers", [])):
                 layer.register_forward_hook(self._act_hook(i))
+                core = getattr(getattr(layer, "self_attention", None), "core_attention", None)
+                if isinstance(core, torch.nn.Module):
+                    core.register_forward_pre_hook(self._logit_hook(i), with_kwargs=True)
             for name, sub in module.named_modules():
                 w = getattr(sub, "weight", None)
                 fused_norm = "LayerNorm" in type(sub).__name__  # TE: X is before the norm
@@ -95,6 +102,18 @@ class StepDiagnostics:
             if module.training and i not in self.acts and self.due():  # first micro-batch
                 h = output[0] if isinstance(output, tuple) else output
                 self.acts[i] = float(h.detach().float().pow(2).mean().sqrt())
+
+        return hook
+
+    def _logit_hook(self, i):
+        def hook(module, args, kwargs):
+            if not (module.training and i not in self.logits and self.due()):
+                return
+            q = args[0] if args else kwargs.get("query")
+            k = args[1] if len(args) > 1 else kwargs.get("key")
+            if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 4:
+                scale = getattr(module, "softmax_scale", None) or 1 / math.sqrt(q.shape[-1])
+                self.logits[i] = max_attention_logit(q[:, 0], k[:, 0], float(scale))
 
         return hook
 
@@ -146,11 +165,17 @@ class StepDiagnostics:
             parts.append((name, cls, _piece(mp), _sq(dw), _sq(w), out, blocks))
         gathered = [None] * torch.distributed.get_world_size()
         local = _md_local(self.opt, self.global_names)
-        torch.distributed.all_gather_object(gathered, (parts, local))
-        result = _merge_updates([p for p, _ in gathered])
-        result.update(_md_merge([m for _, m in gathered]))
+        torch.distributed.all_gather_object(gathered, (parts, local, self.logits))
+        result = _merge_updates([p for p, _, _ in gathered])
+        result.update(_md_merge([m for _, m, _ in gathered]))
         result["act_rms"] = [self.acts[i] for i in sorted(self.acts)]
-        self.acts, self.inputs = {}, {}
+        logits: dict[int, float] = {}
+        for _, _, per_rank in gathered:  # TP ranks hold other heads: the max over them
+            for i, v in per_rank.items():
+                logits[i] = max(v, logits.get(i, -math.inf))
+        if logits:
+            result["attn_logit_max"] = [logits[i] for i in sorted(logits)]
+        self.acts, self.logits, self.inputs = {}, {}, {}
         return result
 
     def _qkv_sq(self, mp, w: torch.Tensor, dw: torch.Tensor):
@@ -189,6 +214,21 @@ class StepDiagnostics:
             torch.distributed.all_reduce(flat, group=group)
             outs = list(flat.split([o.numel() for o in outs]))
         return sum(map(_sq, outs[0::2])), sum(map(_sq, outs[1::2]))
+
+
+@torch.no_grad()
+def max_attention_logit(q: torch.Tensor, k: torch.Tensor, scale: float) -> float:
+    """The largest q·k·scale over heads and causal positions of one sequence: ``q`` (s, heads,
+    d), ``k`` (s, groups, d) with megatron's GQA layout (query head h reads key group
+    h // (heads / groups)); one head at a time, so an (s, s) block at most."""
+    s, heads = q.shape[0], q.shape[1]
+    rep = heads // k.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    best = torch.full((), -math.inf, device=q.device)
+    for h in range(heads):
+        sc = (q[:, h].float() @ k[:, h // rep].float().T) * scale
+        best = torch.maximum(best, sc.masked_fill(~causal, -math.inf).max())
+    return float(best)
 
 
 def _piece(mp) -> tuple[int, int]:
