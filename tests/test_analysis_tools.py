@@ -212,8 +212,11 @@ def test_paired_comparison_by_seed(tmp_path):
     assert out.returncode != 0 and "reference arm 'nope' has no finished runs" in out.stderr
 
 
-@pytest.mark.parametrize("tool", ["throughput.py", "lr_sweep.py", "scaling_law.py",
-                                  "plot_diagnostics.py", "plot_curves.py", "paired.py"])  # fmt: skip
+TOOLS = ("throughput.py", "lr_sweep.py", "scaling_law.py", "plot_diagnostics.py", "plot_curves.py",
+         "paired.py")  # fmt: skip
+
+
+@pytest.mark.parametrize("tool", TOOLS)
 def test_tools_explain_themselves(tool):
     out = run_tool(tool, "--help")
     assert out.returncode == 0 and len(out.stdout) > 500, out.stderr
