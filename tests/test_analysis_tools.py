@@ -213,7 +213,7 @@ def test_paired_comparison_by_seed(tmp_path):
 
 
 TOOLS = ("throughput.py", "lr_sweep.py", "scaling_law.py", "plot_diagnostics.py", "plot_curves.py",
-         "paired.py")  # fmt: skip
+         "paired.py", "from_authors.py")  # fmt: skip
 
 
 @pytest.mark.parametrize("tool", TOOLS)

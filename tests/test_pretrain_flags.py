@@ -544,3 +544,40 @@ def test_optimizer_muonh(capsys):
     assert "hyperball needs --md-decoupling" in fails(
         capsys, "--optimizer=muon", "--muon-scale-mode=hyperball"
     )
+
+
+def test_the_authors_flags_translate_and_run_here(capsys):
+    """Their MoE MuonMD recipe (feat/scaling-sweeps recipes/master.sh) becomes ours and parses
+    to the recipe's MD config: Muon base, Frobenius sphere at sqrt(max) (their projection at
+    the start), unit embedding/LM-head rows, router rows, row+column softplus gains, the
+    scaled output projections; their row mode is unit rows; flags with no equivalent are
+    refused by name (docs/flags.md has the table)."""
+    from megatron.md.train.authors import Untranslatable, translate
+
+    master = ["--optimizer", "master", "--use-orthogonal-updates", "--ademamix-alpha", "0",
+              "--hypersphere-mode", "flat", "--hypersphere-embedding-mode", "row",
+              "--hypersphere-gains-mode", "rowcol", "--hypersphere-gains-mode-embedding", "none",
+              "--muon-momentum", "0.95", "--muon-nesterov", "--muon-scale-mode", "shape_up",
+              "--matrix-lr", "1e-2", "--embedding-lr", "1e-3", "--gains-lr", "1e-3",
+              "--output-lr", "1e-3", "--router-use-orthogonal-updates", "true",
+              "--hypersphere-router-mode", "row", "--min-lr-mode", "absolute",
+              "--hypersphere-scale-out-proj-init", "--gain-parametrization",
+              "softplus"]  # fmt: skip
+    ours = translate(master)
+    args, md = parse(*ours)
+    assert args.optimizer == "muon" and args.md_decoupling and args.matrix_lr == 1e-2
+    assert (md.sphere, md.radius, md.gains, md.gain_map, md.gain_lr) == (
+        "frobenius", "shape", "rowcol", "softplus", 1e-3)  # fmt: skip
+    assert (md.embedding_norm, md.output_norm, md.router_norm, md.output_gains) == (
+        "row", "row", "row", "matrix")  # fmt: skip
+    assert md.muon_scale == "shape_up" and md.residual_init_scale < 1
+    row = translate(["--optimizer=md_decoupling", "--hypersphere-mode=row"])
+    assert "--md-radius=unit" in row and "--md-gains=none" in row and "--optimizer=adam" in row
+    for bad, says in (
+        (["--optimizer=master", "--master-use-normuon"], "--master-use-normuon"),
+        (["--optimizer=master", "--hypersphere-mode=spectral"], "mode spectral"),
+        (["--optimizer=lion"], "--optimizer lion"),
+        (["--optimizer=adam", "--hypersphere-mode=flat"], "without --optimizer"),
+    ):
+        with pytest.raises(Untranslatable, match=says):  # fmt: skip
+            translate(bad)

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron.md.train import args as md_args  # noqa: E402
-from megatron.md.train import patches, presets, recipes  # noqa: E402
+from megatron.md.train import authors, patches, presets, recipes  # noqa: E402
 
 HEAD = """# Flags
 
@@ -29,15 +29,16 @@ keeps it in sync. Every megatron flag works as upstream (`--help` lists them all
 
 #: megatron flags that take more values here: (flag, values, meaning)
 WIDENED_ROWS = (
-    ("`--optimizer`", "`adam`, `muon`, … and `muown`",
+    ("`--optimizer`", "`adam`, `muon`, … and `muown`, `muonh`",
      "`muown`: the Muown baseline (`--optimizer=muon --md-decoupling --md-variant=muown` in "
-     "its place)"),
+     "its place); `muonh`: MuonH (`--optimizer=muon --md-decoupling --md-sphere=frobenius "
+     "--md-radius=init --md-gains=none --muon-scale-mode=hyperball`)"),
     ("`--muon-scale-mode`", "megatron's `spectral`, `unit_rms_norm`, `shape_scaling`, and "
-     "`rms_match`, `shape_up`, `sphere_rms`, `none`",
+     "`rms_match`, `shape_up`, `sphere_rms`, `hyperball`, `none`",
      "the Muon update scale: `rms_match` 0.2·sqrt(max(d_out, d_in)), `shape_up` "
      "sqrt(max(d_out/d_in, d_in/d_out)) (also for plain Muon), `sphere_rms` "
-     "c/sqrt(min(d_out, d_in)) for a sphere of radius c and `none` (MD only); `spectral` "
-     "means `sphere_rms` for MD matrices"),
+     "c/sqrt(min(d_out, d_in)) for a sphere of radius c, `hyperball` c/‖update‖ and `none` "
+     "(MD only); `spectral` means `sphere_rms` for MD matrices"),
 )  # fmt: skip
 
 #: megatron flags a cluster run uses, with MD (tests: test_pretrain_e2e.py's resume and fault
@@ -105,7 +106,13 @@ def markdown() -> str:
             "- `--muon-scale-mode spectral` (megatron's default) means `sphere_rms` for MD "
             "matrices.\n")  # fmt: skip
     out += "\n## Megatron flags a cluster run uses, with MD\n\n"
-    return out + _table("| flag | state |", CLUSTER_ROWS)
+    out += _table("| flag | state |", CLUSTER_ROWS)
+    out += (
+        "\n## The paper authors' flags\n\n`python tools/from_authors.py -- THEIR FLAGS` "
+        "turns a launch command line of their Megatron-LM fork (`haeggee/Megatron-LM`) into "
+        "ours (`megatron/md/train/authors.py`), refusing by name what has no equivalent:\n\n"
+    )
+    return out + _table("| theirs | here |", authors.RULES)
 
 
 def main(argv=None) -> None:

@@ -61,11 +61,13 @@ SPHERE_ONLY = ["--md-sphere=frobenius", "--md-gains=none"]
 
 #: dense ablations on the 181M base × the LR grid: axis -> (methods, {variant: extra flags})
 ABLATIONS: dict[str, tuple[tuple[str, ...], dict[str, list[str]]]] = {
-    # "Normalization Axis" (fig. norm-axis): the constraint alone, without gains; its Frobenius
-    # arm is dense-grid's sphere-only runs (the headline figure's), not run twice
+    # "Normalization Axis" (fig. norm-axis): the constraint alone, without gains, every row or
+    # column at unit norm as the authors' runs (gainz master.py ``_normalize``: radius 1 per
+    # row/column, sqrt(max(d_out, d_in)) only for the Frobenius sphere); its Frobenius arm is
+    # dense-grid's sphere-only runs (the headline figure's), not run twice
     "sphere": (
         ("adammd", "muonmd"),
-        {a: [f"--md-sphere={a}", "--md-gains=none"] for a in ("row", "col")},
+        {a: [f"--md-sphere={a}", "--md-radius=unit", "--md-gains=none"] for a in ("row", "col")},
     ),
     "gains": (
         ("adammd", "muonmd"),
