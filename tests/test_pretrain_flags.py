@@ -581,3 +581,11 @@ def test_the_authors_flags_translate_and_run_here(capsys):
     ):
         with pytest.raises(Untranslatable, match=says):  # fmt: skip
             translate(bad)
+
+
+def test_adaptive_muon_is_refused_by_name(capsys):
+    """NorMuon's seam (megatron's adaptive_muon) fails on its first step with the pinned
+    emerging-optimizers (TensorParallelAdaptiveMuon has no scale_mode): refused up front."""
+    assert "TensorParallelAdaptiveMuon has no scale_mode" in fails(
+        capsys, "--optimizer=adaptive_muon"
+    )

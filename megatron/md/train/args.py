@@ -239,6 +239,13 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
     if args.lr is None:  # else torch's Adam constructor fails on it, far from the cause
         _fail("give --lr (the peak learning rate; --matrix-lr, --embedding-lr and --output-lr "
               "set the groups' own)")  # fmt: skip
+    if args.optimizer == "adaptive_muon":  # NorMuon's seam in megatron-core
+        _fail(
+            "--optimizer adaptive_muon (AdaMuon / NorMuon) does not run in megatron-core 0.19.2 "
+            "with emerging-optimizers 0.3.0: its first step fails (TensorParallelAdaptiveMuon "
+            "has no scale_mode, emerging_optimizers adaptive_muon.py _apply_muon_scale); not "
+            "offered until the pair is fixed"
+        )
     if args.muon_scale_mode not in UPSTREAM_MUON_SCALES + MUON_SCALES:
         _fail(
             f"--muon-scale-mode={args.muon_scale_mode!r} is not one of "
