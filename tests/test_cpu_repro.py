@@ -112,7 +112,7 @@ def test_evidence_runs_the_corrected_recipes_and_picks_one_side_lr(tmp_path):
 
     args = argparse.Namespace(data_flags=[], long_data_flags=[], seq=8, gbs=2, eval_iters=1,
                               out=tmp_path)  # fmt: skip
-    flags = {m: evidence.spec(args, "side", m, 3.0, 1234, 160)["flags"] for m in evidence.METHODS}
+    flags = {m: evidence.spec(args, "side", m, 3.0, 1234, 160)["flags"] for m in evidence.CORE}
     for m in ("adammd", "muonmd"):
         assert "--md-radius=shape" in flags[m]
     assert "--md-gain-lr=1e-3" in flags["muonmd"]
@@ -124,3 +124,10 @@ def test_evidence_runs_the_corrected_recipes_and_picks_one_side_lr(tmp_path):
     assert evidence.choose_side(side) == 3.0  # ×9 lacks method a: not a full comparison
     assert evidence.summary([6.1, None]) is None
     assert evidence.summary([6.0, 6.2])["mean"] == pytest.approx(6.1)
+    # long runs: every LR by the recipe's length rule (1200/160 = 7.5: baselines 7.5^-1/2,
+    # the sphere methods 7.5^-1/4); the family's arms
+    assert evidence.length_rule("muon", 1200) == pytest.approx(7.5**-0.5)
+    assert evidence.length_rule("muonh", 1200) == pytest.approx(7.5**-0.25)
+    long = evidence.spec(args, "long", "muon-sphere", 1.0, 1235, 1200, 0.1, 0.5)["flags"]
+    assert {"--matrix-lr=0.05", "--embedding-lr=0.0015", "--md-gains=none"} <= set(long)
+    assert "--optimizer=muonh" in evidence.spec(args, "sweep", "muonh", 1.0, 1, 160, 4e-3)["flags"]

@@ -12,8 +12,12 @@ found). Parts:
   together by ``SIDE_MULTS`` (×3 apart), two seeds: does a larger side LR close the gap to
   nGPT's architecture (whose laptop arms train every parameter at the matrix LR), and which
   multiplier the laptop recipe uses from then on (the best mean over the four methods);
-- ``long``: the four methods at those optima with that side LR, ``--long-iters`` (1200)
-  iterations on the prose corpus (``tools/build_demo_corpus.py --prose``), two seeds each.
+- ``sweep``: the family's arms without a known optimum (the sphere alone for Adam and Muon:
+  MD without gains; MuonH), a matrix-LR sweep at 160 iterations, one seed;
+- ``long``: the arms (``--methods``; the four above by default) at their 160-iteration optima
+  scaled by the recipe's length rule (``length_rule``) with the chosen side LR, ``--long-iters``
+  (1200) iterations on the prose corpus (``tools/build_demo_corpus.py --prose``), two seeds
+  each (seeds pair arms: the same init and data order); ``tools/paired.py`` compares them.
 
 Finished runs are kept: re-running continues (a part per sitting is fine). Writes
 ``<out>/evidence.json`` (every run, the tables) and ``evidence.png`` (the side-LR panel and the
@@ -36,36 +40,80 @@ import run as repro  # noqa: E402
 
 MD = ["--md-decoupling", "--md-radius=shape"]
 MUON = ["--optimizer=muon", "--muon-momentum=0.95", "--muon-nesterov"]
-#: method -> (flags, warmup?, best matrix LR at 160 iterations: docs/cpu_repro.md's controls)
+MUONMD = [*MUON, *MD, "--muon-scale-mode=shape_up", "--md-gain-lr=1e-3"]
+#: arm -> (flags, warmup?, best matrix LR at 160 iterations or None: found by the ``sweep``
+#: part, starting from the grid's first LR). The first four: docs/cpu_repro.md's controls.
 METHODS = {
     "adamw": (["--optimizer=adam", "--weight-decay=0.1"], True, 6.4e-2),
     "adammd": (["--optimizer=adam", *MD], False, 1.6e-2),
     "muon": ([*MUON, "--weight-decay=0.1", "--muon-scale-mode=unit_rms_norm"], False, 2.56e-1),
-    "muonmd": ([*MUON, *MD, "--muon-scale-mode=shape_up", "--md-gain-lr=1e-3"], False, 6.4e-2),
+    "muonmd": (MUONMD, False, 6.4e-2),
+    # the family (the peer arms): the sphere alone (MD without gains), MuonH
+    "adam-sphere": (["--optimizer=adam", *MD, "--md-gains=none"], False, None),
+    "muon-sphere": ([*MUONMD, "--md-gains=none"], False, None),
+    "muonh": (["--optimizer=muonh"], False, None),
 }
+#: the first LR of the ``sweep`` part's grid (5 points ×2 apart, extended past an edge)
+GRID_START = {"adam-sphere": 2e-3, "muon-sphere": 8e-3, "muonh": 4e-3}
+CORE = ("adamw", "adammd", "muon", "muonmd")  # the side-LR control's methods
 SIDE = {"embedding-lr": 3e-3, "output-lr": 1e-3, "lr": 1e-3}  # the dense recipe's
 SIDE_MULTS = (1 / 3, 1.0, 3.0, 9.0)
 SEEDS = (1234, 1235)
 
 
-def spec(args, part: str, method: str, mult: float, seed: int, iters: int) -> dict:
-    flags, warm, lr = METHODS[method]
-    side = [f"--{k}={v * mult:.4g}" for k, v in SIDE.items()]
+def length_rule(method: str, iters: float, base: float = 160) -> float:
+    """The recipe's LR multiplier from ``base`` to ``iters`` iterations (paper, MoE appendix):
+    1/sqrt(l) for AdamW and Muon (Complete(d)P), 1/l^0.25 for MuonMD, applied here to every
+    method on the sphere (MD, the sphere alone, MuonH: our reading; the paper gives it for
+    MuonMD only)."""
+    ell = iters / base
+    return ell**-0.5 if method in ("adamw", "muon") else ell**-0.25
+
+
+def spec(args, part, method, mult, seed, iters, lr=None, scale=1.0) -> dict:
+    """One run: ``mult`` scales the side LRs, ``scale`` every LR (the length rule)."""
+    flags, warm, best = METHODS[method]
+    lr = best if lr is None else lr
+    side = [f"--{k}={v * mult * scale:.4g}" for k, v in SIDE.items()]
     warmup = [f"--lr-warmup-iters={max(1, iters // 10)}"] if warm else []
     data = args.long_data_flags if part == "long" else args.data_flags
-    evals = iters if part == "side" else 200
+    evals = 200 if part == "long" else iters
     name = f"{part}-{method}-side{mult:.3g}-s{seed}"
+    if part == "sweep":
+        name = f"sweep-{method}-lr{lr:.4g}-s{seed}"
     common = [*data, "--preset=tiny", *repro.width_flags(128), f"--train-iters={iters}",
               f"--seq-length={args.seq}", f"--max-position-embeddings={args.seq}",
               f"--micro-batch-size={args.gbs // 2}", f"--global-batch-size={args.gbs}",
               "--lr-decay-style=linear", "--min-lr=1e-6", "--adam-beta1=0.9",
-              "--adam-beta2=0.99", "--clip-grad=1.0", *side, f"--matrix-lr={lr:.4g}",
+              "--adam-beta2=0.99", "--clip-grad=1.0", *side, f"--matrix-lr={lr * scale:.4g}",
               "--log-interval=1", "--md-log-interval=10", f"--eval-interval={evals}",
               f"--eval-iters={args.eval_iters}", "--use-distributed-optimizer",
               f"--seed={seed}", *flags, *warmup]  # fmt: skip
-    meta = {"size": "d128", "method": method, "matrix_lr": lr, "side_mult": mult,
+    meta = {"size": "d128", "method": method, "matrix_lr": lr * scale, "side_mult": mult,
             "seed": seed, "part": part, "variant": f"side ×{mult:.3g}"}  # fmt: skip
     return {"name": name, "flags": common, "run_dir": str(args.out / name), "meta": meta}
+
+
+def sweep(method: str, args) -> tuple[list[dict], float | None]:
+    """The arm's matrix-LR sweep at 160 iterations (one seed, the side LRs at ×1), extended
+    up to twice past an edge optimum: (its runs, the best LR by final validation loss)."""
+    lrs = [GRID_START[method] * 2**k for k in range(5)]
+    for _ in range(3):
+        runs = [spec(args, "sweep", method, 1.0, SEEDS[0], args.iters, lr) for lr in lrs]
+        if "sweep" in args.parts:
+            execute(runs, args)
+        done = {r["meta"]["matrix_lr"]: repro.final_valid(r["run_dir"]) for r in runs}
+        done = {lr: v for lr, v in done.items() if v is not None}
+        if not done:
+            return runs, None
+        best = min(done, key=done.get)
+        if best == lrs[-1] and len(lrs) < 7 and "sweep" in args.parts:
+            lrs.append(best * 2)
+        elif best == lrs[0] and len(lrs) < 7 and "sweep" in args.parts:
+            lrs.insert(0, best / 2)
+        else:
+            return runs, best
+    return runs, best
 
 
 def execute(runs: list[dict], args) -> None:
@@ -160,8 +208,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", type=Path, default=repro.ROOT / "runs" / "cpu_repro_evidence")
     ap.add_argument("--data", type=Path, default=repro.ROOT / "data" / "demo")
-    ap.add_argument("--parts", nargs="+", default=["side"], choices=["side", "long"])
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--parts", nargs="+", default=["side"], choices=["sweep", "side", "long"])
+    ap.add_argument("--methods", nargs="+", default=list(CORE), choices=list(METHODS))
     ap.add_argument("--long-iters", type=int, default=1200)
     ap.add_argument("--side-mult", type=float, help="long runs: this multiplier, not the chosen")
     args = ap.parse_args(argv)
@@ -169,8 +217,15 @@ def main(argv=None) -> dict:
     args.iters, args.seq, args.gbs, args.eval_iters = 160, 256, 8, 8
     args.data_flags, args.long_data_flags = repro.corpus_flags(args.data, "long" in args.parts)
     args.out.mkdir(parents=True, exist_ok=True)
+    best, sweep_runs = {}, []
+    for m in args.methods:
+        if METHODS[m][2] is not None:
+            best[m] = METHODS[m][2]
+        else:
+            runs, best[m] = sweep(m, args)
+            sweep_runs += runs
     side_runs = [spec(args, "side", m, k, s, args.iters)
-                 for m in args.methods for k in SIDE_MULTS for s in SEEDS]  # fmt: skip
+                 for m in args.methods if m in CORE for k in SIDE_MULTS for s in SEEDS]  # fmt: skip
     if "side" in args.parts:
         execute(side_runs, args)
     side = {key: summary(v) for key, v in seeds_of(side_runs).items()}
@@ -179,15 +234,21 @@ def main(argv=None) -> dict:
     if "long" in args.parts:
         if chosen is None:
             sys.exit("[evidence] the long runs need the side part's results (or --side-mult)")
-        long_runs = [spec(args, "long", m, chosen, s, args.long_iters)
+        missing = [m for m in args.methods if best.get(m) is None]
+        if missing:
+            sys.exit(f"[evidence] no best matrix LR yet for {', '.join(missing)}: run --parts "
+                     "sweep first")  # fmt: skip
+        long_runs = [spec(args, "long", m, chosen, s, args.long_iters, best[m],
+                          length_rule(m, args.long_iters, args.iters))
                      for m in args.methods for s in SEEDS]  # fmt: skip
         execute(long_runs, args)
     long = {m: summary(v) for (m, _), v in seeds_of(long_runs).items()}
     plot(side, long_runs, args.out / "evidence.png")
-    runs = side_runs + long_runs
+    runs = sweep_runs + side_runs + long_runs
     (args.out / "manifest.json").write_text(json.dumps({"experiment": "cpu_repro_evidence",
                                                         "runs": runs}, indent=1))  # fmt: skip
     result = {
+        "best_lr_160": best,
         "side": {f"{m} ×{k:.3g}": v for (m, k), v in side.items()},
         "side_mult": chosen,
         "long": long,
