@@ -254,10 +254,11 @@ def test_bench_md_step_smoke(tmp_path):
     assert world["world"] == 2 and set(row["pairs"]) == pairs
     ratios = row["ratios"]
     assert all(v > 0 for v in ratios.values()) and len(ratios) == 15
-    # 2 layers × (qkv 384×128, proj 128×128, fc1 512×128, fc2 128×256): d_out + d_in + 1 each,
-    # plus one norm per row of the 512-row embedding and LM head; fp32
-    matrices = 2 * ((384 + 128 + 1) + (128 + 128 + 1) + (512 + 128 + 1) + (128 + 256 + 1))
-    assert row["bytes"]["md_allreduce"] == 4 * (matrices + 2 * 512)
+    # 2 layers × (qkv 384×128 with a norm per Q/K/V block, proj 128×128, fc1 512×128, fc2
+    # 128×256): d_out + d_in + one norm per block each; the 512-row embedding and LM head one
+    # norm per row, the LM head's row and column gains (512 + 128); fp32
+    matrices = 2 * ((384 + 128 + 3) + (128 + 128 + 1) + (512 + 128 + 1) + (128 + 256 + 1))
+    assert row["bytes"]["md_allreduce"] == 4 * (matrices + 2 * 512 + 512 + 128)
     assert 1.0 < ratios["state bytes md/base (bf16 params)"] <= 1.02
 
 
@@ -274,10 +275,10 @@ def test_bench_md_step_under_tensor_parallelism(tmp_path):
     (world,) = json.loads((tmp_path / "b.json").read_text())
     row = world["results"]["smoke-tp fp32"]
     assert (world["world"], world["tp"]) == (2, 2) and set(row["pairs"]) == {"adam_md/adam"}
-    # full shapes: 2 layers × (qkv 768×128, proj 128×256, fc1 512×128, fc2 128×256), rows of
-    # the 512-row embedding and LM head
-    matrices = 2 * ((768 + 128 + 1) + (128 + 256 + 1) + (512 + 128 + 1) + (128 + 256 + 1))
-    assert row["bytes"]["md_allreduce"] == 4 * (matrices + 2 * 512)
+    # full shapes: 2 layers × (qkv 768×128 with a norm per Q/K/V block, proj 128×256, fc1
+    # 512×128, fc2 128×256), rows of the 512-row embedding and LM head, the LM head's gains
+    matrices = 2 * ((768 + 128 + 3) + (128 + 256 + 1) + (512 + 128 + 1) + (128 + 256 + 1))
+    assert row["bytes"]["md_allreduce"] == 4 * (matrices + 2 * 512 + 512 + 128)
     assert row["bytes"]["megatron_tp_activations"] == 4 * 2 * (128 * 4096) * 128 * 2
     assert 0 < row["ratios"]["md all-reduce / megatron TP all-reduce bytes"] < 1e-4
 

@@ -70,16 +70,19 @@ def test_eager_checkpoint_resumes_with_fused_kernels(ckpt):
 
 def test_continual_training_from_checkpoint_without_md(ckpt):
     """Loading a plain (AdamW) checkpoint into an MD run keeps every hidden matrix's function
-    (radius = its loaded norm, gains 1) and changes exactly one thing: the recipe's unit-norm
-    embedding and LM-head rows (recipe "Special parameters": no gain absorbs their norms).
-    Measured on the loss of a fixed batch after a step at LR 0 (only the constraints act)."""
+    (radius = its loaded norm, gains 1) and the LM head's (its unit rows' norms go into its row
+    gains, which the authors' runs give it: ``--md-output-gains matrix``), and changes exactly
+    one thing: the recipe's unit-norm embedding rows (recipe "Special parameters": no gain
+    absorbs their norms). Measured on the loss of a fixed batch after a step at LR 0 (only the
+    constraints act)."""
     run, d = ckpt
     res = run(4, "continue", d["zero1-fp32"], *CONFIGS["zero1-fp32"])
     assert not res["has_md"]
     assert res["weights_changed"] == 0.0  # loading itself writes the loaded weights as they are
     assert res["gains_one"] and res["radius_err"] <= 1e-6  # radius = the loaded norm
+    assert res["head_gain_err"] <= 1e-6  # the LM head's row gains = its loaded row norms
     assert res["finite_after_step"]
-    # the converted model is the loaded one with unit embedding / LM-head rows, nothing else
+    # the converted model is the loaded one with unit embedding rows, nothing else
     assert res["loss_converted"] == pytest.approx(res["loss_unit_rows"], rel=1e-6)
     assert abs(res["loss_converted"] - res["loss_loaded"]) > 1e-4  # and that is a change
     # without the row constraints the conversion keeps the function (fp32 rounding of Γ = 1)

@@ -151,11 +151,17 @@ def run(ours, args) -> dict:
         out["weights_changed"] = max(
             float((p.detach().float() - plain[n]).abs().max()) for n, p in model.named_parameters()
         )
-        gains_one, radius_err = True, 0.0
+        gains_one, radius_err, head_err = True, 0.0, 0.0
         for o in leaf_optimizers(opt):
             inner = o.optimizer
             for main, slot in inner.slots.items():
                 st = inner.md_state[main]
+                if slot.name.endswith("output_layer.weight") and "gain_row" in st:
+                    # the LM head's unit rows: its row gains take the loaded row norms
+                    w = plain[slot.name.replace("module.", "")]
+                    g = maps.phi(st["gain_row"], md.gain_map)
+                    head_err = max(head_err, float((g / w.norm(dim=1) - 1).abs().max()))
+                    continue
                 for k in ("gain_row", "gain_col"):
                     if k in st:
                         g = maps.phi(st[k], md.gain_map)
@@ -165,13 +171,14 @@ def run(ours, args) -> dict:
                     radius_err = max(radius_err, abs(float(st["radius"] / w.norm()) - 1))
         out["gains_one"] = gains_one
         out["radius_err"] = radius_err
+        out["head_gain_err"] = head_err
         # what the conversion changes, on the loss of a fixed batch: one step at LR 0 applies
         # only the constraints (sphere projections, gains at 1)
         x, y = batches[3]
         out["loss_loaded"] = eval_loss(model, x, y)
-        rows = {}  # the loaded model with embedding and LM-head rows put at unit norm
+        rows = {}  # the loaded model with its embedding rows put at unit norm
         for n, p in model.named_parameters():
-            if n.endswith(("word_embeddings.weight", "output_layer.weight")):
+            if n.endswith("word_embeddings.weight"):
                 rows[n] = p.detach().float() / p.detach().float().norm(dim=1, keepdim=True)
         out["loss_unit_rows"] = eval_loss(model, x, y, rows)
         lrs = [(g, g["lr"]) for o in leaf_optimizers(opt) for g in o.optimizer.param_groups]
