@@ -131,3 +131,39 @@ def test_evidence_runs_the_corrected_recipes_and_picks_one_side_lr(tmp_path):
     long = evidence.spec(args, "long", "muon-sphere", 1.0, 1235, 1200, 0.1, 0.5)["flags"]
     assert {"--matrix-lr=0.05", "--embedding-lr=0.0015", "--md-gains=none"} <= set(long)
     assert "--optimizer=muonh" in evidence.spec(args, "sweep", "muonh", 1.0, 1, 160, 4e-3)["flags"]
+
+
+def test_evidence_family_table_pairs_by_seed(tmp_path):
+    """The family table of the long runs: paired differences to MuonMD by seed, the largest
+    attention logit and the gains' range from each run's last diagnostics row."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "examples" / "md_decoupling" / "cpu_repro"))
+    import evidence
+
+    runs = []
+    for arm, base in (("muonmd", 4.0), ("muon-sphere", 4.02)):
+        for seed in (1234, 1235):
+            d = tmp_path / f"{arm}-{seed}"
+            d.mkdir()
+            md = (
+                {
+                    "attn_logit_max": [3.0, 5.0],
+                    "gain_min": {"fc1": 0.7, "output": 0.1},
+                    "gain_max": {"qkv": 1.3},
+                }
+                if arm == "muonmd"
+                else {"attn_logit_max": [4.0]}
+            )
+            rows = [
+                {"type": "train", "iteration": 1, "lm loss": 9.0, "md": md},
+                {"type": "valid", "iteration": 1, "lm loss": base + (seed - 1234) / 100},
+            ]
+            (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            runs.append({"name": d.name, "run_dir": str(d),
+                         "meta": {"method": arm, "seed": seed, "part": "long"}})  # fmt: skip
+    table = evidence.family_table(runs)
+    assert table["muon-sphere"]["diff_mean"] == pytest.approx(0.02)
+    assert table["muon-sphere"]["signs"] == "++" and table["muon-sphere"]["attn_logit_max"] == 4.0
+    assert table["muonmd"]["gain_range"] == [0.7, 1.3]  # the hidden classes only
+    assert table["muonmd"]["attn_logit_max"] == 5.0

@@ -156,6 +156,47 @@ def choose_side(side: dict) -> float | None:
     return min(full, key=full.get) if full else None
 
 
+def last_diagnostics(run_dir: str) -> dict:
+    """The last logged diagnostics of a run: its largest attention logit (over layers) and its
+    gains' range over the hidden classes (MD arms)."""
+    from runlog import read_log
+
+    try:
+        log = read_log(Path(run_dir))
+    except ValueError:
+        return {}
+    rows = [r["md"] for _, r in sorted(log.train.items()) if r.get("md")]
+    if not rows:
+        return {}
+    md = rows[-1]
+    hidden = ("qkv", "proj", "fc1", "fc2")
+    out = {"attn_logit_max": max(md.get("attn_logit_max") or [float("nan")])}
+    lo = [v for k, v in md.get("gain_min", {}).items() if k in hidden]
+    hi = [v for k, v in md.get("gain_max", {}).items() if k in hidden]
+    if lo and hi:
+        out["gain_range"] = [min(lo), max(hi)]
+    return out
+
+
+def family_table(long_runs: list[dict], ref: str = "muonmd", threshold: float = 0.01) -> dict:
+    """Per arm of the long runs: the seeds' final validation loss, the paired difference to
+    ``ref`` (tools/paired.py), the largest attention logit and the gains' range."""
+    import paired
+
+    done = [r for r in long_runs if repro.final_valid(r["run_dir"]) is not None]
+    if not any(r["meta"]["method"] == ref for r in done):
+        return {}
+    table = paired.compare(done, ref, threshold)
+    for arm, row in table.items():
+        diags = [last_diagnostics(r["run_dir"]) for r in done if r["meta"]["method"] == arm]
+        logits = [d["attn_logit_max"] for d in diags if "attn_logit_max" in d]
+        row["attn_logit_max"] = statistics.mean(logits) if logits else None
+        ranges = [d["gain_range"] for d in diags if "gain_range" in d]
+        if ranges:
+            row["gain_range"] = [min(r[0] for r in ranges), max(r[1] for r in ranges)]
+    return table
+
+
 def plot(side: dict, long_runs: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -208,7 +249,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", type=Path, default=repro.ROOT / "runs" / "cpu_repro_evidence")
     ap.add_argument("--data", type=Path, default=repro.ROOT / "data" / "demo")
-    ap.add_argument("--parts", nargs="+", default=["side"], choices=["sweep", "side", "long"])
+    ap.add_argument("--parts", nargs="+", default=["side"],
+                    choices=["sweep", "side", "long", "report"])  # fmt: skip
     ap.add_argument("--methods", nargs="+", default=list(CORE), choices=list(METHODS))
     ap.add_argument("--long-iters", type=int, default=1200)
     ap.add_argument("--side-mult", type=float, help="long runs: this multiplier, not the chosen")
@@ -231,17 +273,21 @@ def main(argv=None) -> dict:
     side = {key: summary(v) for key, v in seeds_of(side_runs).items()}
     chosen = args.side_mult or choose_side(side)
     long_runs = []
-    if "long" in args.parts:
+    if {"long", "report"} & set(args.parts):
         if chosen is None:
             sys.exit("[evidence] the long runs need the side part's results (or --side-mult)")
-        missing = [m for m in args.methods if best.get(m) is None]
+        missing = [m for m in args.methods if best.get(m) is None]  # (report: a partial table)
+        if "report" in args.parts:
+            args.methods = [m for m in args.methods if m not in missing]
+            missing = []
         if missing:
             sys.exit(f"[evidence] no best matrix LR yet for {', '.join(missing)}: run --parts "
                      "sweep first")  # fmt: skip
         long_runs = [spec(args, "long", m, chosen, s, args.long_iters, best[m],
                           length_rule(m, args.long_iters, args.iters))
                      for m in args.methods for s in SEEDS]  # fmt: skip
-        execute(long_runs, args)
+        if "long" in args.parts:
+            execute(long_runs, args)
     long = {m: summary(v) for (m, _), v in seeds_of(long_runs).items()}
     plot(side, long_runs, args.out / "evidence.png")
     runs = sweep_runs + side_runs + long_runs
@@ -252,6 +298,7 @@ def main(argv=None) -> dict:
         "side": {f"{m} ×{k:.3g}": v for (m, k), v in side.items()},
         "side_mult": chosen,
         "long": long,
+        "family": family_table(long_runs) if long_runs else {},
         "iters": args.iters,
         "long_iters": args.long_iters,
     }
