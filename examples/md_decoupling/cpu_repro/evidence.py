@@ -9,9 +9,10 @@ found). Parts:
 
 - ``side``: at each method's best matrix LR from the controls (160 iterations, the speeches
   corpus), the Adam-stepped groups' LRs (embeddings 3e-3, LM head 1e-3, 1-D 1e-3) scaled
-  together by ``SIDE_MULTS`` (×3 apart), two seeds: does a larger side LR close the gap to
-  nGPT's architecture (whose laptop arms train every parameter at the matrix LR), and which
-  multiplier the laptop recipe uses from then on (the best mean over the four methods);
+  together by ``SIDE_MULTS`` (×3 apart; extended ×3 past a top-edge choice, twice at most),
+  two seeds: does a larger side LR close the gap to nGPT's architecture (whose laptop arms
+  train every parameter at the matrix LR), and which multiplier the laptop recipe uses from
+  then on (the lowest mean regret over the four methods, ``choose_side``);
 - ``sweep``: the family's arms without a known optimum (the sphere alone for Adam and Muon:
   MD without gains; MuonH), a matrix-LR sweep at 160 iterations, one seed;
 - ``long``: the arms (``--methods``; the four above by default) at their 160-iteration optima
@@ -266,12 +267,22 @@ def main(argv=None) -> dict:
         else:
             runs, best[m] = sweep(m, args)
             sweep_runs += runs
-    side_runs = [spec(args, "side", m, k, s, args.iters)
-                 for m in args.methods if m in CORE for k in SIDE_MULTS for s in SEEDS]  # fmt: skip
-    if "side" in args.parts:
-        execute(side_runs, args)
-    side = {key: summary(v) for key, v in seeds_of(side_runs).items()}
-    chosen = args.side_mult or choose_side(side)
+    mults = list(SIDE_MULTS)
+    for _ in range(3):  # the grid, extended ×3 past a top-edge choice (twice at most)
+        side_runs = [spec(args, "side", m, k, s, args.iters)
+                     for m in CORE for k in mults for s in SEEDS]  # fmt: skip
+        if "side" in args.parts:
+            execute(side_runs, args)
+        side = {key: summary(v) for key, v in seeds_of(side_runs).items()}
+        chosen = choose_side(side)
+        if chosen != mults[-1] or len(mults) >= len(SIDE_MULTS) + 2 or "side" not in args.parts:
+            break
+        mults.append(mults[-1] * 3)
+    if not all(side.get((m, mults[-1])) for m in CORE):  # an extension not (yet) run
+        side_runs = [r for r in side_runs if r["meta"]["side_mult"] != mults[-1]]
+        side = {key: v for key, v in side.items() if key[1] != mults[-1]}
+        chosen = choose_side(side)
+    chosen = args.side_mult or chosen
     long_runs = []
     if {"long", "report"} & set(args.parts):
         if chosen is None:
