@@ -32,9 +32,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run as repro  # noqa: E402
@@ -304,7 +308,12 @@ def main(argv=None) -> dict:
     runs = sweep_runs + side_runs + long_runs
     (args.out / "manifest.json").write_text(json.dumps({"experiment": "cpu_repro_evidence",
                                                         "runs": runs}, indent=1))  # fmt: skip
+    from megatron.md.train.metrics import git_commit
+
     result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "code": git_commit(),
+        "machine": f"{os.cpu_count()} cores, torch {torch.__version__}",
         "best_lr_160": best,
         "side": {f"{m} ×{k:.3g}": v for (m, k), v in side.items()},
         "side_mult": chosen,
