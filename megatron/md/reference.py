@@ -285,13 +285,13 @@ def md_step(
     else:  # Muon: one Newton–Schulz call per block (Q, K, V when split)
         upd = muon_update(g_dir, st["momentum_buffer"], base_hp, muon_scales(st, spec),
                           spec.row_blocks, hyperball=spec.muon_scale == "hyperball")  # fmt: skip
-        if spec.tangent_update:  # Muown: the step itself on the tangent space
+        if spec.tangent_update:  # muown-unit: the step itself on the tangent space
             ids = row_block_ids(wh.shape[0], spec.row_blocks)
             inner = axis_sum(upd * wh, spec.sphere, ids) / sq_norms(wh, spec.sphere, ids)
             upd = upd - _bcast(inner, spec.sphere, ids) * wh
         wh.add_(upd, alpha=-base_hp.lr)
 
-    # 8. back onto the sphere of radius c (each block's own); Muown leaves the rows to grow
+    # 8. back onto the sphere of radius c (each block's own); Muown leaves the rows free
     if spec.sphere != "none" and spec.project:
         ids = row_block_ids(wh.shape[0], spec.row_blocks)
         wh.mul_(_bcast(st["radius"] / norms(wh, spec.sphere, ids), spec.sphere, ids))

@@ -83,7 +83,7 @@ class MuonStep(BaseStep):
         with eo_utils.fp32_matmul_precision(hp.fp32_matmul_prec):
             for g, x in zip(groups, grads):
                 upd = self._orthogonalized(g, x.view(g.B, *g.local), hp)
-                if g.tangent_update is not None:  # Muown: the step on the tangent space
+                if g.tangent_update is not None:  # muown-unit: the step on the tangent space
                     upd = g.tangent_update(upd)
                 g.W.add_(upd.reshape(g.B, -1), alpha=-hp.lr)
 

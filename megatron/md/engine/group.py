@@ -363,7 +363,7 @@ class Group:
         return torch.linalg.vector_norm(w, dim=2, keepdim=True)
 
     def _tangent_update(self, upd: torch.Tensor) -> torch.Tensor:
-        """Muown: the Muon update on the tangent space of each row of the (whole) Ŵ."""
+        """muown-unit: the Muon update on the tangent space of each row of the (whole) Ŵ."""
         w = self.W.view(self.B, *self.local)
         return upd - ((upd * w).sum(2) / (w * w).sum(2)).unsqueeze(2) * w
 
@@ -463,7 +463,7 @@ class Group:
         for b, m in enumerate(self.members):
             m.md_state["radius"] = r[b].clone().view(rshape)
         self.bind()  # the radius into the storage (own), or its view
-        if spec.gain_init == "norm":  # Muown: magnitudes = the row norms, directions unit rows
+        if spec.gain_init == "norm":  # Muown: magnitudes = the row norms (v: unit rows, or W)
             self.gains["gain_row"].copy_(cur)
         elif absorb and spec.sphere == "row" and spec.radius != "init" and "gain_row" in self.gains:
             self.gains["gain_row"].copy_(maps.raw_for(cur / self.radius, spec.gain_map))
