@@ -262,7 +262,8 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     args.out = args.out.resolve()
     args.iters, args.seq, args.gbs, args.eval_iters = 160, 256, 8, 8
-    args.data_flags, args.long_data_flags = repro.corpus_flags(args.data, "long" in args.parts)
+    prose = bool({"long", "report"} & set(args.parts))
+    args.data_flags, args.long_data_flags = repro.corpus_flags(args.data, prose)
     args.out.mkdir(parents=True, exist_ok=True)
     best, sweep_runs = {}, []
     for m in args.methods:
@@ -272,20 +273,21 @@ def main(argv=None) -> dict:
             runs, best[m] = sweep(m, args)
             sweep_runs += runs
     mults = list(SIDE_MULTS)
-    for _ in range(3):  # the grid, extended ×3 past a top-edge choice (twice at most)
+    while True:  # the grid, extended ×3 past a top-edge choice (twice at most)
         side_runs = [spec(args, "side", m, k, s, args.iters)
                      for m in CORE for k in mults for s in SEEDS]  # fmt: skip
         if "side" in args.parts:
             execute(side_runs, args)
         side = {key: summary(v) for key, v in seeds_of(side_runs).items()}
         chosen = choose_side(side)
-        if chosen != mults[-1] or len(mults) >= len(SIDE_MULTS) + 2 or "side" not in args.parts:
+        nxt = mults[-1] * 3
+        ran = all(repro.done(spec(args, "side", m, nxt, s, args.iters), args.iters)
+                  for m in CORE for s in SEEDS)  # fmt: skip
+        if chosen != mults[-1] or len(mults) >= len(SIDE_MULTS) + 2:
             break
-        mults.append(mults[-1] * 3)
-    if not all(side.get((m, mults[-1])) for m in CORE):  # an extension not (yet) run
-        side_runs = [r for r in side_runs if r["meta"]["side_mult"] != mults[-1]]
-        side = {key: v for key, v in side.items() if key[1] != mults[-1]}
-        chosen = choose_side(side)
+        if "side" not in args.parts and not ran:  # an extension not run (yet)
+            break
+        mults.append(nxt)
     chosen = args.side_mult or chosen
     long_runs = []
     if {"long", "report"} & set(args.parts):
