@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.distributed
 
 
+@pytest.mark.distributed
 def test_cpu_repro_smoke(tmp_path):
     script = ROOT / "examples" / "md_decoupling" / "cpu_repro" / "run.py"
     out = subprocess.run([sys.executable, str(script), "--smoke", f"--out={tmp_path}"],

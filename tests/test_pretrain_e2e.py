@@ -603,21 +603,25 @@ def test_rewarm_arms_continue_the_source_and_keep_its_gains(runs, tmp_path):
     """The re-warming arms as the authors ran them (feat/scaling-sweeps warm-restart.sh: MuonMD
     → MuonMD, every arm on the source's data stream, "fresh" zeroing the moments and keeping
     the gains): with --init-continue-data the first step sees the batch the source would have
-    trained on next (its loss equals the source resumed for one more step); with
+    trained on next (its loss equals the source's own loss on that batch); with
     --init-fresh-moments the first loss is the same, the second another (no momentum), and
     MD's gains are the source's, not 1 (--init-weights-only would reset them); a requeue
-    resumes the arm's own checkpoint, still on the source's stream."""
-    _, src = runs["muon_md"]
+    resumes the arm's own checkpoint, still on the source's stream. The source is the MuonMD
+    run's checkpoint at iteration 10, so the batch it would have trained on next is its own
+    iteration 11."""
+    import shutil
+
+    rows, saved = runs["muon_md"]
+    src = tmp_path / "src"  # the run's checkpoint at 10 as a directory of its own
+    shutil.copytree(saved / "iter_0000010", src / "iter_0000010")
+    (src / "latest_checkpointed_iteration.txt").write_text("10")
     base = [*RUNS["muon_md"], "--lr-warmup-iters=0"]
-    nxt, _ = pretrain(tmp_path, "src-next", *base, "--train-iters=21", f"--load={src}",
-                      "--override-opt_param-scheduler")  # fmt: skip
-    nxt = train_rows(nxt)
-    assert sorted(nxt) == [21]
+    nxt = train_rows(rows)[11]
     d = tmp_path / "reuse"
     arm = [*base, "--train-iters=6", f"--init-from={src}", "--init-continue-data", f"--load={d}"]
     reuse, _ = pretrain(tmp_path, "reuse-a", *arm, "--exit-interval=3", save=d)
     reuse = train_rows(reuse)
-    assert reuse[1]["lm loss"] == nxt[21]["lm loss"]  # the same weights on the same batch
+    assert reuse[1]["lm loss"] == nxt["lm loss"]  # the same weights on the same batch
     f = tmp_path / "fresh"
     fresh = [x for x in arm if not x.startswith("--load")] + [f"--load={f}"]
     fresh, _ = pretrain(tmp_path, "fresh", *fresh, "--init-fresh-moments", "--exit-interval=2",
@@ -625,7 +629,7 @@ def test_rewarm_arms_continue_the_source_and_keep_its_gains(runs, tmp_path):
     fresh = train_rows(fresh)
     assert fresh[1]["lm loss"] == reuse[1]["lm loss"]
     assert abs(fresh[2]["lm loss"] - reuse[2]["lm loss"]) > 1e-4
-    before, after = read_checkpoint(src / "iter_0000020"), read_checkpoint(f / "iter_0000002")
+    before, after = read_checkpoint(src / "iter_0000010"), read_checkpoint(f / "iter_0000002")
     gains = [k for k in before if k.endswith(".gain_row")]
     assert gains
     one = float(torch.log(torch.expm1(torch.tensor(1.0))))  # softplus⁻¹(1): gains at 1

@@ -74,12 +74,16 @@ def train_rows(metrics: Path) -> list[dict]:
 
 
 def test_sweep_submits_each_run_once(slurm, tmp_path):
-    """sweep.py on SLURM: both smoke runs complete (checkpoint, metrics, finished marker,
-    the manifest written); submitting the same experiment again with --resume while they are
-    queued or after they finished submits nothing; `status` reports them. The jobs run in a
-    container (the launcher's pyxis branch, with a stand-in runtime, tests/container/srun,
-    that refuses a training path outside its mounts): checkpoints and markers land in the
-    host's run directories through the launcher's mounts."""
+    """sweep.py on SLURM: both smoke runs complete (checkpoint, metrics, finished marker, the
+    manifest written); submitting the same experiment again with --resume while they are queued
+    or after they finished submits nothing; `status` reports them. One submission covers both
+    of the launcher's branches a cluster run takes: the runs go as ONE job array (--array: task
+    i runs line i + 1 of the tasks file the launcher reads; the manifest names each task
+    ARRAYID_TASK, each run has its own directory and log) and run in a container (the pyxis
+    branch, with a stand-in runtime, tests/container/srun, that refuses a training path outside
+    its mounts): checkpoints and markers land in the host's run directories through the
+    launcher's mounts. Separate sbatch jobs (no --array) share everything but the submission
+    line, which tests/test_sweep.py checks."""
     env, _ = slurm
     ctr = tmp_path / "container"  # the container's own paths (made inside its namespace)
     env = {**env, "PATH": f"{ROOT / 'tests' / 'container'}:{env['PATH']}",
@@ -88,44 +92,12 @@ def test_sweep_submits_each_run_once(slurm, tmp_path):
            "CONTAINER_STANDIN_LOG": str(tmp_path / "standin.log")}  # fmt: skip
     root = tmp_path / "sweep"
     cmd = [sys.executable, str(EX / "sweep.py"), "smoke", f"--run-root={root}",
-           "--gpus-per-node=0", "--time=10"]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    again = subprocess.run([*cmd, "--resume", "--no-validate"], capture_output=True, text=True,
-                           env=env, timeout=120)  # fmt: skip
-    assert "0 submitted, 2 skipped" in again.stderr, again.stdout + again.stderr
-    manifest = json.loads((root / "manifest.json").read_text())
-    for e in manifest["runs"]:
-        info = wait_done(env, e["job_id"], 300)
-        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", info
-        run = Path(e["run_dir"])
-        assert (run / "finished").is_file() and (run / "iter_0000006" / ".metadata").is_file()
-        assert [r["iteration"] for r in train_rows(run / "metrics.jsonl")] == list(range(1, 7))
-        assert (root / "logs" / f"{e['name']}-{e['job_id']}.out").is_file()
-    again = subprocess.run([*cmd, "--resume", "--no-validate"], capture_output=True, text=True,
-                           env=env, timeout=120)  # fmt: skip
-    assert "0 submitted, 2 skipped" in again.stderr
-    steps = (tmp_path / "standin.log").read_text().splitlines()
-    assert len(steps) == 2 and all(
-        f"{ROOT}:{ctr / 'megatron-md'},{root}:{ctr / 'runs'}" in s for s in steps
-    ), steps
-    log = root / "logs" / f"{manifest['runs'][0]['name']}-{manifest['runs'][0]['job_id']}.out"
-    assert f"(in the container: {ctr / 'runs'}/smoke-" in log.read_text()
-    status = subprocess.run([sys.executable, str(EX / "sweep.py"), "status", f"--run-root={root}"],
-                            capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
-    assert "2 finished" in status.stderr, status.stdout + status.stderr
-
-
-def test_sweep_as_a_job_array(slurm, tmp_path):
-    """sweep.py --array: the experiment's runs as ONE job array (task i runs line i + 1 of the
-    tasks file the launcher reads); each run completes in its own directory with its own log,
-    the manifest names each task (ARRAYID_TASK); --resume --array submits nothing again."""
-    env, _ = slurm
-    root = tmp_path / "sweep"
-    cmd = [sys.executable, str(EX / "sweep.py"), "smoke", f"--run-root={root}",
            "--gpus-per-node=0", "--time=10", "--array", "--array-max=1"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+    again = subprocess.run([*cmd, "--resume", "--no-validate"], capture_output=True, text=True,
+                           env=env, timeout=120)  # fmt: skip
+    assert "0 submitted, 2 skipped" in again.stderr, again.stdout + again.stderr  # queued
     manifest = json.loads((root / "manifest.json").read_text())
     ids = [e["job_id"] for e in manifest["runs"]]
     assert len(ids) == 2 and len({i.split("_")[0] for i in ids}) == 1, ids
@@ -134,13 +106,21 @@ def test_sweep_as_a_job_array(slurm, tmp_path):
         info = wait_done(env, e["job_id"], 300)
         assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", info
         run = Path(e["run_dir"])
-        assert (run / "finished").is_file()
+        assert (run / "finished").is_file() and (run / "iter_0000006" / ".metadata").is_file()
         assert [r["iteration"] for r in train_rows(run / "metrics.jsonl")] == list(range(1, 7))
         log = Path(e["log"]).read_text()
         assert f"run={e['name']} " in log and log.count("[launch] git ") == 1
+        assert f"(in the container: {ctr / 'runs'}/smoke-" in log
     again = subprocess.run([*cmd, "--resume", "--no-validate"], capture_output=True, text=True,
                            env=env, timeout=120)  # fmt: skip
-    assert "0 submitted, 2 skipped" in again.stderr, again.stdout + again.stderr
+    assert "0 submitted, 2 skipped" in again.stderr  # finished
+    steps = (tmp_path / "standin.log").read_text().splitlines()
+    assert len(steps) == 2 and all(
+        f"{ROOT}:{ctr / 'megatron-md'},{root}:{ctr / 'runs'}" in s for s in steps
+    ), steps
+    status = subprocess.run([sys.executable, str(EX / "sweep.py"), "status", f"--run-root={root}"],
+                            capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert "2 finished" in status.stderr, status.stdout + status.stderr
 
 
 def test_scancel_term_saves_and_exits_zero(slurm, tmp_path):

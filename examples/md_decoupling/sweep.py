@@ -450,6 +450,8 @@ def main(argv=None) -> None:
         state = skip_state(prev, jobs)
         if state:
             entry["job_id"] = prev.get("job_id")
+            if prev.get("log"):  # an array task's log is named by the array, not the run
+                entry["log"] = prev["log"]
             job_ids[run.name] = entry["job_id"] if state != "finished" else None
             print(f"{run.name}: {state}, not submitted again")
             skipped += 1
