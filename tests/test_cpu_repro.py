@@ -131,6 +131,16 @@ def test_evidence_runs_the_corrected_recipes_and_picks_one_side_lr(tmp_path):
     long = evidence.spec(args, "long", "muon-sphere", 1.0, 1235, 1200, 0.1, 0.5)["flags"]
     assert {"--matrix-lr=0.05", "--embedding-lr=0.0015", "--md-gains=none"} <= set(long)
     assert "--optimizer=muonh" in evidence.spec(args, "sweep", "muonh", 1.0, 1, 160, 4e-3)["flags"]
+    # a base ahead of its MD arm by more than 0.01 in the long runs: MD's LR gets a bracket,
+    # run on the long runs' data at the long run's matrix LR times the bracket's multiplier
+    long = {"muon": {"mean": 3.78}, "muonmd": {"mean": 3.80}, "adamw": {"mean": 3.90},
+            "adammd": {"mean": 3.905}}  # fmt: skip
+    assert evidence.needs_bracket(long) == ["muonmd"]
+    assert evidence.needs_bracket({**long, "muon": None}) == []  # a seed not finished
+    args.long_data_flags = ["--prose"]
+    b = evidence.spec(args, "bracket", "muonmd", 27.0, 1234, 1200, 0.5 * 6.4e-2, 0.6)
+    assert "--matrix-lr=0.0192" in b["flags"] and "--prose" in b["flags"]
+    assert b["name"] == "bracket-muonmd-side27-lr0.0192-s1234"
 
 
 def test_evidence_family_table_pairs_by_seed(tmp_path):

@@ -18,7 +18,10 @@ found). Parts:
 - ``long``: the arms (``--methods``; the four above by default) at their 160-iteration optima
   scaled by the recipe's length rule (``length_rule``) with the chosen side LR, ``--long-iters``
   (1200) iterations on the prose corpus (``tools/build_demo_corpus.py --prose``), two seeds
-  each (seeds pair arms: the same init and data order); ``tools/paired.py`` compares them.
+  each (seeds pair arms: the same init and data order); ``tools/paired.py`` compares them;
+- ``bracket``: an MD arm its base beat in the long runs by more than 0.01 (``needs_bracket``)
+  again at its long-run matrix LR ×0.5 and ×2 (``--bracket-mults``), both seeds: was the
+  length rule's LR the reason?
 
 Finished runs are kept: re-running continues (a part per sitting is fine). Writes
 ``<out>/evidence.json`` (every run, the tables) and ``evidence.png`` (the side-LR panel and the
@@ -26,6 +29,7 @@ long runs' validation curves, the mean of the seeds with their range).
 
     python examples/md_decoupling/cpu_repro/evidence.py --parts side        # ~50 min, 2 cores
     python examples/md_decoupling/cpu_repro/evidence.py --parts side long   # + ~100 min
+    python examples/md_decoupling/cpu_repro/evidence.py --parts bracket     # + ~40 min an arm
 """
 
 from __future__ import annotations
@@ -64,6 +68,10 @@ CORE = ("adamw", "adammd", "muon", "muonmd")  # the side-LR control's methods
 SIDE = {"embedding-lr": 3e-3, "output-lr": 1e-3, "lr": 1e-3}  # the dense recipe's
 SIDE_MULTS = (1 / 3, 1.0, 3.0, 9.0)
 SEEDS = (1234, 1235)
+#: an MD arm and its base: where the base's long runs beat MD's by more than BRACKET_MARGIN (the
+#: seeds' mean), MD's matrix LR gets a bracket (×BRACKET, both seeds) before any claim is made
+BASES = {"adammd": "adamw", "muonmd": "muon"}
+BRACKET, BRACKET_MARGIN = (0.5, 2.0), 0.01
 
 
 def length_rule(method: str, iters: float, base: float = 160) -> float:
@@ -75,17 +83,27 @@ def length_rule(method: str, iters: float, base: float = 160) -> float:
     return ell**-0.5 if method in ("adamw", "muon") else ell**-0.25
 
 
+def needs_bracket(long: dict) -> list[str]:
+    """The MD arms whose base's long runs beat them by more than ``BRACKET_MARGIN`` (every
+    seed of both finished)."""
+    return [md for md, base in BASES.items() if long.get(md) and long.get(base)
+            and long[base]["mean"] < long[md]["mean"] - BRACKET_MARGIN]  # fmt: skip
+
+
 def spec(args, part, method, mult, seed, iters, lr=None, scale=1.0) -> dict:
     """One run: ``mult`` scales the side LRs, ``scale`` every LR (the length rule)."""
     flags, warm, best = METHODS[method]
     lr = best if lr is None else lr
     side = [f"--{k}={v * mult * scale:.4g}" for k, v in SIDE.items()]
     warmup = [f"--lr-warmup-iters={max(1, iters // 10)}"] if warm else []
-    data = args.long_data_flags if part == "long" else args.data_flags
-    evals = 200 if part == "long" else iters
+    long = part in ("long", "bracket")
+    data = args.long_data_flags if long else args.data_flags
+    evals = 200 if long else iters
     name = f"{part}-{method}-side{mult:.3g}-s{seed}"
     if part == "sweep":
         name = f"sweep-{method}-lr{lr:.4g}-s{seed}"
+    if part == "bracket":  # its matrix LR: the long run's times the bracket's multiplier
+        name = f"bracket-{method}-side{mult:.3g}-lr{lr * scale:.4g}-s{seed}"
     common = [*data, "--preset=tiny", *repro.width_flags(128), f"--train-iters={iters}",
               f"--seq-length={args.seq}", f"--max-position-embeddings={args.seq}",
               f"--micro-batch-size={args.gbs // 2}", f"--global-batch-size={args.gbs}",
@@ -255,14 +273,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", type=Path, default=repro.ROOT / "runs" / "cpu_repro_evidence")
     ap.add_argument("--data", type=Path, default=repro.ROOT / "data" / "demo")
     ap.add_argument("--parts", nargs="+", default=["side"],
-                    choices=["sweep", "side", "long", "report"])  # fmt: skip
+                    choices=["sweep", "side", "long", "bracket", "report"])  # fmt: skip
     ap.add_argument("--methods", nargs="+", default=list(CORE), choices=list(METHODS))
     ap.add_argument("--long-iters", type=int, default=1200)
     ap.add_argument("--side-mult", type=float, help="long runs: this multiplier, not the chosen")
+    ap.add_argument("--bracket-mults", nargs="+", type=float, default=list(BRACKET),
+                    help="bracket part: the long-run matrix LR times these")  # fmt: skip
     args = ap.parse_args(argv)
     args.out = args.out.resolve()
     args.iters, args.seq, args.gbs, args.eval_iters = 160, 256, 8, 8
-    prose = bool({"long", "report"} & set(args.parts))
+    prose = bool({"long", "bracket", "report"} & set(args.parts))
     args.data_flags, args.long_data_flags = repro.corpus_flags(args.data, prose)
     args.out.mkdir(parents=True, exist_ok=True)
     best, sweep_runs = {}, []
@@ -290,7 +310,7 @@ def main(argv=None) -> dict:
         mults.append(nxt)
     chosen = args.side_mult or chosen
     long_runs = []
-    if {"long", "report"} & set(args.parts):
+    if {"long", "bracket", "report"} & set(args.parts):
         if chosen is None:
             sys.exit("[evidence] the long runs need the side part's results (or --side-mult)")
         missing = [m for m in args.methods if best.get(m) is None]  # (report: a partial table)
@@ -306,8 +326,20 @@ def main(argv=None) -> dict:
         if "long" in args.parts:
             execute(long_runs, args)
     long = {m: summary(v) for (m, _), v in seeds_of(long_runs).items()}
+    bracket_runs = []
+    if {"bracket", "report"} & set(args.parts):
+        for m in needs_bracket(long):
+            rule = length_rule(m, args.long_iters, args.iters)
+            bracket_runs += [spec(args, "bracket", m, chosen, s, args.long_iters, best[m] * k, rule)
+                             for k in args.bracket_mults for s in SEEDS]  # fmt: skip
+        if "bracket" in args.parts:
+            execute(bracket_runs, args)
+    bracket: dict[str, list] = {}
+    for r in bracket_runs:
+        key = f"{r['meta']['method']} lr {r['meta']['matrix_lr']:.4g}"
+        bracket.setdefault(key, []).append(repro.final_valid(r["run_dir"]))
     plot(side, long_runs, args.out / "evidence.png")
-    runs = sweep_runs + side_runs + long_runs
+    runs = sweep_runs + side_runs + long_runs + bracket_runs
     (args.out / "manifest.json").write_text(json.dumps({"experiment": "cpu_repro_evidence",
                                                         "runs": runs}, indent=1))  # fmt: skip
     from megatron.md.train.metrics import git_commit
@@ -321,6 +353,7 @@ def main(argv=None) -> dict:
         "side_mult": chosen,
         "long": long,
         "family": family_table(long_runs) if long_runs else {},
+        "bracket": {k: summary(v) for k, v in bracket.items()},
         "iters": args.iters,
         "long_iters": args.long_iters,
     }
