@@ -353,7 +353,7 @@ def main(argv=None) -> dict:
         "side_mult": chosen,
         "long": long,
         "family": family_table(long_runs) if long_runs else {},
-        "bracket": {k: summary(v) for k, v in bracket.items()},
+        "bracket": {k: summary(v) or {"seeds": v} for k, v in bracket.items()},  # None: not run
         "iters": args.iters,
         "long_iters": args.long_iters,
     }
