@@ -282,8 +282,8 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     args.out = args.out.resolve()
     args.iters, args.seq, args.gbs, args.eval_iters = 160, 256, 8, 8
-    prose = bool({"long", "bracket", "report"} & set(args.parts))
-    args.data_flags, args.long_data_flags = repro.corpus_flags(args.data, prose)
+    long_parts = bool({"long", "bracket", "report"} & set(args.parts))  # on the prose corpus
+    args.data_flags, args.long_data_flags = repro.corpus_flags(args.data, long_parts)
     args.out.mkdir(parents=True, exist_ok=True)
     best, sweep_runs = {}, []
     for m in args.methods:
@@ -310,7 +310,7 @@ def main(argv=None) -> dict:
         mults.append(nxt)
     chosen = args.side_mult or chosen
     long_runs = []
-    if {"long", "bracket", "report"} & set(args.parts):
+    if long_parts:
         if chosen is None:
             sys.exit("[evidence] the long runs need the side part's results (or --side-mult)")
         missing = [m for m in args.methods if best.get(m) is None]  # (report: a partial table)
