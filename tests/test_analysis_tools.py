@@ -331,6 +331,20 @@ def test_bench_dispatch_counts(tmp_path):
         assert r["extra_ops_per_added_matrix"] <= 4, r
         assert r["md_code_syncs"] == {"2": 0, "4": 0}, r
         assert r["time_ratio"] > 0
+        for run in r["bytes"]["2"]:  # traffic grows with the layers
+            assert r["bytes"]["4"][run] > r["bytes"]["2"][run] > 0, r
+
+
+def test_bytes_moved_count_reads_and_writes_not_views():
+    """bench_dispatch.count's traffic: an in-place op reads and writes its tensor, a copy reads
+    one and writes the other, a view moves nothing."""
+    import bench_dispatch
+    import torch
+
+    x, y = torch.zeros(1000), torch.zeros(1000, dtype=torch.bfloat16)
+    assert bench_dispatch.count(lambda: x.add_(1))[3] == 8000
+    assert bench_dispatch.count(lambda: y.copy_(x))[3] == 4000 + 2 * 2000
+    assert bench_dispatch.count(lambda: x.view(10, 100).t())[3] == 0
 
 
 def test_scaling_law_fit_exclude_plots_but_does_not_fit(tmp_path):

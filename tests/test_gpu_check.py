@@ -39,11 +39,14 @@ def test_the_pretraining_runs_of_the_plan_parse(tmp_path):
 
     from megatron.md.train import cli
 
-    first = next(s for s in gpu_check.plan() if s.script == "pretrain_gpt.py")
-    argv = [a.replace("{out}", str(tmp_path)) for a in first.args]
-    gv.unset_global_variables()
-    args, md = cli.parse(argv, on_cpu=True)
-    assert md is not None and args.train_iters == 12 and args.save_interval == 6
+    runs = [s for s in gpu_check.plan() if s.script == "pretrain_gpt.py" and not s.needs_te]
+    assert len(runs) == 4
+    for run in runs:  # the resumed runs too (on the H100 one lacked --save-interval, 2026-11-25)
+        argv = [a.replace("{out}", str(tmp_path)) for a in run.args]
+        gv.unset_global_variables()
+        args, md = cli.parse(argv, on_cpu=True)
+        # 24 iterations: tools/long_run_check.py reads at least 20 losses
+        assert md is not None and args.train_iters == 24 and args.save_interval == 12
 
 
 def test_verdicts_read_the_numbers():
@@ -54,4 +57,17 @@ def test_verdicts_read_the_numbers():
     assert ok and len(lines) == 1 + len(gpu_check.MD_JOBS)
     bad = good.replace('"worst_rel": 0.0', '"worst_rel": 2e-7')  # MD off must be bit for bit
     ok, lines = gpu_check.verdict(step, 0, "\n".join([bad] * len(gpu_check.MD_JOBS)), Path("."))
-    assert not ok and lines[-1].startswith("BAD --vs megatron")
+    assert not ok and "BAD --vs megatron --optimizer adam --dist replicated" in lines[-2]
+    # ... but for Muon on a GPU an fp32 rounding: batched against per-matrix Newton–Schulz
+    assert lines[-1].startswith("ok  --vs megatron --optimizer muon")
+
+
+def test_the_step_cost_report_keeps_the_whole_table():
+    """The report shows bench_md_step.py's ratio table, not the last lines of its log (the first
+    GPU report lost the 181M and 457M rows, 2026-11-25)."""
+    step = next(s for s in gpu_check.plan() if s.name == "step-cost")
+    rows = [f"{m} bf16    adam_md/adam step      1.3   0.013 -> 0.017" for m in ("181M", "457M")]
+    noise = ["457M bf16 adam: built in 0.0 s", "  adam: first step 0.1 s"] * 10
+    text = "\n".join(["MD optimizer-step cost, X", "model   ratio", *rows, *noise])
+    ok, lines = gpu_check.verdict(step, 0, text, Path("."))
+    assert ok and lines == ["exit 0", "MD optimizer-step cost, X", "model   ratio", *rows]

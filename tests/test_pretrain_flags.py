@@ -103,6 +103,27 @@ def test_preset_and_cpu_flags_are_overridable():
     assert args.moe_layer_freq == [0] + [1] * 13 and args.kv_channels == 64
 
 
+def test_a_gpu_without_te_or_apex_kernels_turns_their_fusions_off(monkeypatch, capsys):
+    """On a bare PyTorch image (no TE, no apex: the lent H100, 2026-11-25) megatron refused
+    rope fusion at start-up; the fusions whose kernels do not import are turned off, loudly.
+    Here none of those kernels import, as there."""
+    import importlib
+
+    from megatron.md.train import patches
+
+    assert patches.kernel_flags() == [
+        "--no-rope-fusion", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+        "--no-persist-layer-norm",
+    ]  # fmt: skip
+    argv = pg.expand_argv(["--preset=tiny", "--hidden-size=64"], on_cpu=False)
+    assert "--no-rope-fusion" in argv and "--distributed-backend=gloo" not in argv
+    assert argv.index("--no-rope-fusion") < argv.index("--hidden-size=64")  # the user's win
+    assert "no Transformer Engine / apex kernels here" in capsys.readouterr().out
+    real = importlib.import_module
+    monkeypatch.setattr(importlib, "import_module", lambda m: m if "cuda" in m else real(m))
+    assert patches.kernel_flags() == ["--no-rope-fusion", "--no-persist-layer-norm"]
+
+
 @pytest.mark.parametrize(
     "flag", ["--md-sphere", "--md-radius", "--md-gains", "--md-gain-map", "--md-router-norm"]
 )

@@ -11,6 +11,9 @@ optimizer and with MD, at 12 and 24 layers:
 - host synchronizations (``.item()``, ``int(tensor)``, ``.tolist()``: aten's
   ``_local_scalar_dense``) in the step, base and MD, and of MD's those its own code issues
   (the rest are megatron's: its gradient norm reads two);
+- bytes read and written by the step's operations, base and MD (views not counted): the
+  memory traffic if nothing were fused or cached, the proxy of a bandwidth-bound step (a large
+  model's on a GPU), as operations are of a launch-bound one;
 - the MD / base step time, measured side by side (A, B, A, B, … rounds; median of the
   per-round ratios), one process.
 
@@ -40,15 +43,23 @@ import bench_md_step as bench  # noqa: E402  (CPU mode on a machine without CUDA
 PAIRS = {"adam_md/adam": ("adam", "adam_md"), "muon_md/muon": ("muon", "muon_md")}
 
 
-def count(step) -> tuple[int, int, int]:
+def _bytes(tree) -> int:
+    leaves = torch.utils._pytree.tree_leaves(tree)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def count(step) -> tuple[int, int, int, int]:
     """(aten operations dispatched by ``step()``, of which host reads of a tensor, of which
-    issued by MD's own code: a frame of megatron/md/ other than the CPU mode's redirection)."""
+    issued by MD's own code: a frame of megatron/md/ other than the CPU mode's redirection;
+    bytes the operations read and write: every tensor argument and result of an operation that
+    is not a view, the memory traffic of the step if nothing were fused or cached — the proxy
+    of a bandwidth-bound step, as operations are of a launch-bound one)."""
     import traceback
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
-        ops = syncs = md_syncs = 0
+        ops = syncs = md_syncs = moved = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             Count.ops += 1
@@ -58,11 +69,14 @@ def count(step) -> tuple[int, int, int]:
                     "/megatron/md/" in f.filename and not f.filename.endswith("cpu_mode.py")
                     for f in traceback.extract_stack()
                 )
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view:
+                Count.moved += _bytes((args, kwargs)) + _bytes(out)
+            return out
 
     with Count():
         step()
-    return Count.ops, Count.syncs, Count.md_syncs
+    return Count.ops, Count.syncs, Count.md_syncs, Count.moved
 
 
 def build(width: int, layers: int, run: str, vocab: int):
@@ -115,6 +129,8 @@ def measure(args) -> dict:
             "md_code_syncs": {n: got[n][md][2] for n in args.num_layers},
             "extra_ops_per_added_matrix": (extra(hi) - extra(lo)) / added if hi > lo else None,
             "op_ratio": got[lo][md][0] / got[lo][base][0],
+            "bytes": {n: {r: got[n][r][3] for r in (base, md)} for n in args.num_layers},
+            "byte_ratio": got[lo][md][3] / got[lo][base][3],
             "time_ratio": got["time_ratio"],
         }
     return out
@@ -150,7 +166,8 @@ def main(argv=None) -> None:
           f"vocab {args.vocab_size}; time: median of {args.rounds} paired rounds at {lo} "
           "layers")  # fmt: skip
     print(f"{'pair':<14} {'layers':>6} {'base ops':>9} {'MD ops':>8} {'syncs b/MD':>11} "
-          f"{'MD code':>8} {'op ratio':>9} {'time ratio':>11} {'extra/matrix':>13}")  # fmt: skip
+          f"{'MD code':>8} {'op ratio':>9} {'time ratio':>11} {'extra/matrix':>13} "
+          f"{'MB moved b/MD':>15} {'byte ratio':>11}")  # fmt: skip
     for key, r in res.items():
         base, md = PAIRS[key]
         for n in args.num_layers:
@@ -160,7 +177,9 @@ def main(argv=None) -> None:
                   f"{r['syncs'][n][base]:>5}/{r['syncs'][n][md]:<5} {r['md_code_syncs'][n]:>8} "
                   f"{r['op_ratio'] if first else '':>9.4} "
                   f"{r['time_ratio'] if first else '':>11.4} "
-                  f"{per if first and per is not None else '':>13}")  # fmt: skip
+                  f"{per if first and per is not None else '':>13} "
+                  f"{r['bytes'][n][base] / 1e6:>7.1f}/{r['bytes'][n][md] / 1e6:<7.1f} "
+                  f"{r['byte_ratio'] if first else '':>11.4}")  # fmt: skip
     summary = {"device": where, "torch": torch.__version__, "width": args.hidden_size,
                "vocab": args.vocab_size, "results": res}  # fmt: skip
     if args.json:

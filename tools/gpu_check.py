@@ -5,8 +5,9 @@ commit):
 1. correctness: ``tests/distributed/md_check.py --device cuda`` in every layout it knows
    (ZeRO-1 dense and MoE, layer-wise MuonMD and AdamMD, replicated; Q/K/V split and not; fp32
    and bf16) against the reference, and MD off against megatron's own optimizers bit for bit;
-2. step cost: ``tools/bench_dispatch.py`` (dispatched ops, host syncs) and
-   ``tools/bench_md_step.py`` at 181M, 457M and 1.29B (AdamMD/Adam, MuonMD/Muon, bf16). CUDA
+2. step cost: ``tools/bench_dispatch.py`` (dispatched ops, host syncs, bytes moved) and
+   ``tools/bench_md_step.py`` at 181M, 457M and 1.29B (AdamMD/Adam — the default eager step and
+   the compiled one, one pass per group —, MuonMD/Muon, bf16). CUDA
    graph capture of the step is not offered (docs/internals.md), so there is nothing to toggle;
 3. end to end: ``tools/throughput.py`` on ``dense-181M`` (AdamW, AdamMD, Muon, MuonMD; bf16,
    local layer spec, tokens/s medians after warm-up), and a save at iteration N and a resume
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -41,6 +43,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 #: the same bounds as tests/test_distributed_md.py (fp32 relative error, bf16 excess rounding)
 FP32_REL, BF16_EXCESS = 1e-6, 1e-6
+#: a row of bench_md_step.py's table: model, dtype, then two spaces
+STEP_ROW = re.compile(r"^\S+ (bf16|fp32) {2,}\S")
+#: the resume step's runs save here and train as many iterations again
+SAVED_AT = 12
 
 
 @dataclass
@@ -123,23 +129,24 @@ def plan() -> list[Step]:
              ["--rounds", "10", "--json", "{out}/dispatch.json"], 60),
         Step("step-cost", "tools/bench_md_step.py",
              ["--model", "181M", "457M", "1.29B", "--world", "1", "--dtype", "bf16",
-              "--steps", "5", "--runs", "adam", "adam_md", "muon", "muon_md",
-              "--json", "{out}/step_cost.json"], 150),
+              "--steps", "5", "--runs", "adam", "adam_md", "adam_md_fused", "muon", "muon_md",
+              "--json", "{out}/step_cost.json"], 210),
         Step("throughput", "tools/throughput.py",
              ["--preset", "dense-181M", "--iters", "20", "--warmup", "8", "--nproc", "1",
-              "--seq-length", "2048", "--out", "{out}", "--", "--transformer-impl=local"], 150),
+              "--seq-length", "2048", "--out", "{out}", "--", "--transformer-impl=local"], 240),
     ]  # fmt: skip
     for name, flags in (("adammd", adammd), ("muonmd", muonmd)):
-        first = _pretrain_flags("tiny", 12, flags)
+        # 24 iterations: tools/long_run_check.py reads at least 20 losses
+        first = [*_pretrain_flags("tiny", 2 * SAVED_AT, flags), "--save={out}/%s" % name,
+                 f"--save-interval={SAVED_AT}"]  # fmt: skip
         steps += [
             Step("resume", "pretrain_gpt.py",
-                 [*first, "--save={out}/%s" % name, "--save-interval=6",
-                  "--metrics-file={out}/%s-a.jsonl" % name], 60, torchrun=True,
-                 notes=[f"{name}: 12 iterations, saved at 6"]),
+                 [*first, "--metrics-file={out}/%s-a.jsonl" % name], 60, torchrun=True,
+                 notes=[f"{name}: {2 * SAVED_AT} iterations, saved at {SAVED_AT}"]),
             Step("resume", "pretrain_gpt.py",
-                 [*first, "--load={out}/%s" % name, "--save={out}/%s" % name,
-                  "--metrics-file={out}/%s-b.jsonl" % name], 60, torchrun=True,
-                 notes=[f"{name}: resumed at 6, must repeat iterations 7-12"], resumes=name),
+                 [*first, "--load={out}/%s" % name, "--metrics-file={out}/%s-b.jsonl" % name],
+                 60, torchrun=True, resumes=name,
+                 notes=[f"{name}: resumed at {SAVED_AT}, must repeat the iterations after it"]),
         ]  # fmt: skip
     steps.append(
         Step(
@@ -247,7 +254,13 @@ def verdict(step: Step, rc: int, output: str, out: Path) -> tuple[bool, list[str
         got = _json_lines(output)
         ok &= len(got) == len(MD_JOBS)
         for job, res in zip(MD_JOBS, got):
-            if "megatron" in job:
+            if "megatron" in job and "muon" in job:
+                # the engine's one batched Newton–Schulz per shape runs another cuBLAS kernel
+                # than megatron's one per matrix: in fp32 an fp32 rounding apart on a GPU
+                # (H100, 2026-11-25: 3.5e-6 of the largest entry after one call, 2.7e-7 on
+                # the weights), bit for bit on a CPU (tests/test_distributed_md.py)
+                good = res["worst_rel"] <= FP32_REL
+            elif "megatron" in job:
                 good = res["worst_rel"] == 0.0
             elif "bf16" in job:
                 good = res["bf16_excess"] <= BF16_EXCESS and res["worst_dir_rel"] <= FP32_REL
@@ -259,11 +272,15 @@ def verdict(step: Step, rc: int, output: str, out: Path) -> tuple[bool, list[str
             lines.append(f"{'ok ' if good else 'BAD'} {' '.join(job)}: {nums}")
     elif step.resumes:
         a, b = (_losses(out / f"{step.resumes}-{k}.jsonl") for k in ("a", "b"))
-        same = sorted(i for i in b if i in a and i > 6)
+        same = sorted(i for i in b if i in a and i > SAVED_AT)
         exact = bool(same) and all(a[i] == b[i] for i in same)
         ok &= exact
         what = "exactly" if exact else "NOT exactly"
         lines.append(f"{step.resumes}: iterations {same} repeated {what}")
+    elif step.name == "step-cost":  # its table (the per-model lines after it are noise)
+        head = ("MD optimizer-step cost", "model ")
+        rows = [x for x in output.splitlines() if x.startswith(head) or STEP_ROW.match(x)]
+        lines += rows or output.strip().splitlines()[-12:]
     else:
         lines += output.strip().splitlines()[-12:]
     return ok, lines

@@ -65,6 +65,10 @@ def expand_argv(argv: list[str], on_cpu: bool) -> list[str]:
             errors.fail(str(e))
     if on_cpu:
         front += patches.cpu_flags()
+    elif missing := patches.kernel_flags():
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"[megatron-md] no Transformer Engine / apex kernels here: {' '.join(missing)}")
+        front += missing
     if "--md-decoupling" in argv:
         front += MD_RECIPE
     if flag_value(argv, "--wandb-project"):  # read while megatron parses (global_vars.py)

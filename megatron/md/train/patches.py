@@ -8,6 +8,7 @@ and the run (``Run``). ``apply`` installs the training (and, without CUDA, CPU) 
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import re
 from dataclasses import dataclass
@@ -336,6 +337,38 @@ def _adopt_param_groups(optimizer) -> list:
         opt.load_state_dict = load_state_dict
         wrapped.append(opt)
     return wrapped
+
+
+def _imports(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+def kernel_flags() -> list[str]:
+    """What megatron needs on a GPU without Transformer Engine's or apex's kernels (the local
+    layer spec on a bare PyTorch image), each found the way megatron-core 0.19.2 looks for it:
+    rope fusion is TE's (core/transformer/transformer_config.py:2185 refuses it at start-up),
+    the fused weight-gradient accumulation apex's (core/tensor_parallel/layers.py:1070 refuses
+    it), the masked-softmax kernels apex's (core/fusions/fused_softmax.py:357 would fail at the
+    first forward pass), and without apex the local spec's torch LayerNorm refuses the
+    persistent one (core/transformer/torch_norm.py:48)."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    flags = []
+    fused = (rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd)
+    if fused == (None, None):
+        flags.append("--no-rope-fusion")
+    if not _imports("fused_weight_gradient_mlp_cuda"):
+        flags.append("--no-gradient-accumulation-fusion")
+    if not _imports("scaled_masked_softmax_cuda"):
+        flags.append("--no-masked-softmax-fusion")
+    if not gpt_layer_specs.HAVE_APEX:
+        flags.append("--no-persist-layer-norm")
+    return flags
 
 
 def cpu_flags() -> list[str]:
