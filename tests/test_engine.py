@@ -23,10 +23,11 @@ CUTS = {
 
 
 def _run(spec, cuts, base="adam", steps=5, shape=(9, 11), dtype=torch.float64, n=2,
-         compiled=False):  # fmt: skip
+         compiled=False, one_buffer=False):  # fmt: skip
     """``n`` matrices stepped by the reference and by the engine on ``len(cuts) + 1`` ranks,
-    each owning one slice of every matrix. Returns (the engine's fused W per matrix, the
-    reference's, the ranks, the reference's states)."""
+    each owning one slice of every matrix (``one_buffer``: the fused weights are rows of one
+    buffer, as megatron's are). Returns (the engine's fused W per matrix, the reference's, the
+    ranks, the reference's states)."""
     gen = torch.Generator().manual_seed(3)
     w0 = [torch.randn(shape, generator=gen, dtype=dtype) / shape[1] ** 0.5 for _ in range(n)]
     grads = [[torch.randn(shape, generator=gen, dtype=dtype) for _ in range(n)]
@@ -49,7 +50,10 @@ def _run(spec, cuts, base="adam", steps=5, shape=(9, 11), dtype=torch.float64, n
     for gs in grads:
         ranks.step([[g.reshape(-1)[lo:hi] for g in gs] for lo, hi in zip(bounds[:-1], bounds[1:])],
                    hp, ghp)  # fmt: skip
-    out = [torch.empty(numel, dtype=dtype) for _ in range(n)]
+    if one_buffer:
+        out = list(torch.empty(n, numel, dtype=dtype))
+    else:
+        out = [torch.empty(numel, dtype=dtype) for _ in range(n)]
     ranks.fuse([[o[lo:hi] for o in out] for lo, hi in zip(bounds[:-1], bounds[1:])])
     if cuts:  # a cut inside a row: a partial-row block
         assert any(b.nr == 1 and b.nc < shape[1] for rank in pieces for md, _, _ in rank
@@ -116,6 +120,25 @@ def test_compiled_kernels_equal_whole_matrix(sphere, gains):
         w, w_ref, *_ = _run(spec, [], dtype=torch.float32, compiled=True)
         for a, b in zip(w, w_ref):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_compiled_kernels_take_the_whole_stack_in_one_call(monkeypatch):
+    """On a GPU the kernels take a group's whole (B, M, N) stack in one call (``_pieces``; on a
+    CPU one matrix a call): the same numbers, fp64 to 1e-12 of the reference."""
+    from megatron.md.engine import compiled
+
+    calls = []
+    pieces = compiled._pieces
+    monkeypatch.setattr(compiled, "STACK_ON_CPU", True)
+    monkeypatch.setattr(
+        compiled, "_pieces", lambda g, **kw: calls.append(pieces(g, **kw)) or calls[-1]
+    )
+    spec = MatrixSpec("frobenius", "init", "rowcol", "softplus")
+    w, w_ref, ranks, st_ref = _run(spec, [], compiled=True, n=3, one_buffer=True)
+    assert calls and all(c == [slice(0, 3)] for c in calls)  # phase 1 and the fuse, stacked
+    for a, b in zip(w, w_ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    _same_gains(ranks, st_ref, reference.GAIN_NAMES["rowcol"], rtol=1e-12, atol=1e-13)
 
 
 def test_muon_whole_matrix_matches_reference():

@@ -4,7 +4,8 @@ commit):
 
 1. correctness: ``tests/distributed/md_check.py --device cuda`` in every layout it knows
    (ZeRO-1 dense and MoE, layer-wise MuonMD and AdamMD, replicated; Q/K/V split and not; fp32
-   and bf16) against the reference, and MD off against megatron's own optimizers bit for bit;
+   and bf16) against the reference, and MD off against megatron's own optimizers bit for bit
+   (Muon: to fp32 rounding, the batched Newton–Schulz runs another cuBLAS kernel);
 2. step cost: ``tools/bench_dispatch.py`` (dispatched ops, host syncs, bytes moved) and
    ``tools/bench_md_step.py`` at 181M, 457M and 1.29B (AdamMD/Adam — the default eager step and
    the compiled one, one pass per group —, MuonMD/Muon, bf16). CUDA

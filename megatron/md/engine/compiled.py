@@ -12,12 +12,14 @@ by fp32 reassociation only (inductor contracts products and orders sums its own 
 never used where bit-identity is promised (MD off). One compile per group shape (static
 shapes; the hyper-parameters travel as a small tensor, so a new step does not recompile).
 
-The kernels are called once per matrix of a group, on (1, M, N) slices, not once on the
-(B, M, N) stack: inductor's CPU loops over a stack are slower where an argument is a strided
-view into megatron's buffers and gains broadcast against it (torch 2.15, one thread, 6 x
-2048 x 1024, 2026-11-25: the fuse 1.1 ns/element stacked against 0.33 per matrix, phase 1 with
-row and column gains 1.9 against 1.6). This path runs on CPU only, where a call costs
-microseconds against the milliseconds of a matrix, so the calls per step do not matter there.
+On a CPU the kernels are called once per matrix of a group, on (1, M, N) slices, not once on
+the (B, M, N) stack: inductor's CPU loops over a stack are slower where an argument is a
+strided view into megatron's buffers and gains broadcast against it (torch 2.15, one thread,
+6 x 2048 x 1024, 2026-11-25: the fuse 1.1 ns/element stacked against 0.33 per matrix, phase 1
+with row and column gains 1.9 against 1.6); there a call costs microseconds against the
+milliseconds of a matrix. On a GPU, where a call's launches are the cost, once on the stack
+(``_pieces``). The default on a GPU is the eager group (``MDConfig.use_fused``): the compiled
+step there is measured by ``tools/gpu_check.py`` (``adam_md_fused``) before it may be.
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ def _row_col(g, phi: dict):
 
 
 def _phase1_group(g, G: torch.Tensor, P: torch.Tensor, step: int, hp: AdamHParams) -> None:
-    """Phase 1 of the whole group (partials into ``P`` (B, n_partial)), compiled, per matrix."""
+    """Phase 1 of the whole group (partials into ``P`` (B, n_partial)), compiled."""
     g.settle()  # a rescale no fuse took since the last step
     B, (M, N) = g.B, g.full
     phi = g.phi()
@@ -178,19 +180,30 @@ def _phase1_group(g, G: torch.Tensor, P: torch.Tensor, step: int, hp: AdamHParam
     hp_t = adam_hparams(hp, step, g.W)
     kernel = _get(sphere, _PHASE1[sphere])
     off = M if need_row else 0
-    for b in range(B):
-        one = slice(b, b + 1)
+    for one in _pieces(g, stackable=True):
         gr, nrm = kernel(w3[one], g3[one], m3[one], v3[one], _at(row, one), _at(col, one), hp_t,
                          _at(scratch, one), need_row)  # fmt: skip
         if need_row:
             P[one, :M].add_(gr)
         if sphere != "none":
-            P[one, g.n_gain :].add_(nrm.view(1, -1))
+            P[one, g.n_gain :].add_(nrm.view(one.stop - one.start, -1))
     if need_col:
         part = torch.bmm(row.transpose(1, 2), scratch) if row.ndim else scratch.sum(1, True)
         P[:, off : off + N].add_(part.view(B, N))
     if sphere == "none" and g.n_norm:  # norm partials the kernel leaves to the eager group
         g.norm_partials(P[:, g.n_gain :])
+
+
+#: call the kernels once on a CPU group's whole stack too (the tests: the GPU's calls on a CPU)
+STACK_ON_CPU = False
+
+
+def _pieces(g, stackable: bool) -> list[slice]:
+    """The matrices of group ``g`` each kernel call takes: the whole stack in one call on a
+    GPU (``stackable``: the arguments are views of one stack), one matrix a call on a CPU."""
+    if stackable and (g.W.device.type != "cpu" or STACK_ON_CPU):
+        return [slice(0, g.B)]
+    return [slice(b, b + 1) for b in range(g.B)]
 
 
 def _at(x: torch.Tensor | None, one: slice) -> torch.Tensor | None:
@@ -199,7 +212,7 @@ def _at(x: torch.Tensor | None, one: slice) -> torch.Tensor | None:
 
 
 def _fuse_group(g, targets: list[torch.Tensor]) -> None:
-    """The pending rescale and W = Γ ⊙ Ŵ of the whole group in one pass, compiled, per matrix."""
+    """The pending rescale and W = Γ ⊙ Ŵ of the whole group in one pass, compiled."""
     B, (M, N) = g.B, g.full
     row, col = _row_col(g, g.phi())
     w3 = g.W.view(B, M, N)
@@ -207,9 +220,8 @@ def _fuse_group(g, targets: list[torch.Tensor]) -> None:
     out = view.view(B, M, N) if view is not None else None
     s = None if g.pending is None else g.axis_bcast(g.blocks[0], g.pending)
     kernel = _get("fuse", _fuse) if s is None else _get("rescale_fuse", _rescale_fuse)
-    for b in range(B):
-        one = slice(b, b + 1)
-        o = out[one] if out is not None else targets[b].view(1, M, N)
+    for one in _pieces(g, stackable=out is not None):
+        o = out[one] if out is not None else targets[one.start].view(1, M, N)
         if s is None:
             kernel(w3[one], _at(row, one), _at(col, one), o)
         else:
