@@ -128,9 +128,13 @@ def test_evidence_runs_the_corrected_recipes_and_picks_one_side_lr(tmp_path):
     # the sphere methods 7.5^-1/4); the family's arms
     assert evidence.length_rule("muon", 1200) == pytest.approx(7.5**-0.5)
     assert evidence.length_rule("muonh", 1200) == pytest.approx(7.5**-0.25)
+    assert evidence.length_rule("normuon", 1200) == pytest.approx(7.5**-0.5)  # as Muon
     long = evidence.spec(args, "long", "muon-sphere", 1.0, 1235, 1200, 0.1, 0.5)["flags"]
     assert {"--matrix-lr=0.05", "--embedding-lr=0.0015", "--md-gains=none"} <= set(long)
     assert "--optimizer=muonh" in evidence.spec(args, "sweep", "muonh", 1.0, 1, 160, 4e-3)["flags"]
+    nor = evidence.spec(args, "sweep", "normuon", 1.0, 1, 160, 0.1)["flags"]
+    muon = evidence.spec(args, "sweep", "muon", 1.0, 1, 160, 0.1)["flags"]
+    assert "--optimizer=normuon" in nor and set(muon) - set(nor) == {"--optimizer=muon"}
     # a base ahead of its MD arm by more than 0.01 in the long runs: MD's LR gets a bracket,
     # run on the long runs' data at the long run's matrix LR times the bracket's multiplier
     long = {"muon": {"mean": 3.78}, "muonmd": {"mean": 3.80}, "adamw": {"mean": 3.90},

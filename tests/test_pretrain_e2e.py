@@ -264,6 +264,27 @@ def test_resume_is_exact(runs, tmp_path, name):
     assert not diff, diff[:5]
 
 
+def test_normuon_trains_and_resumes_exactly(tmp_path):
+    """NorMuon through megatron's adaptive Muon (--optimizer normuon; the seams of
+    tests/test_normuon.py): it learns, and 12 iterations = 10 + a resume for 2, bit for bit,
+    its per-row second moment included (saved at the parameter's shape, reduced on load)."""
+    flags = ["--preset=tiny", "--optimizer=normuon", "--lr=1e-2", "--bf16",
+             "--muon-momentum=0.95", "--muon-nesterov"]  # fmt: skip
+    rows, save = pretrain(tmp_path, "normuon", "--train-iters=12", *flags)
+    full = train_rows(rows)
+    assert full[12]["lm loss"] < full[1]["lm loss"] - 1.0
+    part, save2 = pretrain(tmp_path, "normuon_resumed", "--train-iters=12", f"--load={save}",
+                           "--ckpt-step=10", *flags)  # fmt: skip
+    resumed = train_rows(part)
+    assert sorted(resumed) == [11, 12]
+    assert all(resumed[i]["lm loss"] == full[i]["lm loss"] for i in (11, 12))
+    a, b = read_checkpoint(save / "iter_0000012"), read_checkpoint(save2 / "iter_0000012")
+    m2 = [k for k in a if "moment2_buffer" in k]
+    assert m2 and a.keys() == b.keys()
+    diff = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not diff, diff[:5]
+
+
 @pytest.mark.parametrize("name,nproc", [("adam_md", 1), ("adam_md", 4), ("muon_md", 1)])
 def test_resume_reshards(runs, tmp_path, name, nproc):
     """Saved at 2 ranks (iteration 10), resumed at 1 or 4: iterations 11-20 follow the 2-rank

@@ -604,9 +604,20 @@ def test_the_authors_flags_translate_and_run_here(capsys):
             translate(bad)
 
 
-def test_adaptive_muon_is_refused_by_name(capsys):
-    """NorMuon's seam (megatron's adaptive_muon) fails on its first step with the pinned
-    emerging-optimizers (TensorParallelAdaptiveMuon has no scale_mode): refused up front."""
-    assert "TensorParallelAdaptiveMuon has no scale_mode" in fails(
-        capsys, "--optimizer=adaptive_muon"
+def test_normuon_is_megatrons_adaptive_muon_and_what_it_cannot_do_is_refused(capsys, monkeypatch):
+    """--optimizer normuon = megatron's adaptive_muon with the per-neuron second moment
+    (NorMuon, emerging-optimizers 0.3.0); AdaMuon's elementwise moment (megatron's default
+    method) would lose Muon's scale through megatron's TP wrapper and is refused by name, as
+    NorMuon under TP (never run) and MD on it."""
+    args, md = parse("--optimizer", "normuon")
+    assert (args.optimizer, args.adaptive_muon_moment2_method, md) == (
+        "adaptive_muon", "normuon", None)  # fmt: skip
+    assert (args.adaptive_muon_beta2, args.adaptive_muon_eps) == (0.95, 1e-8)
+    assert "use --optimizer normuon" in fails(capsys, "--optimizer=adaptive_muon")
+    assert "--md-decoupling works with --optimizer adam or muon" in fails(
+        capsys, "--optimizer=normuon", "--md-decoupling"
+    )
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "normuon under tensor parallelism" in fails(
+        capsys, "--optimizer=normuon", "--tensor-model-parallel-size=2"
     )

@@ -29,10 +29,12 @@ keeps it in sync. Every megatron flag works as upstream (`--help` lists them all
 
 #: megatron flags that take more values here: (flag, values, meaning)
 WIDENED_ROWS = (
-    ("`--optimizer`", "`adam`, `muon`, … and `muown`, `muonh`",
+    ("`--optimizer`", "`adam`, `muon`, … and `muown`, `muonh`, `normuon`",
      "`muown`: the Muown baseline (`--optimizer=muon --md-decoupling --md-variant=muown` in "
      "its place); `muonh`: MuonH (`--optimizer=muon --md-decoupling --md-sphere=frobenius "
-     "--md-radius=init --md-gains=none --muon-scale-mode=hyperball`)"),
+     "--md-radius=init --md-gains=none --muon-scale-mode=hyperball`); `normuon`: NorMuon "
+     "(`--optimizer=adaptive_muon --adaptive-muon-moment2-method=normuon`; megatron's other "
+     "adaptive_muon methods are refused)"),
     ("`--muon-scale-mode`", "megatron's `spectral`, `unit_rms_norm`, `shape_scaling`, and "
      "`rms_match`, `shape_up`, `sphere_rms`, `hyperball`, `none`",
      "the Muon update scale: `rms_match` 0.2·sqrt(max(d_out, d_in)), `shape_up` "

@@ -70,6 +70,20 @@ SEAMS: tuple[Seam, ...] = (
     Seam("megatron.core.optimizer.emerging_optimizers", "get_muon_scale_factor",
          "core/optimizer/emerging_optimizers.py:208", "training",
          "shape_up and rms_match for plain Muon", _P + "wrap_muon_scale"),
+    Seam("megatron.core.optimizer.emerging_optimizers",
+         "TensorParallelAdaptiveMuon._apply_muon_scale",
+         "core/optimizer/emerging_optimizers.py:330", "training",
+         "NorMuon: Muon's scale once (megatron's TP orthogonalization applies it; "
+         "AdaptiveMuon.step applies it again from a scale_mode megatron never sets)",
+         _P + "normuon_scale_once"),
+    Seam("megatron.core.optimizer.emerging_optimizers", "TensorParallelAdaptiveMuon.state_dict",
+         "core/dist_checkpointing/optimizer.py:100", "training",
+         "NorMuon's reduced second moment saved at its parameter's shape (megatron shards "
+         "optimizer state like the parameter)", _P + "normuon_state_dict"),
+    Seam("megatron.core.optimizer.emerging_optimizers",
+         "TensorParallelAdaptiveMuon.load_state_dict", "core/optimizer/optimizer.py:1565",
+         "training", "NorMuon's second moment reduced again after a load",
+         _P + "normuon_load_state_dict"),
     Seam("megatron.core.datasets.utils", "compile_helpers", "core/datasets/utils.py:25",
          "training", "no-op: the wheel ships the compiled helper but no Makefile",
          _P + "no_compile_helpers"),
@@ -130,6 +144,13 @@ def resolve(module: str, path: str):
     return obj
 
 
+def owner(s: Seam):
+    """The object holding ``s``'s attribute (its module, or the class of a ``Class.method``
+    row) and the attribute's name."""
+    parent, _, name = s.path.rpartition(".")
+    return (resolve(s.module, parent) if parent else importlib.import_module(s.module)), name
+
+
 def check(layers=LAYERS) -> None:
     """Raise naming every seam of ``layers`` that does not resolve in the installed
     megatron-core."""
@@ -150,13 +171,14 @@ def check(layers=LAYERS) -> None:
 
 def apply(layer: str, context=None) -> None:
     """Replace every attribute of ``layer``'s rows (``Seam.replace``) with the replacement
-    built from the original. Idempotent: a replaced attribute is recognized (``__md_seam__``)
-    and built again from the original it wraps, never wrapped twice."""
+    built from the original (a ``Class.method`` path replaces the method on the class).
+    Idempotent: a replaced attribute is recognized (``__md_seam__``) and built again from the
+    original it wraps, never wrapped twice."""
     for s in SEAMS:
         if s.layer != layer or s.replace is None:
             continue
-        module = importlib.import_module(s.module)
-        current = getattr(module, s.path)
+        holder, name = owner(s)
+        current = getattr(holder, name)
         orig = getattr(current, "__md_seam__", current)
         fn_module, fn_name = s.replace.split(":")
         new = getattr(importlib.import_module(fn_module), fn_name)(orig, context)
@@ -167,7 +189,7 @@ def apply(layer: str, context=None) -> None:
         except AttributeError:  # a functools.partial: wrap it to carry the marker
             new = functools.update_wrapper(functools.partial(new), orig)
             new.__md_seam__ = orig
-        setattr(module, s.path, new)
+        setattr(holder, name, new)
 
 
 #: DistributedOptimizer instance attributes read by zero1.py and mains.py (set in __init__)

@@ -14,10 +14,11 @@ METHOD_COLORS = {
     "muonmd": "#d62728",  # red (the paper's MuonMD)
     "muown": "#9467bd",  # purple
     "muownangular": "#8c564b",  # brown
-    # the family's peers (docs/cpu_repro.md): the sphere alone (MD without gains), MuonH
+    # the family's peers (docs/cpu_repro.md): the sphere alone (MD without gains), MuonH, NorMuon
     "adamsphere": "#17becf",  # cyan
     "muonsphere": "#e377c2",  # pink
     "muonh": "#7f7f7f",  # grey
+    "normuon": "#bcbd22",  # olive
 }
 
 

@@ -14,7 +14,7 @@ found). Parts:
   train every parameter at the matrix LR), and which multiplier the laptop recipe uses from
   then on (the lowest mean regret over the four methods, ``choose_side``);
 - ``sweep``: the family's arms without a known optimum (the sphere alone for Adam and Muon:
-  MD without gains; MuonH), a matrix-LR sweep at 160 iterations, one seed;
+  MD without gains; MuonH; NorMuon), a matrix-LR sweep at 160 iterations, one seed;
 - ``long``: the arms (``--methods``; the four above by default) at their 160-iteration optima
   scaled by the recipe's length rule (``length_rule``) with the chosen side LR, ``--long-iters``
   (1200) iterations on the prose corpus (``tools/build_demo_corpus.py --prose``), two seeds
@@ -61,9 +61,15 @@ METHODS = {
     "adam-sphere": (["--optimizer=adam", *MD, "--md-gains=none"], False, None),
     "muon-sphere": ([*MUONMD, "--md-gains=none"], False, None),
     "muonh": (["--optimizer=muonh"], False, None),
+    # NorMuon (megatron's adaptive Muon with the per-neuron second moment): Muon's settings
+    "normuon": (
+        ["--optimizer=normuon", *MUON[1:], "--weight-decay=0.1", "--muon-scale-mode=unit_rms_norm"],
+        False,
+        None,
+    ),
 }
 #: the first LR of the ``sweep`` part's grid (5 points ×2 apart, extended past an edge)
-GRID_START = {"adam-sphere": 2e-3, "muon-sphere": 8e-3, "muonh": 4e-3}
+GRID_START = {"adam-sphere": 2e-3, "muon-sphere": 8e-3, "muonh": 4e-3, "normuon": 6.4e-2}
 CORE = ("adamw", "adammd", "muon", "muonmd")  # the side-LR control's methods
 SIDE = {"embedding-lr": 3e-3, "output-lr": 1e-3, "lr": 1e-3}  # the dense recipe's
 SIDE_MULTS = (1 / 3, 1.0, 3.0, 9.0)
@@ -76,11 +82,11 @@ BRACKET, BRACKET_MARGIN = (0.5, 2.0), 0.01
 
 def length_rule(method: str, iters: float, base: float = 160) -> float:
     """The recipe's LR multiplier from ``base`` to ``iters`` iterations (paper, MoE appendix):
-    1/sqrt(l) for AdamW and Muon (Complete(d)P), 1/l^0.25 for MuonMD, applied here to every
-    method on the sphere (MD, the sphere alone, MuonH: our reading; the paper gives it for
-    MuonMD only)."""
+    1/sqrt(l) for AdamW and Muon (Complete(d)P; NorMuon as Muon), 1/l^0.25 for MuonMD, applied
+    here to every method on the sphere (MD, the sphere alone, MuonH: our reading; the paper
+    gives it for MuonMD only)."""
     ell = iters / base
-    return ell**-0.5 if method in ("adamw", "muon") else ell**-0.25
+    return ell**-0.5 if method in ("adamw", "muon", "normuon") else ell**-0.25
 
 
 def needs_bracket(long: dict) -> list[str]:

@@ -38,6 +38,25 @@ def add_md_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     add_md_config_flags(g)
     g.add_argument(
+        "--adaptive-muon-moment2-method",
+        choices=("adamuon", "normuon", "namo"),
+        default="adamuon",
+        help="megatron-core's OptimizerConfig field for --optimizer adaptive_muon; only "
+        "normuon runs (--optimizer normuon sets both)",
+    )
+    g.add_argument(
+        "--adaptive-muon-beta2",
+        type=float,
+        default=0.95,
+        help="NorMuon's second-moment decay (megatron-core's and NorMuon's default)",
+    )
+    g.add_argument(
+        "--adaptive-muon-eps",
+        type=float,
+        default=1e-8,
+        help="NorMuon's floor under the second moment (megatron-core's default)",
+    )
+    g.add_argument(
         "--md-from-plain-checkpoint",
         action="store_true",
         help="continual training: --load a checkpoint without MD state (e.g. AdamW) with its "
@@ -239,13 +258,17 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
     if args.lr is None:  # else torch's Adam constructor fails on it, far from the cause
         _fail("give --lr (the peak learning rate; --matrix-lr, --embedding-lr and --output-lr "
               "set the groups' own)")  # fmt: skip
-    if args.optimizer == "adaptive_muon":  # NorMuon's seam in megatron-core
-        _fail(
-            "--optimizer adaptive_muon (AdaMuon / NorMuon) does not run in megatron-core 0.19.2 "
-            "with emerging-optimizers 0.3.0: its first step fails (TensorParallelAdaptiveMuon "
-            "has no scale_mode, emerging_optimizers adaptive_muon.py _apply_muon_scale); not "
-            "offered until the pair is fixed"
-        )
+    if args.optimizer == "adaptive_muon":  # NorMuon through megatron-core's seam
+        if args.adaptive_muon_moment2_method != "normuon":
+            _fail(
+                f"--adaptive-muon-moment2-method {args.adaptive_muon_moment2_method} is not "
+                "offered: megatron-core 0.19.2's TensorParallelAdaptiveMuon scales the update "
+                "before the second moment, which only NorMuon's norm-matched update keeps "
+                "(patches.normuon_scale_once); use --optimizer normuon"
+            )
+        if args.tensor_model_parallel_size > 1 or (args.expert_tensor_parallel_size or 1) > 1:
+            _fail("--optimizer normuon under tensor parallelism has never run here (its "
+                  "per-row second moment over a TP piece is untested): use TP 1")  # fmt: skip
     if args.muon_scale_mode not in UPSTREAM_MUON_SCALES + MUON_SCALES:
         _fail(
             f"--muon-scale-mode={args.muon_scale_mode!r} is not one of "

@@ -133,6 +133,68 @@ def wrap_muon_scale(orig, run=None):
     return scale
 
 
+def normuon_scale_once(orig, run=None):
+    """NorMuon's update scaled once. megatron's ``TensorParallelAdaptiveMuon`` orthogonalizes
+    with its TP Newton–Schulz, which already multiplies by Muon's scale factor
+    (emerging_optimizers.py:208), and ``AdaptiveMuon.step`` then calls ``_apply_muon_scale``,
+    which reads a ``scale_mode`` that megatron's ``__init__`` never sets (the first step fails).
+    NorMuon's normalization matches the update's Frobenius norm to the scaled orthogonalized
+    momentum, so the scale is already there: this applies nothing more. (AdaMuon's
+    elementwise second moment would lose the scale this way; it is refused, args.py.)"""
+
+    def _apply_muon_scale(self, update, size_out, size_in):
+        return update
+
+    return _apply_muon_scale
+
+
+def _normuon_kept_dim(p) -> int:
+    """The dimension NorMuon's second moment keeps (emerging_optimizers adaptive_muon.py
+    ``_init_group``: it averages along the longer one)."""
+    return 0 if p.shape[-2] >= p.shape[-1] else 1
+
+
+def normuon_state_dict(orig, run=None):
+    """NorMuon's per-row (or per-column) second moment saved at the parameter's shape, each
+    value repeated along the averaged dimension: megatron's torch_dist optimizer state is
+    sharded like its parameter (dist_checkpointing/optimizer.py:100 asserts equal shapes).
+    Lossless; ``normuon_load_state_dict`` takes one slice back."""
+
+    @functools.wraps(orig)
+    def state_dict(self):
+        sd = orig(self)
+        if getattr(self, "moment2_method", None) != "normuon":
+            return sd
+        params = [p for g in self.param_groups for p in g["params"]]
+        state = {}
+        for i, st in sd["state"].items():
+            m2, p = st.get("moment2_buffer"), params[i]
+            if m2 is not None and m2.shape != p.shape:
+                st = {**st, "moment2_buffer": m2.expand(p.shape).contiguous()}
+            state[i] = st
+        return {**sd, "state": state}
+
+    return state_dict
+
+
+def normuon_load_state_dict(orig, run=None):
+    """The inverse of ``normuon_state_dict``: a second moment at the parameter's shape back to
+    NorMuon's reduced one (the slice at index 0 of the averaged dimension)."""
+
+    @functools.wraps(orig)
+    def load_state_dict(self, state_dict):
+        orig(self, state_dict)
+        if getattr(self, "moment2_method", None) != "normuon":
+            return
+        for p, st in self.state.items():
+            m2 = st.get("moment2_buffer")
+            if m2 is not None and m2.dim() == 2 and m2.shape == p.shape:
+                keep = _normuon_kept_dim(p)
+                st["moment2_buffer"] = (m2[:, :1] if keep == 0 else m2[:1, :]).clone()
+
+    return load_state_dict
+
+
 def wrap_optimizer_config(orig, run=None):
     """Per-group peak LRs (--matrix-lr/--embedding-lr/--output-lr) as megatron param-group
     overrides; layer-wise sharding needs ``OptimizerConfig.bf16=True`` even for fp32 params
