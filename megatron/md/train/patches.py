@@ -135,12 +135,12 @@ def wrap_muon_scale(orig, run=None):
 
 def normuon_scale_once(orig, run=None):
     """NorMuon's update scaled once. megatron's ``TensorParallelAdaptiveMuon`` orthogonalizes
-    with its TP Newton–Schulz, which already multiplies by Muon's scale factor
-    (emerging_optimizers.py:208), and ``AdaptiveMuon.step`` then calls ``_apply_muon_scale``,
-    which reads a ``scale_mode`` that megatron's ``__init__`` never sets (the first step fails).
-    NorMuon's normalization matches the update's Frobenius norm to the scaled orthogonalized
-    momentum, so the scale is already there: this applies nothing more. (AdaMuon's
-    elementwise second moment would lose the scale this way; it is refused, args.py.)"""
+    with its TP Newton–Schulz, which already multiplies by Muon's scale factor (megatron-core's
+    core/optimizer/emerging_optimizers.py:208), and ``AdaptiveMuon.step`` then calls
+    ``_apply_muon_scale``, which reads a ``scale_mode`` that megatron's ``__init__`` never sets
+    (the first step fails). NorMuon's normalization matches the update's Frobenius norm to the
+    scaled orthogonalized momentum, so the scale is already there: this applies nothing more.
+    (AdaMuon's elementwise second moment would lose the scale this way; it is refused, args.py.)"""
 
     def _apply_muon_scale(self, update, size_out, size_in):
         return update
