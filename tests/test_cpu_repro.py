@@ -135,6 +135,8 @@ def test_evidence_runs_the_corrected_recipes_and_picks_one_side_lr(tmp_path):
     nor = evidence.spec(args, "sweep", "normuon", 1.0, 1, 160, 0.1)["flags"]
     muon = evidence.spec(args, "sweep", "muon", 1.0, 1, 160, 0.1)["flags"]
     assert "--optimizer=normuon" in nor and set(muon) - set(nor) == {"--optimizer=muon"}
+    ctl = evidence.spec(args, "long", "muonmd-gain1e-2", 27.0, 1234, 1200, None, 0.6)["flags"]
+    assert ctl[-1] == "--md-gain-lr=1e-2" and "--matrix-lr=0.0384" in ctl  # MuonMD's LR
     # a base ahead of its MD arm by more than 0.01 in the long runs: MD's LR gets a bracket,
     # run on the long runs' data at the long run's matrix LR times the bracket's multiplier
     long = {"muon": {"mean": 3.78}, "muonmd": {"mean": 3.80}, "adamw": {"mean": 3.90},

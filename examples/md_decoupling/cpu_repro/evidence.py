@@ -61,6 +61,9 @@ METHODS = {
     "adam-sphere": (["--optimizer=adam", *MD, "--md-gains=none"], False, None),
     "muon-sphere": ([*MUONMD, "--md-gains=none"], False, None),
     "muonh": (["--optimizer=muonh"], False, None),
+    # a labelled control, not a recipe: MuonMD's gains at 10× its gain LR, so that they move
+    # (at 1e-3 they stayed in [0.8, 1.25] over 1200 iterations); MuonMD's matrix LR
+    "muonmd-gain1e-2": ([*MUONMD, "--md-gain-lr=1e-2"], False, 6.4e-2),
     # NorMuon (megatron's adaptive Muon with the per-neuron second moment): Muon's settings
     "normuon": (
         ["--optimizer=normuon", *MUON[1:], "--weight-decay=0.1", "--muon-scale-mode=unit_rms_norm"],
