@@ -4,6 +4,7 @@ megatron/md/compat.py and checked at start-up; a moved symbol stops the run nami
 import types
 
 import pytest
+from _seams import restore_seams, saved_seams
 
 from megatron.md import compat
 
@@ -21,13 +22,11 @@ def test_every_replaced_attribute_has_a_row_and_apply_twice_is_harmless():
 
     from megatron.md.train import patches
 
-    saved = [compat.owner(s) for s in compat.SEAMS if s.replace]
-    saved = [(m, p, getattr(m, p)) for m, p in saved]
+    saved = saved_seams()
     try:
         _check_rows(patches, importlib)
     finally:  # the other tests of this process see megatron as it was
-        for m, p, v in saved:
-            setattr(m, p, v)
+        restore_seams(saved)
 
 
 def _check_rows(patches, importlib):

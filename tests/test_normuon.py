@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from _seams import restore_seams, saved_seams
 from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import AdaptiveMuon
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz
 from megatron.core.optimizer.emerging_optimizers import TensorParallelAdaptiveMuon
@@ -22,18 +23,13 @@ SHAPES = [(24, 16), (16, 24), (16, 16)]
 
 @pytest.fixture
 def normuon():
-    """megatron's class with megatron-md's NorMuon seams applied, restored afterwards."""
-    rows = [s for s in compat.SEAMS if s.path.startswith("TensorParallelAdaptiveMuon.")]
-    assert len(rows) == 3
-    saved = {s.path.split(".")[1]: vars(TensorParallelAdaptiveMuon).get(s.path.split(".")[1])
-             for s in rows}  # fmt: skip
+    """megatron's class with megatron-md's training seams applied (NorMuon's among them), every
+    replaced attribute restored afterwards."""
+    assert sum(s.path.startswith("TensorParallelAdaptiveMuon.") for s in compat.SEAMS) == 3
+    saved = saved_seams()
     compat.apply("training")
     yield TensorParallelAdaptiveMuon
-    for name, v in saved.items():
-        if v is None:
-            delattr(TensorParallelAdaptiveMuon, name)
-        else:
-            setattr(TensorParallelAdaptiveMuon, name, v)
+    restore_seams(saved)
 
 
 def make(cls, params):
