@@ -47,6 +47,8 @@ def test_the_pretraining_runs_of_the_plan_parse(tmp_path):
         args, md = cli.parse(argv, on_cpu=True)
         # 24 iterations: tools/long_run_check.py reads at least 20 losses
         assert md is not None and args.train_iters == 24 and args.save_interval == 12
+        if args.load:  # the first run also saved at 24: resuming the latest trains nothing
+            assert args.ckpt_step == 12  # (on the H200 it did, 2026-11-26)
 
 
 def test_verdicts_read_the_numbers():

@@ -152,7 +152,9 @@ def plan() -> list[Step]:
                  [*first, "--metrics-file={out}/%s-a.jsonl" % name], 60, torchrun=True,
                  notes=[f"{name}: {2 * SAVED_AT} iterations, saved at {SAVED_AT}"]),
             Step("resume", "pretrain_gpt.py",
-                 [*first, "--load={out}/%s" % name, "--metrics-file={out}/%s-b.jsonl" % name],
+                 # the first run saved at the end too: load the middle one, not the latest
+                 [*first, "--load={out}/%s" % name, f"--ckpt-step={SAVED_AT}",
+                  "--metrics-file={out}/%s-b.jsonl" % name],
                  60, torchrun=True, resumes=name,
                  notes=[f"{name}: resumed at {SAVED_AT}, must repeat the iterations after it"]),
         ]  # fmt: skip
