@@ -145,8 +145,11 @@ def plan() -> list[Step]:
     ]  # fmt: skip
     for name, flags in (("adammd", adammd), ("muonmd", muonmd)):
         # 24 iterations: tools/long_run_check.py reads at least 20 losses
+        # --deterministic-mode: without it two identical runs from scratch on the H200 parted
+        # at iteration 2 (2026-11-26; F.embedding's backward and cuBLAS's workspace), so
+        # a resume could not be held to bit for bit
         first = [*_pretrain_flags("tiny", 2 * SAVED_AT, flags), "--save={out}/%s" % name,
-                 f"--save-interval={SAVED_AT}"]  # fmt: skip
+                 f"--save-interval={SAVED_AT}", "--deterministic-mode"]  # fmt: skip
         steps += [
             Step("resume", "pretrain_gpt.py",
                  [*first, "--metrics-file={out}/%s-a.jsonl" % name], 60, torchrun=True,
