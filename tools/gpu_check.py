@@ -1,5 +1,5 @@
-"""Everything a GPU can show about Megatron-MD, in one command of at most ~8 minutes, with one
-dated report (markdown and JSON: device, driver, torch, megatron-core, emerging-optimizers,
+"""Everything a GPU can show about Megatron-MD, in one command of at most ~9.5 minutes, with
+one dated report (markdown and JSON: device, driver, torch, megatron-core, emerging-optimizers,
 commit):
 
 1. correctness: ``tests/distributed/md_check.py --device cuda`` in every layout it knows
@@ -10,9 +10,11 @@ commit):
    ``tools/bench_md_step.py`` at 181M, 457M and 1.29B (AdamMD/Adam — the default eager step and
    the compiled one, one pass per group —, MuonMD/Muon, bf16). CUDA
    graph capture of the step is not offered (docs/internals.md), so there is nothing to toggle;
-3. end to end: ``tools/throughput.py`` on ``dense-181M`` (AdamW, AdamMD, Muon, MuonMD; bf16,
+3. end to end: ``tools/throughput.py`` on ``dense-181M`` (AdamW, AdamMD eager and compiled,
+   Muon, MuonMD; bf16,
    local layer spec, tokens/s medians after warm-up), and a save at iteration N and a resume
-   that must repeat the first run's losses exactly, with the long-run checks (sphere drift,
+   that must repeat the first run's losses exactly (both in megatron's ``--deterministic-mode``:
+   without it two identical runs part on a GPU), with the long-run checks (sphere drift,
    finite gains) on its log;
 4. Transformer Engine, if it imports: the TE spec builds and trains a few iterations, dense
    and MoE.
@@ -84,6 +86,10 @@ MD_JOBS = [
     ["--optimizer", "adam", "--dist", "layerwise", "--dtype", "bf16"],
     ["--optimizer", "adam", "--dist", "replicated"],
     ["--optimizer", "muon", "--dist", "replicated", "--dtype", "bf16"],
+    # the compiled AdamMD step (--md-fused-step on): the default on a GPU once these pass there
+    ["--dist", "zero1", "--fused-step"],
+    ["--dist", "zero1", "--dtype", "bf16", "--experts", "4", "--fused-step"],
+    ["--optimizer", "adam", "--dist", "replicated", "--fused-step"],
     ["--vs", "megatron", "--dist", "zero1"],
     ["--vs", "megatron", "--dist", "zero1", "--dtype", "bf16", "--experts", "4"],
     ["--vs", "megatron", *_LW_MUON, "--dtype", "bf16", "--experts", "4"],
@@ -140,8 +146,9 @@ def plan() -> list[Step]:
              150, notes=["the compiled AdamMD step (adam_md_fused) beside the eager one"]),
         Step("throughput", "tools/throughput.py",
              ["--preset", "dense-181M", "--iters", "20", "--warmup", "8", "--nproc", "1",
-              "--seq-length", "2048", "--methods", "adamw", "muon", "adammd", "muonmd",
-              "--out", "{out}", "--", "--transformer-impl=local"], 200),
+              "--seq-length", "2048", "--methods", "adamw", "muon", "adammd", "adammd-compiled",
+              "muonmd",
+              "--out", "{out}", "--", "--transformer-impl=local"], 240),
     ]  # fmt: skip
     for name, flags in (("adammd", adammd), ("muonmd", muonmd)):
         # 24 iterations: tools/long_run_check.py reads at least 20 losses
@@ -321,7 +328,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     names = sorted({s.name for s in plan()})
     ap.add_argument("--only", nargs="+", choices=names, help="run only these sections")
-    ap.add_argument("--budget-s", type=int, default=480, help="wall-clock budget of all steps")
+    ap.add_argument("--budget-s", type=int, default=560, help="wall-clock budget of all steps")
     ap.add_argument("--out", type=Path, default=None, help="default runs/gpu_check/<date>")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and check its flags")
     args = ap.parse_args(argv)

@@ -31,8 +31,11 @@ from runlog import LogError, RunLog, read_log, read_manifest, run_pretrain  # no
 
 #: adammd-lw: AdamMD on whole matrices owned layer-wise (--md-adam-layer-wise), as the paper's
 #: throughput table ran it (appendix "Implementation, Efficiency, and Throughput")
-METHODS = ("adamw", "muon", "adammd", "muonmd", "adammd-lw")
-BASE = {"adammd": "adamw", "muonmd": "muon", "adammd-lw": "adamw"}
+#: adammd-compiled: AdamMD with its compiled step (--md-fused-step on; eager on a GPU by default)
+METHODS = ("adamw", "muon", "adammd", "muonmd", "adammd-lw", "adammd-compiled")
+BASE = {"adammd": "adamw", "muonmd": "muon", "adammd-lw": "adamw", "adammd-compiled": "adamw"}
+#: a method that is another's recipe with flags added
+VARIANTS = {"adammd-compiled": ("adammd", ["--md-fused-step=on"])}
 #: dense bf16 peak TFLOP/s by device-name substring (first match wins)
 PEAKS = (("GH200", 989.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0),
          ("A100", 312.0), ("B200", 2250.0))  # fmt: skip
@@ -150,9 +153,17 @@ def write_outputs(results: dict[str, dict], out: Path, title: str) -> None:
     fig.savefig(out / "throughput.png", dpi=110)
 
 
-def run_methods(args, extra: list[str]) -> dict[str, Path]:
+def method_flags(method: str, matrix_lr: float) -> list[str]:
+    """The recipe's flags of ``method`` (a variant: its recipe's, then its own)."""
     sys.path.insert(0, str(ROOT))
     from megatron.md.train import recipes
+
+    recipe, more = VARIANTS.get(method, (method, []))
+    return [*recipes.dense_recipe(recipe, matrix_lr), *more]
+
+
+def run_methods(args, extra: list[str]) -> dict[str, Path]:
+    sys.path.insert(0, str(ROOT))
     from megatron.md.train.presets import PRESETS
 
     if args.preset not in PRESETS:
@@ -164,7 +175,7 @@ def run_methods(args, extra: list[str]) -> dict[str, Path]:
         metrics = args.out / f"{m}.jsonl"
         metrics.unlink(missing_ok=True)
         flags = [
-            f"--preset={args.preset}", *recipes.dense_recipe(m, args.matrix_lr),
+            f"--preset={args.preset}", *method_flags(m, args.matrix_lr),
             "--lr-warmup-iters=0", "--mock-data", "--tokenizer-type=NullTokenizer",
             f"--vocab-size={PRESETS[args.preset].vocab}", f"--train-iters={args.iters}",
             "--log-interval=1", "--timing-log-level=2", "--eval-iters=0",
@@ -212,7 +223,8 @@ def main(argv=None) -> None:
     src.add_argument("--logs", nargs="+", metavar="METHOD=PATH", help="read these runs' logs")
     src.add_argument("--manifest", type=Path, help="read the runs of a sweep manifest")
     ap.add_argument("--preset", default="tiny", help="run mode: model preset")
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--methods", nargs="+", choices=METHODS,
+                    default=[m for m in METHODS if m not in VARIANTS])  # fmt: skip
     ap.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs, or 2 on CPU)")
     ap.add_argument("--iters", type=int, default=40, help="run mode: iterations per method")
     ap.add_argument("--warmup", type=int, default=10, help="iterations left out of the medians")

@@ -288,7 +288,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--side-mult", type=float, help="long runs: this multiplier, not the chosen")
     ap.add_argument("--bracket-mults", nargs="+", type=float, default=list(BRACKET),
                     help="bracket part: the long-run matrix LR times these")  # fmt: skip
+    ap.add_argument("--best", nargs="+", default=[], metavar="METHOD=LR",
+                    help="an arm's 160-iteration best matrix LR from an earlier sweep (e.g. "
+                    "docs/cpu_repro/evidence.json's best_lr_160), not its sweep")  # fmt: skip
     args = ap.parse_args(argv)
+    given = {}
+    for pair in args.best:
+        m, _, lr = pair.partition("=")
+        if m not in METHODS or not lr:
+            ap.error(f"--best {pair!r}: want METHOD=LR with METHOD one of {', '.join(METHODS)}")
+        given[m] = float(lr)
     args.out = args.out.resolve()
     args.iters, args.seq, args.gbs, args.eval_iters = 160, 256, 8, 8
     long_parts = bool({"long", "bracket", "report"} & set(args.parts))  # on the prose corpus
@@ -296,7 +305,9 @@ def main(argv=None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     best, sweep_runs = {}, []
     for m in args.methods:
-        if METHODS[m][2] is not None:
+        if m in given:
+            best[m] = given[m]
+        elif METHODS[m][2] is not None:
             best[m] = METHODS[m][2]
         else:
             runs, best[m] = sweep(m, args)
