@@ -69,6 +69,7 @@ md_check = Batches(
         ],
         *[(2, "--vs", "megatron", *args) for args in MD_OFF.values()],
         *[(n, "--dist", "zero1", "--fused-step", *a) for n, a in FUSED.items()],
+        (2, *MUON_LW, "--fused-step"),
         *[(n, "--cp", "2", *a) for n, *a in CP.values()],
     ],
 )
@@ -160,9 +161,19 @@ def test_adam_md_zero1_fused_kernels(nproc):
     args = FUSED[nproc]
     res = md_check(nproc, "--dist", "zero1", "--fused-step", *args)
     check(res, nproc, "bf16" if "bf16" in args else "fp32")
+    assert res["compiled_groups"] > 0
     assert res["cut_inside_row"] or nproc == 2
     assert res["collectives_per_step"] == (1.0 if nproc > 1 else 0.0)
     assert res["payload"] == res["expected_payload"]
+
+
+def test_muon_md_layerwise_fused_kernels():
+    """MuonMD's compiled phases (engine/compiled.py: the gains' partials with G_Ŵ, rescale +
+    fuse; Newton–Schulz the base's batched call) layer-wise against the reference: the eager
+    path's tolerances, the Q/K/V split included."""
+    res = md_check(2, *MUON_LW, "--fused-step")
+    check(res, 2)
+    assert res["compiled_groups"] > 0 and res["split_qkv_matrices"] == 2
 
 
 @pytest.mark.parametrize("job", CP)

@@ -147,6 +147,9 @@ def test_fused_step_auto_rule():
     assert MDConfig(fused_step="on").use_fused("cuda", 1) and not MDConfig(
         fused_step="off"
     ).use_fused("cpu", 1 << 30)
+    # auto compiles AdamMD's groups only (MuonMD's measured no faster on a CPU), on both
+    assert auto.use_fused("cpu", FUSED_MIN_ELEMENTS) == {"adam"}
+    assert MDConfig(fused_step="on").use_fused("cpu", 1) == {"adam", "muon"}
     with pytest.raises(ValueError, match="--md-fused-step"):
         MDConfig(fused_step="sometimes")
 

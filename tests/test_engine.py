@@ -148,6 +148,33 @@ def test_muon_whole_matrix_matches_reference():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("stack", [False, True])
+@pytest.mark.parametrize("sphere,gains", [("frobenius", "rowcol"), ("row", "col"), ("col", "row")])
+def test_compiled_muon_kernels_equal_whole_matrix(sphere, gains, stack, monkeypatch):
+    """MuonMD's compiled phases (the gains' partials with G_Ŵ, and rescale + fuse) on stacked
+    whole matrices, one matrix a call (a CPU's) and the whole stack in one call (a GPU's), with
+    and without the Q/K/V split: fp32 to 1e-6 of the reference, as the eager group."""
+    from megatron.md.engine import compiled
+
+    monkeypatch.setattr(compiled, "STACK_ON_CPU", stack)
+    spec = MatrixSpec(sphere, "init", gains, "softplus", muon_scale="sphere_rms")
+    w, w_ref, ranks, st_ref = _run(spec, [], base="muon", dtype=torch.float32, n=3,
+                                   compiled=True, one_buffer=stack)  # fmt: skip
+    kernels = [g.kernels for e in ranks.engines for g in e.groups]
+    assert kernels and all(k.partials is not None and k.phase1 is None for k in kernels)
+    for a, b in zip(w, w_ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    _same_gains(ranks, st_ref, reference.GAIN_NAMES[gains], rtol=1e-5, atol=1e-6)
+    if sphere == "frobenius":  # Q/K/V split: a sphere per block, the gains the matrix's
+        qkv = MatrixSpec(sphere, "init", gains, "softplus", muon_scale="sphere_rms",
+                         row_blocks=(4, 2, 2))  # fmt: skip
+        w, w_ref, ranks, _ = _run(qkv, [], base="muon", dtype=torch.float32, shape=(32, 8),
+                                  compiled=True, one_buffer=stack)  # fmt: skip
+        assert all(g.kernels.partials for e in ranks.engines for g in e.groups)
+        for a, b in zip(w, w_ref):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_muon_one_call_per_matrix_is_the_batched_call(monkeypatch):
     """Large matrices on a CPU are orthogonalized one Newton–Schulz call each
     (``NS_ONE_BY_ONE_CPU``): bit for bit what the batched call gives (blocks of 16×8 and

@@ -9,7 +9,9 @@ with megatron-core's own optimizers and ``enable_md``:
   (``adam_md``: ``--md-fused-step auto``, the compiled kernels on a CPU at these sizes, the eager
   step on a GPU), with the eager step (``adam_md_eager``) and with the compiled kernels
   (``adam_md_fused``); the first, untimed round compiles;
-- MuonMD / Muon layer-wise (``LayerWiseDistributedOptimizer``, Adam for embeddings/LM head);
+- MuonMD / Muon layer-wise (``LayerWiseDistributedOptimizer``, Adam for embeddings/LM head),
+  likewise as a user gets it (``muon_md``), eager (``muon_md_eager``) and compiled
+  (``muon_md_fused``);
 - AdamMD layer-wise (``--md-adam-layer-wise``) / AdamMD ZeRO-1: the two sharding strategies;
 - optimizer-state bytes with MD / without, bf16 params (fp32 main params held by megatron).
 
@@ -380,12 +382,15 @@ PAIRS = {
     "muon_md/muon": ("muon", "muon_md"),
     "adam_md_eager/adam": ("adam", "adam_md_eager"),
     "adam_md_fused/adam": ("adam", "adam_md_fused"),
+    "muon_md_eager/muon": ("muon", "muon_md_eager"),
+    "muon_md_fused/muon": ("muon", "muon_md_fused"),
     "adam_md layer-wise/zero1": ("adam_md", "adam_lw_md"),
 }
 #: adam/muon as megatron builds them, ``_md``: with MD as a user gets it (--md-fused-step auto);
-#: adam_md_eager / adam_md_fused: the eager step / the compiled kernels; adam_lw_md = AdamMD
+#: ``_md_eager`` / ``_md_fused``: the eager step / the compiled kernels; adam_lw_md = AdamMD
 #: layer-wise
-RUNS = ["adam", "adam_md", "adam_md_eager", "adam_md_fused", "muon", "muon_md", "adam_lw_md"]
+RUNS = ["adam", "adam_md", "adam_md_eager", "adam_md_fused", "muon", "muon_md", "muon_md_eager",
+        "muon_md_fused", "adam_lw_md"]  # fmt: skip
 
 
 def measure(name: str, dtype: str, args, rank: int) -> dict:
@@ -453,7 +458,8 @@ def main(argv=None) -> None:
     ap.add_argument("--vocab-size", type=int, default=VOCAB)
     ap.add_argument("--dtype", nargs="+", choices=("fp32", "bf16"),
                     default=["bf16" if DEV == "cuda" else "fp32"])  # fmt: skip
-    ap.add_argument("--runs", nargs="+", choices=RUNS, default=RUNS,
+    ap.add_argument("--runs", nargs="+", choices=RUNS,
+                    default=[r for r in RUNS if not r.startswith("muon_md_")],
                     help="which optimizer builds to time (ratios need both of a pair)")  # fmt: skip
     ap.add_argument("--world", type=int, nargs="+", help="world sizes to run in turn (ladder)")
     ap.add_argument("--tp", type=int, default=1,

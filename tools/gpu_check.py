@@ -86,10 +86,11 @@ MD_JOBS = [
     ["--optimizer", "adam", "--dist", "layerwise", "--dtype", "bf16"],
     ["--optimizer", "adam", "--dist", "replicated"],
     ["--optimizer", "muon", "--dist", "replicated", "--dtype", "bf16"],
-    # the compiled AdamMD step (--md-fused-step on): the default on a GPU once these pass there
+    # the compiled step (--md-fused-step on): the default on a GPU once these pass there
     ["--dist", "zero1", "--fused-step"],
     ["--dist", "zero1", "--dtype", "bf16", "--experts", "4", "--fused-step"],
     ["--optimizer", "adam", "--dist", "replicated", "--fused-step"],
+    [*_LW_MUON, "--dtype", "bf16", "--fused-step"],
     ["--vs", "megatron", "--dist", "zero1"],
     ["--vs", "megatron", "--dist", "zero1", "--dtype", "bf16", "--experts", "4"],
     ["--vs", "megatron", *_LW_MUON, "--dtype", "bf16", "--experts", "4"],
@@ -142,8 +143,9 @@ def plan() -> list[Step]:
         # its cap must not take the default path's table with it
         Step("step-cost", "tools/bench_md_step.py",
              ["--model", "181M", "1.29B", "--world", "1", "--dtype", "bf16", "--steps", "5",
-              "--runs", "adam", "adam_md", "adam_md_fused", "--json", "{out}/step_compiled.json"],
-             150, notes=["the compiled AdamMD step (adam_md_fused) beside the eager one"]),
+              "--runs", "adam", "adam_md", "adam_md_fused", "muon", "muon_md", "muon_md_fused",
+              "--json", "{out}/step_compiled.json"], 180,
+             notes=["the compiled AdamMD and MuonMD steps (*_md_fused) beside the eager ones"]),
         Step("throughput", "tools/throughput.py",
              ["--preset", "dense-181M", "--iters", "20", "--warmup", "8", "--nproc", "1",
               "--seq-length", "2048", "--methods", "adamw", "muon", "adammd", "adammd-compiled",

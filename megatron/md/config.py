@@ -175,13 +175,15 @@ class MDConfig:
     the unit rows. The embeddings and LM head stay free (plain Adam)."""
 
     fused_step: FusedStep = "auto"
-    """AdamMD's per-group work as compiled kernels (``torch.compile``,
-    megatron/md/engine/compiled.py): on, off, or auto: on for a CPU optimizer whose MD matrices
-    hold at least 2^24 elements on the rank (there AdamMD's step is then as fast as megatron's
-    AdamW or faster: docs/benchmarks.md), off on GPUs (the batched eager step is a few
-    launches per group there) and for small models (compiling takes tens of seconds).
-    Execution only: the results agree with the eager step to fp32 rounding, it is never used
-    with MD off, checkpoints are interchangeable."""
+    """The MD step's per-group passes as compiled kernels (``torch.compile``,
+    megatron/md/engine/compiled.py; AdamMD: partials, Adam and norms in one pass, MuonMD: the
+    partials around its Newton–Schulz; both: rescale and fused weight in one): on, off, or auto:
+    AdamMD's on for a CPU optimizer whose MD matrices hold at least 2^24 elements on the rank
+    (there AdamMD's step is then as fast as megatron's AdamW or faster), off on GPUs until
+    checked there against the reference (on an H200 it measured 1.02× Adam's step at 181M and
+    0.78× at 1.29B, the eager 1.60× and 2.72×: docs/benchmarks.md; give ``on`` for it) and for
+    small models (compiling takes tens of seconds). Execution only: the results agree with the
+    eager step to fp32 rounding, it is never used with MD off, checkpoints are interchangeable."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -240,12 +242,16 @@ class MDConfig:
                     out[node.target.id] = " ".join(nxt.value.value.split())
         return out
 
-    def use_fused(self, device_type: str, elements: int) -> bool:
-        """Whether an optimizer instance on ``device_type`` whose MD matrices hold ``elements``
-        elements on this rank takes the compiled step (the rule of ``fused_step``)."""
+    def use_fused(self, device_type: str, elements: int) -> frozenset[str]:
+        """The bases whose MD matrices take the compiled step in an optimizer instance on
+        ``device_type`` whose MD matrices hold ``elements`` elements on this rank (the rule of
+        ``fused_step``; empty: none). auto compiles AdamMD only: on a CPU MuonMD's step is
+        Newton–Schulz's matmuls, and its compiled passes measured no faster there (181M, 2
+        ranks, 2026-11-26: inner step 1.06× Muon's against the eager 0.94×, docs/benchmarks.md)."""
         if self.fused_step == "auto":
-            return device_type == "cpu" and elements >= FUSED_MIN_ELEMENTS
-        return self.fused_step == "on"
+            big = device_type == "cpu" and elements >= FUSED_MIN_ELEMENTS
+            return frozenset({"adam"} if big else ())
+        return frozenset({"adam", "muon"} if self.fused_step == "on" else ())
 
     def lowrank_init_std_for(self) -> float:
         """The std of A's init: as set, or (1/k)^½ for rank k (the authors' runs)."""

@@ -68,7 +68,7 @@ class MDInner(torch.optim.Optimizer):
         self.md_state: dict[torch.Tensor, MatrixState] = {}  # MD's fields (state.py)
         self.domains: dict[object, Domain] = {}
         self.engine: Engine | None = None
-        self.compiled = False  # the engine's compiled kernels (MDConfig.use_fused)
+        self.compiled = frozenset()  # bases the engine compiles (MDConfig.use_fused)
         self.reduce_group = None  # ZeRO-1: the group its one reduction goes over
         self.layout: list[int] | None = None  # ZeRO-1: partial sizes of every MD matrix
         self.norm_layout: list[int] | None = None

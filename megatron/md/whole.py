@@ -115,7 +115,7 @@ def setup_whole(opt, roles: dict, names: dict, md: MDConfig, layer_wise: bool) -
     inner.timers = getattr(opt.config, "timers", None)
     mains = [mp for mp in main_params(opt) if roles[mp.model] != "vector"]
     elements = sum(mp.main.numel() for mp in mains)
-    inner.compiled = bool(mains) and md.use_fused(mains[0].main.device.type, elements)
+    inner.compiled = md.use_fused(mains[0].main.device.type, elements) if mains else frozenset()
     outputs = {}
     for mp in mains:
         role = roles[mp.model]

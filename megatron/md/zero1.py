@@ -129,7 +129,7 @@ def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
     inner.add_domain("zero1", reduce, group if summed else None, zero1=True)
     mains = [mp for mp in main_params(opt) if roles[mp.model] != "vector"]
     elements = sum(mp.main.numel() for mp in mains)
-    inner.compiled = bool(mains) and md.use_fused(mains[0].main.device.type, elements)
+    inner.compiled = md.use_fused(mains[0].main.device.type, elements) if mains else frozenset()
     for mp in mains:
         shape = tuple(mp.model.shape)
         end = mp.start + mp.main.numel()

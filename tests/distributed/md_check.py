@@ -3,7 +3,7 @@
     torchrun --nproc-per-node W md_check.py --optimizer adam|muon --dist zero1|layerwise|replicated
         [--dtype fp32|bf16] [--experts 4] [--sphere frobenius] [--vs reference|megatron]
         [--device cuda]   (NCCL, one rank per GPU; the oracle then runs on the GPU too)
-        [--fused-step]    (AdamMD's compiled kernels, megatron/md/engine/compiled.py)
+        [--fused-step]    (the compiled kernels, megatron/md/engine/compiled.py)
         [--cp 2]          (megatron's context-parallel groups: DP × CP = W)
 
 Every rank feeds the same batch, so the data-parallel mean gradient equals each rank's local
@@ -479,6 +479,10 @@ def check(args) -> dict:
         "expected_payload": expected,
         "md_params": sum(len(i.slots) for i in inners),
         "split_qkv_matrices": n_split,
+        # this rank's engine groups stepped by the compiled kernels (--fused-step)
+        "compiled_groups": sum(
+            1 for i in inners if i.engine is not None for g in i.engine.groups if g.kernels
+        ),
         "extra_collectives": sorted(k for k, n in extra.items() for _ in range(max(n, 0))),
         "missing_collectives": sorted(k for k, n in missing.items() for _ in range(max(n, 0))),
         "classes": sorted({type(o).__name__ for o in leaf_optimizers(opt)}),

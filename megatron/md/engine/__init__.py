@@ -1,3 +1,3 @@
 """The MD step as a multi-tensor engine: every matrix an optimizer holds stepped by a fixed
 number of batched operations (``engine.py``), the base optimizer behind one interface
-(``basesteps.py``), compiled kernels for a CPU at scale (``compiled.py``)."""
+(``basesteps.py``), compiled kernels (``compiled.py``)."""

@@ -1,5 +1,10 @@
-"""AdamMD's phases of a whole group as compiled kernels (``torch.compile``; ``--md-fused-step``,
-on by default for a CPU optimizer at scale: ``MDConfig.use_fused``).
+"""AdamMD's and MuonMD's phases of a whole group as compiled kernels (``torch.compile``;
+``--md-fused-step``; AdamMD's on by default for a CPU optimizer at scale: ``MDConfig.use_fused``).
+
+MuonMD's (``_partials_group`` and the fuse): the gains' partials and G_Ŵ = Γ ⊙ G in one pass
+before the base's batched Newton–Schulz, the norms' partials eager after it, and the deferred
+rescale with W = Γ ⊙ Ŵ in one pass; Q/K/V-split groups included (their spheres are the
+rescale's, their Newton–Schulz blocks the base's).
 
 Eager, an AdamMD group costs ~14 elementwise passes (Ŵ⊙G, two mat-vecs, G_Ŵ in two products,
 Adam's seven, the norm) where torch's AdamW costs seven. Compiled, phase 1 (gain-gradient
@@ -82,6 +87,20 @@ def _phase1_none(w, g, m, v, row, col, hp, scratch, need_row: bool):
     return _phase1(w, g, m, v, row, col, hp, scratch, need_row, "none")
 
 
+def _partials(w, g, row, col, out, scratch, need_row: bool):
+    """MuonMD's lines 1-6 on (B, M, N) blocks in one pass: the row partials, Ŵ⊙G into
+    ``scratch`` for the column sums, G_Ŵ = Γ ⊙ G into ``out``."""
+    gb = g.to(w.dtype)
+    gr = w.new_zeros(())
+    p = w * gb
+    if need_row:
+        gr = (p * col).sum(2)
+    if scratch is not None:
+        scratch.copy_(p)
+    out.copy_(gb * row * col)  # the eager group's order: (G ⊙ g_row) ⊙ g_col
+    return gr
+
+
 def _fuse(x, row, col, out):
     out.copy_(x * row * col)
 
@@ -140,20 +159,29 @@ class Kernels:
     """A group's compiled phases (None: that phase runs eager)."""
 
     phase1: Callable | None
+    """AdamMD: the gains' partials, G_Ŵ, Adam on Ŵ and the norms' partials in one pass."""
     fuse: Callable | None
+    """The pending rescale (line 8) and W = Γ ⊙ Ŵ (line 10) in one pass."""
+    partials: Callable | None = None
+    """MuonMD: the gains' partials and G_Ŵ in one pass (the Newton–Schulz between stays the
+    base's batched call, the norms' partials eager)."""
 
 
 def kernels_for(g) -> Kernels | None:
-    """The compiled kernels of group ``g``, where they apply: AdamMD on whole matrices, one
-    block, gains none/row/col/rowcol, no tangent projection, not both off (MD off stays eager:
-    bit for bit megatron)."""
+    """The compiled kernels of group ``g``, where they apply: AdamMD or MuonMD on whole
+    matrices, one block (no Q/K/V split, no TP piece), gains none/row/col/rowcol, no tangent
+    projection, Ŵ projected back (not Muown), not both off (MD off stays eager: bit for bit
+    megatron)."""
     spec = g.spec
     fits = (
-        g.own and g.whole_block and g.base.name == "adam" and spec.gains in GAINS
-        and spec.sphere in SPHERES and not spec.tangent_grad and spec.project
-        and (spec.gains, spec.sphere) != ("none", "none")
+        g.own and g.whole_block and spec.gains in GAINS and spec.sphere in SPHERES
+        and not spec.tangent_grad and spec.project and (spec.gains, spec.sphere) != ("none", "none")
     )  # fmt: skip
-    return Kernels(_phase1_group, _fuse_group) if fits else None
+    if fits and g.base.name == "adam":
+        return Kernels(_phase1_group, _fuse_group)
+    if fits and g.base.name == "muon" and not spec.tangent_update and not spec.weight_norm:
+        return Kernels(None, _fuse_group, _partials_group)
+    return None
 
 
 def _row_col(g, phi: dict):
@@ -192,6 +220,33 @@ def _phase1_group(g, G: torch.Tensor, P: torch.Tensor, step: int, hp: AdamHParam
         P[:, off : off + N].add_(part.view(B, N))
     if sphere == "none" and g.n_norm:  # norm partials the kernel leaves to the eager group
         g.norm_partials(P[:, g.n_gain :])
+
+
+def _partials_group(g, G: torch.Tensor, P: torch.Tensor, own: bool) -> torch.Tensor:
+    """MuonMD's lines 1-6 of the whole group, compiled: the gains' partials into ``P``; returns
+    G_Ŵ = Γ ⊙ G, a new tensor (megatron's gradients stay as they are; the base step writes
+    G_Ŵ). ``own`` (G is the step's own stack) changes nothing here."""
+    g.settle()  # a rescale no fuse took since the last step
+    B, (M, N) = g.B, g.full
+    phi = g.phi()
+    row, col = _row_col(g, phi)
+    need_row, need_col = "gain_row" in phi, "gain_col" in phi
+    # a new tensor even where G is the step's own stack: the same bytes written, and written
+    # over G inductor's CPU loops fail (torch 2.15: KeyError 'buf1' in loop_body.py with the
+    # row reduction reading G)
+    out = torch.empty_like(G)
+    w3, g3, o3 = g.W.view(B, M, N), G.view(B, M, N), out.view(B, M, N)
+    scratch = torch.empty_like(w3) if need_col else None
+    kernel = _get("partials", _partials)
+    for one in _pieces(g, stackable=True):
+        gr = kernel(w3[one], g3[one], _at(row, one), _at(col, one), o3[one], _at(scratch, one),
+                    need_row)  # fmt: skip
+        if need_row:
+            P[one, :M].add_(gr)
+    if need_col:
+        part = torch.bmm(row.transpose(1, 2), scratch) if row.ndim else scratch.sum(1, True)
+        P[:, (M if need_row else 0) : (M if need_row else 0) + N].add_(part.view(B, N))
+    return out
 
 
 #: call the kernels once on a CPU group's whole stack too (the tests: the GPU's calls on a CPU)

@@ -105,8 +105,12 @@ class HParams:
 
 
 class Engine:
-    def __init__(self, members: list[Member], domains: dict, compiled: bool = False):
-        self.members, self.domains, self.compiled = members, domains, compiled
+    def __init__(self, members: list[Member], domains: dict, compiled: bool | frozenset = False):
+        """``compiled``: the bases whose groups take the compiled kernels where they fit
+        (``MDConfig.use_fused``; True: every base)."""
+        if compiled is True:
+            compiled = frozenset({"adam", "muon"})
+        self.members, self.domains, self.compiled = members, domains, frozenset(compiled or ())
         for m in members:
             domains[m.domain].members.append(m)
             if m.fp32_mode and m.md_state.get("direction") is None:  # MD's copy of W
@@ -123,11 +127,12 @@ class Engine:
         # neither, and then adds nothing to megatron's gradient norm: bit for bit megatron)
         self.watches = any(g.n_partial or g.gain_names for g in self.groups)
         self.kernels = None
-        if compiled:
+        if self.compiled:
             from megatron.md.engine import compiled as ck
 
             for g in self.groups:
-                g.kernels = ck.kernels_for(g)
+                if g.base.name in self.compiled:
+                    g.kernels = ck.kernels_for(g)
 
     # ---- layout of the partial buffers ----
     def _place(self, kind: str, size_attr: str) -> None:
@@ -292,7 +297,10 @@ class Engine:
                 g.kernels.phase1(g, G, P, self.steps, hp)
                 self._write("step", g, bufs, P, inplace)
                 continue
-            G = g.gain_partials(G, P, pre_p, own, private=bool(g.n_pre) or g.base.writes_grads)
+            if g.kernels is not None and g.kernels.partials is not None:
+                G = g.kernels.partials(g, G, P, own)  # (no tangent projection: no pre_p)
+            else:
+                G = g.gain_partials(G, P, pre_p, own, private=bool(g.n_pre) or g.base.writes_grads)
             if g.n_pre:
                 self._write("pre", g, pre_bufs, pre_p, pre_in)
             held[g] = (G, P, inplace)
