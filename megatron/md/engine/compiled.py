@@ -169,9 +169,9 @@ class Kernels:
 
 def kernels_for(g) -> Kernels | None:
     """The compiled kernels of group ``g``, where they apply: AdamMD or MuonMD on whole
-    matrices, one block (no Q/K/V split, no TP piece), gains none/row/col/rowcol, no tangent
-    projection, Ŵ projected back (not Muown), not both off (MD off stays eager: bit for bit
-    megatron)."""
+    matrices held whole (no TP piece, no ZeRO-1 cut; Q/K/V spheres included), gains
+    none/row/col/rowcol, no tangent projection, Ŵ projected back (not Muown), not both off (MD
+    off stays eager: bit for bit megatron)."""
     spec = g.spec
     fits = (
         g.own and g.whole_block and spec.gains in GAINS and spec.sphere in SPHERES
@@ -222,10 +222,10 @@ def _phase1_group(g, G: torch.Tensor, P: torch.Tensor, step: int, hp: AdamHParam
         g.norm_partials(P[:, g.n_gain :])
 
 
-def _partials_group(g, G: torch.Tensor, P: torch.Tensor, own: bool) -> torch.Tensor:
+def _partials_group(g, G: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
     """MuonMD's lines 1-6 of the whole group, compiled: the gains' partials into ``P``; returns
     G_Ŵ = Γ ⊙ G, a new tensor (megatron's gradients stay as they are; the base step writes
-    G_Ŵ). ``own`` (G is the step's own stack) changes nothing here."""
+    G_Ŵ)."""
     g.settle()  # a rescale no fuse took since the last step
     B, (M, N) = g.B, g.full
     phi = g.phi()
@@ -244,8 +244,9 @@ def _partials_group(g, G: torch.Tensor, P: torch.Tensor, own: bool) -> torch.Ten
         if need_row:
             P[one, :M].add_(gr)
     if need_col:
+        off = M if need_row else 0
         part = torch.bmm(row.transpose(1, 2), scratch) if row.ndim else scratch.sum(1, True)
-        P[:, (M if need_row else 0) : (M if need_row else 0) + N].add_(part.view(B, N))
+        P[:, off : off + N].add_(part.view(B, N))
     return out
 
 

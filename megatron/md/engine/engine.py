@@ -298,7 +298,7 @@ class Engine:
                 self._write("step", g, bufs, P, inplace)
                 continue
             if g.kernels is not None and g.kernels.partials is not None:
-                G = g.kernels.partials(g, G, P, own)  # (no tangent projection: no pre_p)
+                G = g.kernels.partials(g, G, P)  # (no tangent projection: no pre_p)
             else:
                 G = g.gain_partials(G, P, pre_p, own, private=bool(g.n_pre) or g.base.writes_grads)
             if g.n_pre:
