@@ -155,7 +155,6 @@ def write_outputs(results: dict[str, dict], out: Path, title: str) -> None:
 
 def method_flags(method: str, matrix_lr: float) -> list[str]:
     """The recipe's flags of ``method`` (a variant: its recipe's, then its own)."""
-    sys.path.insert(0, str(ROOT))
     from megatron.md.train import recipes
 
     recipe, more = VARIANTS.get(method, (method, []))

@@ -56,16 +56,23 @@ def _adam(w, g, m, v, hp):
     return w2
 
 
+def _gain_terms(w, g, col, scratch, need_row: bool):
+    """G in Ŵ's dtype and the row gains' partials Σ_j Ŵ G g_col (a row reduction, in the
+    caller's loop); Ŵ⊙G into ``scratch`` for the column sums (a batched mat-vec outside)."""
+    gb = g.to(w.dtype)
+    gr = w.new_zeros(())
+    p = w * gb
+    if need_row:
+        gr = (p * col).sum(2)
+    if scratch is not None:
+        scratch.copy_(p)
+    return gb, gr
+
+
 def _phase1(w, g, m, v, row, col, hp, scratch, need_row: bool, sphere: str):
     """(B, M, N) blocks; ``row`` (B, M, 1), ``col`` (B, 1, N) (0-d ones if absent)."""
-    gb = g.to(w.dtype)
-    zero = w.new_zeros(())
-    gr = nrm = zero
-    p = w * gb
-    if need_row:  # ∂L/∂g_row partial Σ_j Ŵ G g_col: a row reduction, in the same loop as Adam
-        gr = (p * col).sum(2)
-    if scratch is not None:  # Ŵ⊙G for the column sums (a batched mat-vec outside)
-        scratch.copy_(p)
+    gb, gr = _gain_terms(w, g, col, scratch, need_row)
+    nrm = w.new_zeros(())
     w2 = _adam(w, gb * row * col, m, v, hp)
     sq = w2 * w2
     if sphere == "frobenius":
@@ -90,13 +97,7 @@ def _phase1_none(w, g, m, v, row, col, hp, scratch, need_row: bool):
 def _partials(w, g, row, col, out, scratch, need_row: bool):
     """MuonMD's lines 1-6 on (B, M, N) blocks in one pass: the row partials, Ŵ⊙G into
     ``scratch`` for the column sums, G_Ŵ = Γ ⊙ G into ``out``."""
-    gb = g.to(w.dtype)
-    gr = w.new_zeros(())
-    p = w * gb
-    if need_row:
-        gr = (p * col).sum(2)
-    if scratch is not None:
-        scratch.copy_(p)
+    gb, gr = _gain_terms(w, g, col, scratch, need_row)
     out.copy_(gb * row * col)  # the eager group's order: (G ⊙ g_row) ⊙ g_col
     return gr
 
@@ -216,8 +217,7 @@ def _phase1_group(g, G: torch.Tensor, P: torch.Tensor, step: int, hp: AdamHParam
         if sphere != "none":
             P[one, g.n_gain :].add_(nrm.view(one.stop - one.start, -1))
     if need_col:
-        part = torch.bmm(row.transpose(1, 2), scratch) if row.ndim else scratch.sum(1, True)
-        P[:, off : off + N].add_(part.view(B, N))
+        _add_col_partials(P, row, scratch, off)
     if sphere == "none" and g.n_norm:  # norm partials the kernel leaves to the eager group
         g.norm_partials(P[:, g.n_gain :])
 
@@ -244,10 +244,16 @@ def _partials_group(g, G: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
         if need_row:
             P[one, :M].add_(gr)
     if need_col:
-        off = M if need_row else 0
-        part = torch.bmm(row.transpose(1, 2), scratch) if row.ndim else scratch.sum(1, True)
-        P[:, off : off + N].add_(part.view(B, N))
+        _add_col_partials(P, row, scratch, M if need_row else 0)
     return out
+
+
+def _add_col_partials(P: torch.Tensor, row, scratch: torch.Tensor, off: int) -> None:
+    """The column gains' partials g_rowᵀ (Ŵ⊙G) of a group (``scratch``: Ŵ⊙G, (B, M, N)) into
+    ``P[:, off : off + N]``: one batched mat-vec."""
+    B, _, N = scratch.shape
+    part = torch.bmm(row.transpose(1, 2), scratch) if row.ndim else scratch.sum(1, True)
+    P[:, off : off + N].add_(part.view(B, N))
 
 
 #: call the kernels once on a CPU group's whole stack too (the tests: the GPU's calls on a CPU)
