@@ -16,12 +16,14 @@ import sys
 from megatron.md import cpu_mode
 
 if __name__ == "__main__":
+    # inductor compiles in this process, megatron's jit-fused functions (torch.compile) and
+    # the compiled MD step alike: its pool of worker processes outlives the compile and cost
+    # dense-181M 16 % of its tokens/s on an H200 (docs/benchmarks.md; compiled.py does the same
+    # for its own kernels when used without this script)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     # without CUDA: CPU mode first, before megatron.training is imported (a GPU job that
     # sees no GPU stops here instead)
-    if cpu_mode.start(sys.argv[1:]):
-        # the compiled MD step (--md-fused-step auto on CPU): one compile worker per rank
-        # keeps two 457M ranks compiling at once within 24 GB
-        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    cpu_mode.start(sys.argv[1:])
     from megatron.md.train import cli
 
     cli.main()

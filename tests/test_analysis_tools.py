@@ -222,23 +222,26 @@ def test_tools_explain_themselves(tool):
     assert out.returncode == 0 and len(out.stdout) > 500, out.stderr
 
 
-def test_throughput_compiled_variant_is_adammd_with_the_compiled_step():
-    """throughput.py's ``adammd-compiled``: AdamMD's recipe with ``--md-fused-step on`` (the
-    GPU check's row beside the eager default), against AdamW; not in the default methods."""
+def test_throughput_eager_variants_are_the_recipes_with_the_eager_step():
+    """throughput.py's ``adammd-eager`` / ``muonmd-eager``: AdamMD's / MuonMD's recipe with
+    ``--md-fused-step off`` (the GPU check's rows beside the default, compiled on a GPU at
+    ``dense-181M``), against AdamW / Muon; not in the default methods."""
     import gpu_check
     import megatron.training.global_vars as gv
     import throughput
 
     from megatron.md.train import cli
 
-    flags = throughput.method_flags("adammd-compiled", 4e-3)
-    assert flags == [*throughput.method_flags("adammd", 4e-3), "--md-fused-step=on"]
-    gv.unset_global_variables()
-    argv = gpu_check._pretrain_flags("tiny", 2, flags)  # as the GPU check runs it
-    _, md = cli.parse(argv, on_cpu=True)
-    assert md.fused_step == "on" and md.use_fused("cuda", 1)
-    assert throughput.BASE["adammd-compiled"] == "adamw"
-    gv.unset_global_variables()
+    cases = (("adammd-eager", "adammd", "adamw"), ("muonmd-eager", "muonmd", "muon"))
+    for name, recipe, base in cases:
+        flags = throughput.method_flags(name, 4e-3)
+        assert flags == [*throughput.method_flags(recipe, 4e-3), "--md-fused-step=off"]
+        gv.unset_global_variables()
+        argv = gpu_check._pretrain_flags("tiny", 2, flags)  # as the GPU check runs it
+        _, md = cli.parse(argv, on_cpu=True)
+        assert md.fused_step == "off" and not md.use_fused("cuda", 1 << 30)
+        assert throughput.BASE[name] == base
+        gv.unset_global_variables()
 
 
 @pytest.mark.distributed

@@ -141,6 +141,25 @@ def test_compiled_kernels_take_the_whole_stack_in_one_call(monkeypatch):
     _same_gains(ranks, st_ref, reference.GAIN_NAMES["rowcol"], rtol=1e-12, atol=1e-13)
 
 
+def test_compiled_kernels_compile_in_this_process(monkeypatch):
+    """The kernels compile with one inductor compile thread (no worker pool: on an H200 the
+    pool cost a training run 16 % of its tokens/s, docs/benchmarks.md) unless the user set
+    ``TORCHINDUCTOR_COMPILE_THREADS``. torch.compile is lazy: nothing compiles here."""
+    import torch._inductor.config as inductor_config
+
+    from megatron.md.engine import compiled
+
+    monkeypatch.setattr(compiled, "_compiled", {})
+    monkeypatch.setattr(inductor_config, "compile_threads", 8)
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    compiled._get("probe", compiled._fuse)
+    assert inductor_config.compile_threads == 1
+    inductor_config.compile_threads = 8
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "8")
+    compiled._get("probe2", compiled._fuse)
+    assert inductor_config.compile_threads == 8
+
+
 def test_muon_whole_matrix_matches_reference():
     spec = MatrixSpec("frobenius", "init", "rowcol", "softplus", muon_scale="sphere_rms")
     w, w_ref, *_ = _run(spec, [], base="muon", dtype=torch.float32, n=3)

@@ -6,12 +6,12 @@ On the real matrix shapes of the paper's dense models (``SHAPES``: d, 12 layers,
 with megatron-core's own optimizers and ``enable_md``:
 
 - AdamMD / Adam under ZeRO-1 (``DistributedOptimizer``): AdamMD as a user gets it
-  (``adam_md``: ``--md-fused-step auto``, the compiled kernels on a CPU at these sizes, the eager
-  step on a GPU), with the eager step (``adam_md_eager``) and with the compiled kernels
+  (``adam_md``: ``--md-fused-step auto``, the compiled kernels at these sizes), with the eager
+  step (``adam_md_eager``) and with the compiled kernels
   (``adam_md_fused``); the first, untimed round compiles;
 - MuonMD / Muon layer-wise (``LayerWiseDistributedOptimizer``, Adam for embeddings/LM head),
-  likewise as a user gets it (``muon_md``), eager (``muon_md_eager``) and compiled
-  (``muon_md_fused``);
+  likewise as a user gets it (``muon_md``: compiled on a GPU at these sizes, eager on a CPU),
+  eager (``muon_md_eager``) and compiled (``muon_md_fused``);
 - AdamMD layer-wise (``--md-adam-layer-wise``) / AdamMD ZeRO-1: the two sharding strategies;
 - optimizer-state bytes with MD / without, bf16 params (fp32 main params held by megatron).
 
@@ -484,8 +484,6 @@ def main(argv=None) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world))}
         if DEV == "cpu":  # huge pages for torch's large CPU buffers (docs/benchmarks.md: without
             env.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # them page faults dominate at 457M)
-            # inductor's compile workers fork from each rank: at 457M two ranks ran out of 24 GB
-            env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
         for line in out.stdout.splitlines():
             if line.startswith(JSON_TAG):

@@ -1,4 +1,4 @@
-"""Everything a GPU can show about Megatron-MD, in one command of at most ~9.5 minutes, with
+"""Everything a GPU can show about Megatron-MD, in one or two commands (~10.5 minutes), with
 one dated report (markdown and JSON: device, driver, torch, megatron-core, emerging-optimizers,
 commit):
 
@@ -7,12 +7,12 @@ commit):
    and bf16) against the reference, and MD off against megatron's own optimizers bit for bit
    (Muon: to fp32 rounding, the batched Newton–Schulz runs another cuBLAS kernel);
 2. step cost: ``tools/bench_dispatch.py`` (dispatched ops, host syncs, bytes moved) and
-   ``tools/bench_md_step.py`` at 181M, 457M and 1.29B (AdamMD/Adam — the default eager step and
-   the compiled one, one pass per group —, MuonMD/Muon, bf16). CUDA
-   graph capture of the step is not offered (docs/internals.md), so there is nothing to toggle;
-3. end to end: ``tools/throughput.py`` on ``dense-181M`` (AdamW, AdamMD eager and compiled,
-   Muon, MuonMD; bf16,
-   local layer spec, tokens/s medians after warm-up), and a save at iteration N and a resume
+   ``tools/bench_md_step.py`` at 181M, 457M and 1.29B (AdamMD/Adam and MuonMD/Muon, bf16: the
+   default step, compiled at these sizes, and the eager one beside it). CUDA graph capture of
+   the step is not offered (docs/internals.md), so there is nothing to toggle;
+3. end to end: ``tools/throughput.py`` on ``dense-181M`` (AdamW, Muon, AdamMD and MuonMD as
+   by default and with the eager step; bf16, local layer spec, tokens/s medians after
+   warm-up), and a save at iteration N and a resume
    that must repeat the first run's losses exactly (both in megatron's ``--deterministic-mode``:
    without it two identical runs part on a GPU), with the long-run checks (sphere drift,
    finite gains) on its log;
@@ -86,7 +86,8 @@ MD_JOBS = [
     ["--optimizer", "adam", "--dist", "layerwise", "--dtype", "bf16"],
     ["--optimizer", "adam", "--dist", "replicated"],
     ["--optimizer", "muon", "--dist", "replicated", "--dtype", "bf16"],
-    # the compiled step (--md-fused-step on): the default on a GPU once these pass there
+    # the compiled step (--md-fused-step on; the default on a GPU at scale, md_check's models
+    # being too small for auto to choose it)
     ["--dist", "zero1", "--fused-step"],
     ["--dist", "zero1", "--dtype", "bf16", "--experts", "4", "--fused-step"],
     ["--optimizer", "adam", "--dist", "replicated", "--fused-step"],
@@ -128,7 +129,7 @@ def _pretrain_flags(preset: str, iters: int, method_flags: list[str]) -> list[st
 
 
 def plan() -> list[Step]:
-    """The steps, in the order they run (about 8 minutes on one H100 in all)."""
+    """The steps, in the order they run (about 10.5 minutes on one H200 in all: two calls)."""
     adammd = ["--optimizer=adam", "--md-decoupling", "--lr=3e-3"]
     muonmd = ["--optimizer=muon", "--md-decoupling", "--lr=3e-3", "--matrix-lr=2e-2"]
     steps = [
@@ -138,27 +139,30 @@ def plan() -> list[Step]:
         Step("step-cost", "tools/bench_md_step.py",
              ["--model", "181M", "457M", "1.29B", "--world", "1", "--dtype", "bf16",
               "--steps", "5", "--runs", "adam", "adam_md", "muon", "muon_md",
-              "--json", "{out}/step_cost.json"], 120),
-        # its own step: inductor's compile time on a GPU is unmeasured, and a step killed at
-        # its cap must not take the default path's table with it
+              "--json", "{out}/step_cost.json"], 180),
+        # the eager MD step beside it, in its own step: a step killed at its cap must not take
+        # the default path's table with it
         Step("step-cost", "tools/bench_md_step.py",
              ["--model", "181M", "1.29B", "--world", "1", "--dtype", "bf16", "--steps", "5",
-              "--runs", "adam", "adam_md_fused", "muon", "muon_md_fused",  # eager: the step above
-              "--json", "{out}/step_compiled.json"], 180,
-             notes=["the compiled AdamMD and MuonMD steps (*_md_fused)"]),
+              "--runs", "adam", "adam_md_eager", "muon", "muon_md_eager",
+              "--json", "{out}/step_eager.json"], 120,
+             notes=["the eager AdamMD and MuonMD steps (*_md_eager)"]),
         Step("throughput", "tools/throughput.py",
              ["--preset", "dense-181M", "--iters", "20", "--warmup", "8", "--nproc", "1",
-              "--seq-length", "2048", "--methods", "adamw", "muon", "adammd", "adammd-compiled",
-              "muonmd",
-              "--out", "{out}", "--", "--transformer-impl=local"], 240),
+              "--seq-length", "2048", "--methods", "adamw", "muon", "adammd", "muonmd",
+              "adammd-eager", "muonmd-eager",
+              "--out", "{out}", "--", "--transformer-impl=local"], 270),
     ]  # fmt: skip
     for name, flags in (("adammd", adammd), ("muonmd", muonmd)):
         # 24 iterations: tools/long_run_check.py reads at least 20 losses
         # --deterministic-mode: without it two identical runs from scratch on the H200 parted
         # at iteration 2 (2026-11-26; F.embedding's backward and cuBLAS's workspace), so
         # a resume could not be held to bit for bit
+        # --md-fused-step on: the GPU's default at scale (tiny is below it); the eager step's
+        # resume was exact on the H200 (2026-11-26)
         first = [*_pretrain_flags("tiny", 2 * SAVED_AT, flags), "--save={out}/%s" % name,
-                 f"--save-interval={SAVED_AT}", "--deterministic-mode"]  # fmt: skip
+                 f"--save-interval={SAVED_AT}", "--deterministic-mode",
+                 "--md-fused-step=on"]  # fmt: skip
         steps += [
             Step("resume", "pretrain_gpt.py",
                  [*first, "--metrics-file={out}/%s-a.jsonl" % name], 60, torchrun=True,

@@ -29,13 +29,17 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 from runlog import LogError, RunLog, read_log, read_manifest, run_pretrain  # noqa: E402
 
+#: methods that are another's recipe with flags added; adammd-eager / muonmd-eager: the eager
+#: MD step (--md-fused-step off) beside the default, compiled on a GPU at these sizes
+VARIANTS = {
+    "adammd-eager": ("adammd", ["--md-fused-step=off"]),
+    "muonmd-eager": ("muonmd", ["--md-fused-step=off"]),
+}
 #: adammd-lw: AdamMD on whole matrices owned layer-wise (--md-adam-layer-wise), as the paper's
 #: throughput table ran it (appendix "Implementation, Efficiency, and Throughput")
-#: adammd-compiled: AdamMD with its compiled step (--md-fused-step on; eager on a GPU by default)
-METHODS = ("adamw", "muon", "adammd", "muonmd", "adammd-lw", "adammd-compiled")
-BASE = {"adammd": "adamw", "muonmd": "muon", "adammd-lw": "adamw", "adammd-compiled": "adamw"}
-#: a method that is another's recipe with flags added
-VARIANTS = {"adammd-compiled": ("adammd", ["--md-fused-step=on"])}
+METHODS = ("adamw", "muon", "adammd", "muonmd", "adammd-lw", *VARIANTS)
+BASE = {"adammd": "adamw", "muonmd": "muon", "adammd-lw": "adamw"}
+BASE |= {name: BASE[recipe] for name, (recipe, _) in VARIANTS.items()}
 #: dense bf16 peak TFLOP/s by device-name substring (first match wins)
 PEAKS = (("GH200", 989.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0),
          ("A100", 312.0), ("B200", 2250.0))  # fmt: skip

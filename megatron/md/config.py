@@ -33,7 +33,7 @@ GAIN_NAMES = {
     "rowcol": ("gain_row", "gain_col"),
     "lowrank": ("gain_a", "gain_b"),
 }
-#: ``fused_step='auto'`` compiles a CPU optimizer instance's MD step from this many elements of
+#: ``fused_step='auto'`` compiles an optimizer instance's MD step from this many elements of
 #: MD matrices on the rank up: the paper's 181M model has ~4.7e7 in its hidden matrices, the
 #: test suite's models under 1e6 (compiling costs tens of seconds, more than their whole run)
 FUSED_MIN_ELEMENTS = 1 << 24
@@ -178,12 +178,13 @@ class MDConfig:
     """The MD step's per-group passes as compiled kernels (``torch.compile``,
     megatron/md/engine/compiled.py; AdamMD: partials, Adam and norms in one pass, MuonMD: the
     partials around its Newton–Schulz; both: rescale and fused weight in one): on, off, or auto:
-    AdamMD's on for a CPU optimizer whose MD matrices hold at least 2^24 elements on the rank
-    (there AdamMD's step is then as fast as megatron's AdamW or faster), off on GPUs until
-    checked there against the reference (on an H200 it measured 1.02× Adam's step at 181M and
-    0.78× at 1.29B, the eager 1.60× and 2.72×: docs/benchmarks.md; give ``on`` for it) and for
-    small models (compiling takes tens of seconds). Execution only: the results agree with the
-    eager step to fp32 rounding, it is never used with MD off, checkpoints are interchangeable."""
+    on for an optimizer whose MD matrices hold at least 2^24 elements on the rank, off for
+    smaller ones (compiling takes tens of seconds); on a GPU for AdamMD and MuonMD (checked
+    against the reference there; H200, 2026-11-26: AdamMD's step 1.03× Adam's at 181M and
+    0.79× at 1.29B against the eager 1.58× and 2.75×, MuonMD's 0.34× and 1.34× Muon's against
+    0.43× and 1.56×), on a CPU for AdamMD only (MuonMD's compiled passes measured no faster
+    there); docs/benchmarks.md. Execution only: the results agree with the eager step to fp32
+    rounding, it is never used with MD off, checkpoints are interchangeable."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -245,12 +246,14 @@ class MDConfig:
     def use_fused(self, device_type: str, elements: int) -> frozenset[str]:
         """The bases whose MD matrices take the compiled step in an optimizer instance on
         ``device_type`` whose MD matrices hold ``elements`` elements on this rank (the rule of
-        ``fused_step``; empty: none). auto compiles AdamMD only: on a CPU MuonMD's step is
-        Newton–Schulz's matmuls, and its compiled passes measured no faster there (181M, 2
-        ranks, 2026-11-26: inner step 1.06× Muon's against the eager 0.94×, docs/benchmarks.md)."""
+        ``fused_step``; empty: none). auto compiles both on a GPU and AdamMD only on a CPU,
+        where MuonMD's step is Newton–Schulz's matmuls and its compiled passes measured no
+        faster (181M, 2 ranks, 2026-11-26: inner step 1.06× Muon's against the eager 0.94×,
+        docs/benchmarks.md)."""
         if self.fused_step == "auto":
-            big = device_type == "cpu" and elements >= FUSED_MIN_ELEMENTS
-            return frozenset({"adam"} if big else ())
+            if elements < FUSED_MIN_ELEMENTS:
+                return frozenset()
+            return frozenset({"adam"} if device_type == "cpu" else {"adam", "muon"})
         return frozenset({"adam", "muon"} if self.fused_step == "on" else ())
 
     def lowrank_init_std_for(self) -> float:

@@ -1,5 +1,5 @@
 """AdamMD's and MuonMD's phases of a whole group as compiled kernels (``torch.compile``;
-``--md-fused-step``; AdamMD's on by default for a CPU optimizer at scale: ``MDConfig.use_fused``).
+``--md-fused-step``; on by default at scale, AdamMD's only on a CPU: ``MDConfig.use_fused``).
 
 MuonMD's (``_partials_group`` and the fuse): the gains' partials and G_Ŵ = Γ ⊙ G in one pass
 before the base's batched Newton–Schulz, the norms' partials eager after it, and the deferred
@@ -23,12 +23,14 @@ strided view into megatron's buffers and gains broadcast against it (torch 2.15,
 6 x 2048 x 1024, 2026-11-25: the fuse 1.1 ns/element stacked against 0.33 per matrix, phase 1
 with row and column gains 1.9 against 1.6); there a call costs microseconds against the
 milliseconds of a matrix. On a GPU, where a call's launches are the cost, once on the stack
-(``_pieces``). The default on a GPU is the eager group (``MDConfig.use_fused``): the compiled
-step there is measured by ``tools/gpu_check.py`` (``adam_md_fused``) before it may be.
+(``_pieces``). On a GPU both AdamMD's and MuonMD's are the default at scale
+(``MDConfig.use_fused``), after ``tools/gpu_check.py`` checked them against the reference and
+measured them faster than the eager group there (H200, 2026-11-26, docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -116,8 +118,24 @@ _PHASE1 = {"frobenius": _phase1_frobenius, "row": _phase1_row, "none": _phase1_n
 _compiled: dict[str, Callable] = {}
 
 
+def _one_compile_thread() -> None:
+    """Compile in this process, not in inductor's pool of ``min(32, cores)`` worker processes,
+    unless ``TORCHINDUCTOR_COMPILE_THREADS`` says otherwise. The pool outlives the compile and
+    slowed the whole iteration of a training run: ``dense-181M`` on one H200 (2026-11-26,
+    torch 2.11.0+cu130, 16 cores), AdamMD compiled with the pool 71.6k tokens/s (forward-backward
+    92.3 ms), in this process 85.0k (79.4 ms; eager AdamMD 81.8k); docs/benchmarks.md. On a
+    CPU the workers fork from each rank: two 457M ranks compiling at once ran out of 24 GB.
+    Our few kernels compile in seconds either way. Set before the first compile (inductor reads
+    it when it starts the pool); an inductor without the setting fails here, loudly."""
+    import torch._inductor.config as inductor_config  # here: importing it loads inductor
+
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        inductor_config.compile_threads = 1
+
+
 def _get(name: str, fn):
     if name not in _compiled:  # compiled lazily: importing this module costs nothing
+        _one_compile_thread()
         compiled = torch.compile(fn, dynamic=False, fullgraph=True)
 
         def call(*args, _fn=compiled):
