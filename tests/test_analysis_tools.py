@@ -285,6 +285,21 @@ def test_bench_md_step_smoke(tmp_path):
 
 
 @pytest.mark.distributed
+def test_bench_md_step_profile_compares_each_base_with_its_md_step():
+    """--profile (the GPU check's "profile" step): one step each of Adam, AdamMD, Muon and
+    MuonMD, the summed self time and the ten costliest ops, the MD steps inside MDInner."""
+    out = run_tool("bench_md_step.py", "--profile", "--model", "smoke", "--world", "1",
+                   "--vocab-size", "512", timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [x for x in out.stdout.splitlines() if x.startswith("prof smoke fp32 ")]
+    runs = ("adam", "adam+MD", "muon", "muon+MD")
+    for run in runs:
+        mine = [x for x in lines if x.split()[3] in (run, run + ":")]
+        assert len(mine) == 11 and float(mine[0].split()[4]) > 0, lines
+        assert any("MDInner.step" in x for x in mine) == run.endswith("+MD"), mine
+
+
+@pytest.mark.distributed
 def test_bench_md_step_under_tensor_parallelism(tmp_path):
     """--tp 2: every matrix split as megatron splits it (column/row-parallel, SwiGLU stride 2,
     vocab-parallel rows); MD's all-reduce payload is the FULL matrices' partials (the TP sum

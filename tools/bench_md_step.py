@@ -302,22 +302,38 @@ def paired_ratio(num: list[float], den: list[float]) -> float:
 
 
 def profile(name: str, vocab: int, dtype: str) -> None:
-    """Kernel table of one AdamMD and one MuonMD step (``--profile``): where the time goes."""
+    """Where one step's time goes (``--profile``), for Adam, AdamMD, Muon and MuonMD as a user
+    gets them: the self time of every op summed (device time on a GPU: the kernels; CPU time on
+    a CPU) and the ten costliest ops, one ``prof`` line each, so that a base and its MD step
+    compare line by line."""
+    import gc
+
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV == "cuda" else [])
-    for opt_name in ("adam", "muon"):
-        dmodel, opt = build(name, opt_name, True, dtype, vocab)
-        opt.step()
+    cuda = DEV == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    for opt_name, md_on in (("adam", False), ("adam", True), ("muon", False), ("muon", True)):
+        dmodel, opt = build(name, opt_name, md_on, dtype, vocab)
+        for _ in range(2):  # state init; the compiled step's compile (and its one recompile)
+            opt.step()
         sync()
         with prof(activities=acts) as p:
             opt.step()
             sync()
-        key = "cuda_time_total" if DEV == "cuda" else "cpu_time_total"
-        print(f"\n{name} {opt_name}+MD, one step", file=sys.stderr)
-        print(p.key_averages().table(sort_by=key, row_limit=30), file=sys.stderr)
+        ops = sorted(p.key_averages(), key=lambda e: getattr(e, attr), reverse=True)
+        if torch.distributed.get_rank():  # every rank steps (collectives), rank 0 tells
+            ops = []
+        tag = f"prof {name} {dtype} {opt_name}{'+MD' if md_on else ''}"
+        total = sum(getattr(e, attr) for e in ops) / 1e3
+        if ops:
+            print(f"{tag}: {total:.2f} ms of {'kernels' if cuda else 'CPU ops'} in one step")
+        for e in ops[:10]:
+            print(f"{tag}  {getattr(e, attr) / 1e3:8.2f} ms {e.count:5d}x  {e.key[:80]}")
+        sys.stdout.flush()
         del dmodel, opt
+        free(gc)
 
 
 def free(gc) -> None:
@@ -349,7 +365,7 @@ def worker(args) -> None:
     ps.initialize_model_parallel(args.tp, 1)
     rank = torch.distributed.get_rank()
     if args.profile:
-        return profile(args.model[0], args.vocab_size, args.dtype)
+        return profile(args.model[0], args.vocab_size, args.dtype[0])
     results = {}
     for name in args.model:
         for dtype in args.dtype:
@@ -465,7 +481,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel size (must divide every world size)")  # fmt: skip
     ap.add_argument("--json", type=Path, help="write every world size's results here")
-    ap.add_argument("--profile", action="store_true", help="kernel table of one MD step instead")
+    ap.add_argument("--profile", action="store_true",
+                    help="where one step's time goes (Adam, AdamMD, Muon, MuonMD)")  # fmt: skip
     args = ap.parse_args(argv)
     if "LOCAL_RANK" in os.environ:
         return worker(args)

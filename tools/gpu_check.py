@@ -1,4 +1,4 @@
-"""Everything a GPU can show about Megatron-MD, in one or two commands (~10.5 minutes), with
+"""Everything a GPU can show about Megatron-MD, in two commands (~11.5 minutes), with
 one dated report (markdown and JSON: device, driver, torch, megatron-core, emerging-optimizers,
 commit):
 
@@ -8,8 +8,10 @@ commit):
    (Muon: to fp32 rounding, the batched Newton–Schulz runs another cuBLAS kernel);
 2. step cost: ``tools/bench_dispatch.py`` (dispatched ops, host syncs, bytes moved) and
    ``tools/bench_md_step.py`` at 181M, 457M and 1.29B (AdamMD/Adam and MuonMD/Muon, bf16: the
-   default step, compiled at these sizes, and the eager one beside it). CUDA graph capture of
-   the step is not offered (docs/internals.md), so there is nothing to toggle;
+   default step, compiled at these sizes, and the eager one beside it), and where one step's
+   kernel time goes at 1.29B (``--profile``: the ten costliest ops of Adam, AdamMD, Muon and
+   MuonMD). CUDA graph capture of the step is not offered (docs/internals.md), so there is
+   nothing to toggle;
 3. end to end: ``tools/throughput.py`` on ``dense-181M`` (AdamW, Muon, AdamMD and MuonMD as
    by default and with the eager step; bf16, local layer spec, tokens/s medians after
    warm-up), and a save at iteration N and a resume
@@ -92,6 +94,7 @@ MD_JOBS = [
     ["--dist", "zero1", "--dtype", "bf16", "--experts", "4", "--fused-step"],
     ["--optimizer", "adam", "--dist", "replicated", "--fused-step"],
     [*_LW_MUON, "--dtype", "bf16", "--fused-step"],
+    [*_LW_MUON, "--dtype", "bf16", "--experts", "4", "--fused-step"],
     ["--vs", "megatron", "--dist", "zero1"],
     ["--vs", "megatron", "--dist", "zero1", "--dtype", "bf16", "--experts", "4"],
     ["--vs", "megatron", *_LW_MUON, "--dtype", "bf16", "--experts", "4"],
@@ -129,7 +132,7 @@ def _pretrain_flags(preset: str, iters: int, method_flags: list[str]) -> list[st
 
 
 def plan() -> list[Step]:
-    """The steps, in the order they run (about 10.5 minutes on one H200 in all: two calls)."""
+    """The steps, in the order they run (about 11.5 minutes on one H200 in all: two calls)."""
     adammd = ["--optimizer=adam", "--md-decoupling", "--lr=3e-3"]
     muonmd = ["--optimizer=muon", "--md-decoupling", "--lr=3e-3", "--matrix-lr=2e-2"]
     steps = [
@@ -147,6 +150,10 @@ def plan() -> list[Step]:
               "--runs", "adam", "adam_md_eager", "muon", "muon_md_eager",
               "--json", "{out}/step_eager.json"], 120,
              notes=["the eager AdamMD and MuonMD steps (*_md_eager)"]),
+        # where the device time of one step goes, base against MD (MuonMD is 1.34x Muon's
+        # step at 1.29B on the H200, compiled: which kernels?)
+        Step("profile", "tools/bench_md_step.py",
+             ["--profile", "--model", "1.29B", "--world", "1", "--dtype", "bf16"], 150),
         Step("throughput", "tools/throughput.py",
              ["--preset", "dense-181M", "--iters", "20", "--warmup", "8", "--nproc", "1",
               "--seq-length", "2048", "--methods", "adamw", "muon", "adammd", "muonmd",
@@ -307,6 +314,8 @@ def verdict(step: Step, rc: int, output: str, out: Path) -> tuple[bool, list[str
         head = ("MD optimizer-step cost", "model ")
         rows = [x for x in output.splitlines() if x.startswith(head) or STEP_ROW.match(x)]
         lines += rows or output.strip().splitlines()[-12:]
+    elif step.name == "profile":
+        lines += [x for x in output.splitlines() if x.startswith("prof ")]
     else:
         lines += output.strip().splitlines()[-12:]
     return ok, lines
