@@ -304,8 +304,9 @@ def paired_ratio(num: list[float], den: list[float]) -> float:
 def profile(name: str, vocab: int, dtype: str) -> None:
     """Where one step's time goes (``--profile``), for Adam, AdamMD, Muon and MuonMD as a user
     gets them: the self time of every op summed (device time on a GPU: the kernels; CPU time on
-    a CPU) and the ten costliest ops, one ``prof`` line each, so that a base and its MD step
-    compare line by line."""
+    a CPU) against the step's wall time (on a GPU, what the kernels leave of it is the host's
+    share: launches, guards, Python), and the ten costliest ops, one ``prof`` line each, so
+    that a base and its MD step compare line by line."""
     import gc
 
     from torch.profiler import ProfilerActivity
@@ -319,6 +320,10 @@ def profile(name: str, vocab: int, dtype: str) -> None:
         for _ in range(2):  # state init; the compiled step's compile (and its one recompile)
             opt.step()
         sync()
+        t0 = time.perf_counter()
+        opt.step()
+        sync()
+        wall = (time.perf_counter() - t0) * 1e3  # unprofiled: the profiler slows the host
         with prof(activities=acts) as p:
             opt.step()
             sync()
@@ -328,7 +333,8 @@ def profile(name: str, vocab: int, dtype: str) -> None:
         tag = f"prof {name} {dtype} {opt_name}{'+MD' if md_on else ''}"
         total = sum(getattr(e, attr) for e in ops) / 1e3
         if ops:
-            print(f"{tag}: {total:.2f} ms of {'kernels' if cuda else 'CPU ops'} in one step")
+            what = "kernels" if cuda else "CPU ops"
+            print(f"{tag}: {total:.2f} ms of {what} in one step of {wall:.2f} ms wall time")
         for e in ops[:10]:
             print(f"{tag}  {getattr(e, attr) / 1e3:8.2f} ms {e.count:5d}x  {e.key[:80]}")
         sys.stdout.flush()
