@@ -372,6 +372,23 @@ def test_bench_dispatch_counts(tmp_path):
             assert r["bytes"]["4"][run] > r["bytes"]["2"][run] > 0, r
 
 
+def test_dispatch_count_takes_a_compiled_call_as_one_op():
+    """bench_dispatch --fused-step on: a compiled MD kernel's call counts as one operation
+    (dynamo cannot run under the counter: the call runs its function unseen), with the kernel's
+    arithmetic; the real kernels are back after the count."""
+    import bench_dispatch
+    import torch
+
+    from megatron.md.engine import compiled
+
+    real = compiled._get
+    x, row, col = torch.full((2, 3), 2.0), torch.full((2, 1), 3.0), torch.ones(1, 3)
+    out = torch.empty(2, 3)
+    ops = bench_dispatch.count(lambda: compiled._get("fuse", compiled._fuse)(x, row, col, out))[0]
+    assert ops == 1 and torch.equal(out, torch.full((2, 3), 6.0))
+    assert compiled._get is real
+
+
 def test_bytes_moved_count_reads_and_writes_not_views():
     """bench_dispatch.count's traffic: an in-place op reads and writes its tensor, a copy reads
     one and writes the other, a view moves nothing."""

@@ -19,8 +19,10 @@ optimizer and with MD, at 12 and 24 layers:
 
 Base Adam as megatron runs it on a GPU without TE/apex: torch's multi-tensor Adam (``foreach``);
 AdamMD/Adam under ZeRO-1, MuonMD/Muon layer-wise (megatron's Muon: per matrix). The default MD
-path (``--md-fused-step auto``: eager at this size). Targets (docs/benchmarks.md): AdamMD/Adam
-≤ 1.15, MuonMD/Muon ≤ 1.00, ≤ 4 extra operations per added matrix.
+path (``--md-fused-step auto``: eager at this size), or with ``--fused-step on`` the compiled
+step as a GPU runs it at scale (its default there), each kernel call one operation. Targets
+(docs/benchmarks.md): AdamMD/Adam ≤ 1.15, MuonMD/Muon ≤ 1.00, ≤ 4 extra operations per added
+matrix.
 
     python tools/bench_dispatch.py [--width 128] [--layers 12 24] [--rounds 30]
 """
@@ -28,6 +30,7 @@ path (``--md-fused-step auto``: eager at this size). Targets (docs/benchmarks.md
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -74,12 +77,39 @@ def count(step) -> tuple[int, int, int, int]:
                 Count.moved += _bytes((args, kwargs)) + _bytes(out)
             return out
 
-    with Count():
+    with Count(), _kernels_as_one_op() as calls:
         step()
-    return Count.ops, Count.syncs, Count.md_syncs, Count.moved
+    return Count.ops + calls[0], Count.syncs, Count.md_syncs, Count.moved
 
 
-def build(width: int, layers: int, run: str, vocab: int):
+@contextlib.contextmanager
+def _kernels_as_one_op():
+    """Each compiled MD kernel call (``--fused-step on``) counted as one operation: dynamo
+    cannot run under a ``TorchDispatchMode``, so while counting, a call runs its function
+    eagerly with dispatch modes off (the same arithmetic, unseen by the counter). Its bytes
+    are not counted."""
+    from torch.utils._mode_utils import no_dispatch
+
+    from megatron.md.engine import compiled
+
+    calls, real = [0], compiled._get
+
+    def stub(name, fn):
+        def call(*args):
+            calls[0] += 1
+            with no_dispatch():
+                return fn(*args)
+
+        return call
+
+    compiled._get = stub
+    try:
+        yield calls
+    finally:
+        compiled._get = real
+
+
+def build(width: int, layers: int, run: str, vocab: int, fused: str = "auto"):
     """megatron's optimizer of the shape model (``bench_md_step.shape_model``); the base Adam
     multi-tensor, as on a GPU."""
     from megatron.md.leaves import leaf_optimizers
@@ -87,7 +117,7 @@ def build(width: int, layers: int, run: str, vocab: int):
     bench.SHAPES["dispatch"] = (width, layers, 1, 1, 4 * width)
     opt_name, md_on = run.split("_md")[0], "_md" in run
     dtype = "bf16" if bench.DEV == "cuda" else "fp32"
-    _, opt = bench.build("dispatch", opt_name, md_on, dtype, vocab, fused="auto")
+    _, opt = bench.build("dispatch", opt_name, md_on, dtype, vocab, fused=fused)
     for o in leaf_optimizers(opt):
         for g in o.optimizer.param_groups:
             g["foreach"] = True
@@ -110,7 +140,8 @@ def measure(args) -> dict:
         got = {}
         for layers in args.num_layers:
             opts = {
-                run: build(args.hidden_size, layers, run, args.vocab_size) for run in (base, md)
+                run: build(args.hidden_size, layers, run, args.vocab_size, args.fused_step)
+                for run in (base, md)
             }
             got[layers] = {run: count(o.step) for run, o in opts.items()}
             if layers == args.num_layers[0]:
@@ -143,7 +174,14 @@ def main(argv=None) -> None:
     ap.add_argument("--vocab-size", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=30, help="timed rounds of each pair")
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--fused-step", choices=("auto", "on"), default="auto",
+                    help="on: the compiled MD step as a GPU runs it at scale (one call per "
+                         "group), each kernel call counted as one operation")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.fused_step == "on":
+        from megatron.md.engine import compiled
+
+        compiled.STACK_ON_CPU = True  # a GPU's calls: the whole stack, not a matrix a call
     import logging
     import warnings
 
@@ -163,8 +201,9 @@ def main(argv=None) -> None:
     where = torch.cuda.get_device_name() if bench.DEV == "cuda" else "CPU"
     lo = args.num_layers[0]
     print(f"\nDispatched operations per optimizer step, {where}, width {args.hidden_size}, "
-          f"vocab {args.vocab_size}; time: median of {args.rounds} paired rounds at {lo} "
-          "layers")  # fmt: skip
+          f"vocab {args.vocab_size}, MD step --md-fused-step {args.fused_step}"
+          f"{' (a compiled call: one op)' if args.fused_step == 'on' else ''}; time: median "
+          f"of {args.rounds} paired rounds at {lo} layers")  # fmt: skip
     print(f"{'pair':<14} {'layers':>6} {'base ops':>9} {'MD ops':>8} {'syncs b/MD':>11} "
           f"{'MD code':>8} {'op ratio':>9} {'time ratio':>11} {'extra/matrix':>13} "
           f"{'MB moved b/MD':>15} {'byte ratio':>11}")  # fmt: skip
@@ -181,7 +220,7 @@ def main(argv=None) -> None:
                   f"{r['bytes'][n][base] / 1e6:>7.1f}/{r['bytes'][n][md] / 1e6:<7.1f} "
                   f"{r['byte_ratio'] if first else '':>11.4}")  # fmt: skip
     summary = {"device": where, "torch": torch.__version__, "width": args.hidden_size,
-               "vocab": args.vocab_size, "results": res}  # fmt: skip
+               "vocab": args.vocab_size, "fused_step": args.fused_step, "results": res}  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))
