@@ -371,7 +371,9 @@ def worker(args) -> None:
     ps.initialize_model_parallel(args.tp, 1)
     rank = torch.distributed.get_rank()
     if args.profile:
-        return profile(args.model[0], args.vocab_size, args.dtype[0])
+        for name in args.model:
+            profile(name, args.vocab_size, args.dtype[0])
+        return None
     results = {}
     for name in args.model:
         for dtype in args.dtype:

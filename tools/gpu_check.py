@@ -9,9 +9,9 @@ commit):
 2. step cost: ``tools/bench_dispatch.py`` (dispatched ops, host syncs, bytes moved) and
    ``tools/bench_md_step.py`` at 181M, 457M and 1.29B (AdamMD/Adam and MuonMD/Muon, bf16: the
    default step, compiled at these sizes, and the eager one beside it), and where one step's
-   kernel time goes at 1.29B (``--profile``: the ten costliest ops of Adam, AdamMD, Muon and
-   MuonMD). CUDA graph capture of the step is not offered (docs/internals.md), so there is
-   nothing to toggle;
+   time goes at 181M and 1.29B (``--profile``: kernel time against wall time and the ten
+   costliest kernels of Adam, AdamMD, Muon and MuonMD). CUDA graph capture of the step is
+   not offered (docs/internals.md), so there is nothing to toggle;
 3. end to end: ``tools/throughput.py`` on ``dense-181M`` (AdamW, Muon, AdamMD and MuonMD as
    by default and with the eager step; bf16, local layer spec, tokens/s medians after
    warm-up), and a save at iteration N and a resume
@@ -150,10 +150,11 @@ def plan() -> list[Step]:
               "--runs", "adam", "adam_md_eager", "muon", "muon_md_eager",
               "--json", "{out}/step_eager.json"], 120,
              notes=["the eager AdamMD and MuonMD steps (*_md_eager)"]),
-        # where the device time of one step goes, base against MD (MuonMD is 1.34x Muon's
-        # step at 1.29B on the H200, compiled: which kernels?)
+        # where one step's time goes, base against MD: at 181M whether AdamMD's compiled step
+        # is host-bound (wall time against kernel time; its tokens/s were 94.8 % of AdamW's on
+        # the H200), at 1.29B which kernels make MuonMD's 1.34x Muon's step
         Step("profile", "tools/bench_md_step.py",
-             ["--profile", "--model", "1.29B", "--world", "1", "--dtype", "bf16"], 150),
+             ["--profile", "--model", "181M", "1.29B", "--world", "1", "--dtype", "bf16"], 200),
         Step("throughput", "tools/throughput.py",
              ["--preset", "dense-181M", "--iters", "20", "--warmup", "8", "--nproc", "1",
               "--seq-length", "2048", "--methods", "adamw", "muon", "adammd", "muonmd",
