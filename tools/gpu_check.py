@@ -1,4 +1,4 @@
-"""Everything a GPU can show about Megatron-MD, in two commands (~11.5 minutes), with
+"""Everything a GPU can show about Megatron-MD, in two commands (~12 minutes), with
 one dated report (markdown and JSON: device, driver, torch, megatron-core, emerging-optimizers,
 commit):
 
@@ -132,7 +132,7 @@ def _pretrain_flags(preset: str, iters: int, method_flags: list[str]) -> list[st
 
 
 def plan() -> list[Step]:
-    """The steps, in the order they run (about 11.5 minutes on one H200 in all: two calls)."""
+    """The steps, in the order they run (about 12 minutes on one H200 in all: two calls)."""
     adammd = ["--optimizer=adam", "--md-decoupling", "--lr=3e-3"]
     muonmd = ["--optimizer=muon", "--md-decoupling", "--lr=3e-3", "--matrix-lr=2e-2"]
     steps = [
