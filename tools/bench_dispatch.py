@@ -84,10 +84,10 @@ def count(step) -> tuple[int, int, int, int]:
 
 @contextlib.contextmanager
 def _kernels_as_one_op():
-    """Each compiled MD kernel call (``--fused-step on``) counted as one operation: dynamo
-    cannot run under a ``TorchDispatchMode``, so while counting, a call runs its function
-    eagerly with dispatch modes off (the same arithmetic, unseen by the counter). Its bytes
-    are not counted."""
+    """Each compiled MD kernel call (any: ``--fused-step on``'s, or ``auto``'s at a width where
+    it compiles) counted as one operation: dynamo cannot run under a ``TorchDispatchMode``, so
+    while counting, a call runs its function eagerly with dispatch modes off (the same
+    arithmetic, unseen by the counter). Its bytes are not counted."""
     from torch.utils._mode_utils import no_dispatch
 
     from megatron.md.engine import compiled

@@ -373,7 +373,7 @@ def worker(args) -> None:
     if args.profile:
         for name in args.model:
             profile(name, args.vocab_size, args.dtype[0])
-        return None
+        return
     results = {}
     for name in args.model:
         for dtype in args.dtype:
