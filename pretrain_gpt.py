@@ -24,6 +24,7 @@ if __name__ == "__main__":
     # without CUDA: CPU mode first, before megatron.training is imported (a GPU job that
     # sees no GPU stops here instead)
     cpu_mode.start(sys.argv[1:])
-    from megatron.md.train import cli
+    from megatron.md.train import cli, shutdown
 
     cli.main()
+    shutdown.exit_now()  # a run that finished skips the interpreter's teardown (~2 s)

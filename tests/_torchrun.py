@@ -1,4 +1,5 @@
-"""Run a tests/distributed script under torchrun (gloo, CPU) and return its JSON line."""
+"""Run a tests/distributed script in local processes (gloo, CPU; megatron/md/localrun.py) and
+return its JSON line."""
 
 import json
 import os
@@ -14,9 +15,9 @@ def torchrun(script: str, nproc: int, *args: str, expect_fail: bool = False):
 
 
 def _launch(script, nproc, args, expect_fail, timeout, n_lines):
-    from megatron.md.launch import torchrun
+    from megatron.md.launch import local_ranks
 
-    cmd = torchrun(DIST / script, nproc, args)
+    cmd = local_ranks(DIST / script, nproc, args)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if expect_fail:
@@ -29,7 +30,7 @@ def _launch(script, nproc, args, expect_fail, timeout, n_lines):
 
 class Batches:
     """The jobs of one script, grouped by world size: the first request at a world size runs
-    every job registered for it in ONE torchrun (jobs joined by ``+``; the script runs them one
+    every job registered for it in ONE launch (jobs joined by ``+``; the script runs them one
     after the other), later requests read the stored result. Importing megatron costs ~15 s of
     CPU per process, so on 2 cores a 4-rank launch spends ~30 s before doing anything.
     A job not registered runs alone."""

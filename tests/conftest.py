@@ -12,7 +12,7 @@ logging.getLogger("megatron").setLevel(logging.ERROR)
 
 
 def pytest_collection_modifyitems(items):
-    """The quick tier (``bash run.sh test -m quick``): every test without a torchrun launch."""
+    """The quick tier (``bash run.sh test -m quick``): every test without a multi-process launch."""
     import pytest
 
     for item in items:

@@ -181,7 +181,7 @@ def trained(tmp_path_factory):
     import preprocess_data
     import train_tokenizer
 
-    from megatron.md.launch import torchrun
+    from megatron.md.launch import local_ranks
 
     tmp = tmp_path_factory.mktemp("trained")
     text = cpu_demo.TEXT
@@ -199,7 +199,7 @@ def trained(tmp_path_factory):
              "--micro-batch-size=2", "--global-batch-size=4", "--train-iters=12",
              "--eval-interval=12", "--eval-iters=2", "--log-interval=4", f"--save={run}",
              "--save-interval=12"]  # fmt: skip
-    out = subprocess.run(torchrun(ROOT / "pretrain_gpt.py", 2, flags), capture_output=True,
+    out = subprocess.run(local_ranks(ROOT / "pretrain_gpt.py", 2, flags), capture_output=True,
                          text=True, timeout=600, env=ENV, cwd=tmp)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return run, text

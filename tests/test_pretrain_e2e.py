@@ -50,9 +50,9 @@ def is_md(name: str) -> bool:
 
 
 def command(tmp: Path, name: str, *extra: str, nproc: int = 2) -> tuple[list[str], dict]:
-    from megatron.md.launch import torchrun
+    from megatron.md.launch import local_ranks
 
-    cmd = torchrun(ROOT / "pretrain_gpt.py", nproc,
+    cmd = local_ranks(ROOT / "pretrain_gpt.py", nproc,
                    [*COMMON, *extra, f"--metrics-file={tmp / f'{name}.jsonl'}"])  # fmt: skip
     return cmd, {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_API_KEY": SECRET}
 
@@ -369,7 +369,7 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(runs, tmp_path):
     while not (d / "iter_0000020").exists():
         assert proc.poll() is None and time.time() < deadline, "the run ended before saving"
         time.sleep(0.002)
-    import psutil  # torchrun starts its workers in their own sessions: kill each process
+    import psutil  # every process of the launch: the launcher and each rank
 
     for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
         p.send_signal(signal.SIGKILL)
@@ -571,23 +571,20 @@ def test_weights_only_load_keeps_the_loaded_weights(runs, tmp_path, name, mode, 
     """--finetune / --no-load-optim under MD: no optimizer state is loaded, so the MD state is
     made from the LOADED weights (fp32 params included: megatron reloads main params only for
     bf16/fp16, training/checkpointing.py, load_checkpoint). At LR 1e-9 the model stays the loaded
-    one: the losses equal those of a run without MD from the same checkpoint (fp32 MD used to train
-    on from its init: 5.7 vs 4.3), and the saved weights equal the loaded ones."""
-    _, save = runs[name]
+    one: every saved weight equals the loaded one (fp32 MD used to train on from its init: its
+    loss 5.7 where the loaded model's is 4.3), and the loss is the loaded model's, below the
+    source run's first."""
+    rows, save = runs[name]
     flags = ["--train-iters=%d" % iters, f"--load={save}", mode, "--lr=1e-9", "--save-interval=2"]
     md, md_save = pretrain(tmp_path, f"{name}-md", *flags, *_lr_free(RUNS[name]), nproc=1)
-    plain_flags = [f for f in _lr_free(RUNS[name]) if not f.startswith("--md-")]
-    plain, _ = pretrain(tmp_path, f"{name}-plain", *flags, *plain_flags, nproc=1)
-    md, plain = train_rows(md), train_rows(plain)
-    assert sorted(md) == sorted(plain) and len(md) == 2
-    for i in md:
-        assert md[i]["lm loss"] == pytest.approx(plain[i]["lm loss"], rel=1e-4), i
+    md = train_rows(md)
+    assert len(md) == 2
+    assert max(r["lm loss"] for r in md.values()) < train_rows(rows)[1]["lm loss"] - 1.0
     loaded = read_checkpoint(save / "iter_0000020")
     after = read_checkpoint(md_save / f"iter_{iters:07d}")
-    for k in (
-        "embedding.word_embeddings.weight",
-        "decoder.layers.self_attention.linear_qkv.weight",
-    ):
+    weights = [k for k in loaded if k.endswith(".weight") and not k.startswith("optimizer")]
+    assert "decoder.layers.self_attention.linear_qkv.weight" in weights, sorted(loaded)[:20]
+    for k in weights:
         a, b = loaded[k].double(), after[k].double()
         assert float((a - b).norm() / a.norm()) < 1e-3, k  # bf16: a rounding; fp32: ~1e-9
 

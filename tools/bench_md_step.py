@@ -25,7 +25,7 @@ for the inner torch step alone, each the slowest rank's, with megatron's phases 
 Also per step under ZeRO-1: the bytes of MD's one extra all-reduce against the bytes of
 megatron's param all-gather (the whole param buffer). Prints a table and one JSON line per
 world size; ``--world 1 2 4`` runs the ladder
-(one torchrun per size) and ``--json`` collects it.
+(one local launch per size, megatron/md/localrun.py) and ``--json`` collects it.
 
     python tools/bench_md_step.py [--model 181M 457M] [--steps 3] [--nproc 2] [--dtype bf16]
     python tools/bench_md_step.py --model 181M 457M 827M 1.29B --world 1 2 4 --dtype fp32 bf16
@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's megatron.md
 from megatron.md import cpu_mode  # noqa: E402
-from megatron.md.launch import torchrun  # noqa: E402
+from megatron.md.launch import local_ranks  # noqa: E402
 
 cpu_mode.maybe_activate()  # CPU mode when there is no GPU
 
@@ -505,7 +505,7 @@ def main(argv=None) -> None:
                 raise SystemExit(f"bench_md_step: error: --model {name}'s {SHAPES[name][3]} "
                                  f"query groups do not divide over --tp {args.tp}")  # fmt: skip
         own = [a for a in (argv if argv is not None else sys.argv[1:])]
-        cmd = torchrun(__file__, world, own)
+        cmd = local_ranks(__file__, world, own)
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world))}
         if DEV == "cpu":  # huge pages for torch's large CPU buffers (docs/benchmarks.md: without
             env.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # them page faults dominate at 457M)

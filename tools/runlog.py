@@ -1,7 +1,7 @@
 """Run logs for the analysis tools: reading our JSONL metrics files (``pretrain_gpt.py
 --metrics-file``; rows described in ``megatron/md/train/metrics.py``), CSV logs with an
 ``iteration`` and a loss column, and sweep manifests (``examples/md_decoupling/sweep.py``);
-and launching ``pretrain_gpt.py`` under torchrun for the tools that make their own runs.
+and launching ``pretrain_gpt.py`` on local processes for the tools that make their own runs.
 
 A resumed run appends to the same JSONL file, so iterations can repeat: the last row of an
 iteration wins (it is the one the surviving run continued from).
@@ -127,12 +127,12 @@ def flag(flags: list[str], name: str) -> str | None:
 
 
 def run_pretrain(nproc: int, flags: list[str], log: Path, cwd: Path) -> int:
-    """``pretrain_gpt.py FLAGS`` under torchrun on a free local port, output to ``log``; the
+    """``pretrain_gpt.py FLAGS`` in ``nproc`` local processes on a free port, output to ``log``; the
     CPU threads split between the ranks. Returns the exit status."""
-    from megatron.md.launch import torchrun
+    from megatron.md.launch import local_ranks
 
     root = Path(__file__).resolve().parents[1]
-    cmd = torchrun(root / "pretrain_gpt.py", nproc, flags)
+    cmd = local_ranks(root / "pretrain_gpt.py", nproc, flags)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // nproc)))
     with open(log, "w") as f:

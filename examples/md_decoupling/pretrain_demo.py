@@ -48,9 +48,9 @@ def run_one(name: str, extra: list[str], args, data: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     metrics = out / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
-    from megatron.md.launch import torchrun
+    from megatron.md.launch import local_ranks
 
-    cmd = torchrun(ROOT / "pretrain_gpt.py", args.nproc, [
+    cmd = local_ranks(ROOT / "pretrain_gpt.py", args.nproc, [
         "--preset=tiny",
         "--tokenizer-type=HuggingFaceTokenizer", f"--tokenizer-model={data / 'tokenizer'}",
         f"--data-path={data / 'sotu_text_document'}", "--split=98,2,0",

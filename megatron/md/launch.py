@@ -1,6 +1,6 @@
-"""Command lines: launching a script under torchrun on this machine (the one command builder
-the tests, the tools and the demo share; multi-node launches are the SLURM launcher's,
-examples/), and reading a flag's value back from one."""
+"""Command lines: launching a script in several processes on this machine (the one command
+builder the tests, the tools and the demo share; cluster launches are the SLURM launcher's
+torchrun, examples/), and reading a flag's value back from one."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(script: str | Path, nproc: int, args=(), port: int | None = None) -> list[str]:
-    """``python -m torch.distributed.run`` of ``script`` with ``nproc`` local processes."""
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            f"--master-port={port or free_port()}", str(script), *map(str, args)]  # fmt: skip
+def local_ranks(script: str | Path, nproc: int, args=(), port: int | None = None) -> list[str]:
+    """``script`` in ``nproc`` local processes with torchrun's worker variables, started by
+    ``localrun.py`` (torchrun's job on one machine, without its agent's ~2 s start)."""
+    return [sys.executable, str(Path(__file__).with_name("localrun.py")), str(nproc),
+            str(port or free_port()), str(script), *map(str, args)]  # fmt: skip
 
 
 def flag_value(argv: list[str], flag: str) -> str | None:

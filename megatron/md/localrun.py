@@ -1,0 +1,72 @@
+"""``python localrun.py NPROC PORT SCRIPT [ARGS...]``: NPROC processes of SCRIPT on this
+machine, each with the variables torchrun gives its workers, waited for together.
+
+torchrun's job on one machine without its agent, which imports torch before it starts
+anything (~2 s per launch on a 2-core VM: the test suite launches about a hundred times).
+Like torchrun: the first process that fails stops the others (SIGTERM, then SIGKILL after
+``GRACE_S``) and its status is the launch's; SIGTERM and SIGINT sent to the launcher reach
+every process. Standard library only (it runs as a script, before any import of torch).
+Cluster jobs start torchrun (examples/md_decoupling/launch.sbatch); ``launch.local_ranks``
+builds this command.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+GRACE_S = 10.0  # a process stopped with SIGTERM gets this long before SIGKILL
+
+
+def start(nproc: int, port: int, cmd: list[str]) -> list[subprocess.Popen]:
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}  # fmt: skip
+    if nproc > 1:
+        base.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several processes
+    return [
+        subprocess.Popen([sys.executable, *cmd], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
+        for r in range(nproc)
+    ]
+
+
+def wait(procs: list[subprocess.Popen]) -> int:
+    """The first failure's status (128 + N for a process ended by signal N), else 0."""
+    status, stopped_at = 0, None
+    while [p.poll() for p in procs].count(None):  # every process polled, each time
+        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+        if failed and status == 0:
+            rc = failed[0]
+            status = rc if rc > 0 else 128 - rc
+            stopped_at = time.monotonic()
+            _signal(procs, signal.SIGTERM)
+        if stopped_at is not None and time.monotonic() - stopped_at > GRACE_S:
+            _signal(procs, signal.SIGKILL)
+        time.sleep(0.05)
+    if status == 0:
+        failed = [p.returncode for p in procs if p.returncode != 0]
+        status = (failed[0] if failed[0] > 0 else 128 - failed[0]) if failed else 0
+    return status
+
+
+def _signal(procs: list[subprocess.Popen], sig: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(sig)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3:
+        print(__doc__.splitlines()[0], file=sys.stderr)
+        return 2
+    nproc, port, cmd = int(argv[0]), int(argv[1]), argv[2:]
+    procs = start(nproc, port, cmd)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, _f: _signal(procs, s))
+    return wait(procs)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,104 @@
+"""The local launcher (megatron/md/localrun.py: torchrun's job on one machine, without its
+agent) and the end of a finished run (megatron/md/train/shutdown.py)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron.md.launch import local_ranks
+
+ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def script(tmp: Path, body: str) -> Path:
+    p = tmp / "rank.py"
+    p.write_text("import json, os, signal, sys, time\nr = int(os.environ['RANK'])\n" + body)
+    return p
+
+
+def test_every_rank_gets_torchruns_variables(tmp_path):
+    body = "print(json.dumps({k: os.environ[k] for k in %r}), flush=True)\n" % (ENV_KEYS,)
+    out = subprocess.run(local_ranks(script(tmp_path, body), 3, port=29555), capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    got = sorted((json.loads(ln) for ln in out.stdout.splitlines()), key=lambda e: e["RANK"])
+    assert [(e["RANK"], e["LOCAL_RANK"]) for e in got] == [("0", "0"), ("1", "1"), ("2", "2")]
+    assert {(e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["MASTER_PORT"]) for e in got} == {
+        ("3", "3", "29555")
+    }
+
+
+def test_the_first_failure_stops_the_others_and_is_the_status(tmp_path):
+    """Rank 1 fails with 3 while rank 0 would run a minute: the launch ends at once with 3 and
+    rank 0 is stopped by SIGTERM (it says so)."""
+    body = (
+        "signal.signal(signal.SIGTERM, lambda *a: (print('rank 0 stopped', flush=True), "
+        "sys.exit(15)))\n"
+        "if r == 1:\n    time.sleep(0.5)\n    sys.exit(3)\ntime.sleep(60)\n"
+    )
+    t = time.monotonic()
+    out = subprocess.run(local_ranks(script(tmp_path, body), 2), capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert out.returncode == 3 and time.monotonic() - t < 10, (out.returncode, out.stdout)
+    assert "rank 0 stopped" in out.stdout
+
+
+def test_sigterm_to_the_launcher_reaches_every_rank(tmp_path):
+    """What scancel or a time limit sends: each rank handles it (megatron saves and exits 0)."""
+    body = (
+        "signal.signal(signal.SIGTERM, lambda *a: (open(f'got{r}', 'w').close(), sys.exit(0)))\n"
+        "open(f'up{r}', 'w').close()\ntime.sleep(60)\n"
+    )
+    proc = subprocess.Popen(local_ranks(script(tmp_path, body), 2), cwd=tmp_path)
+    deadline = time.time() + 30
+    while not all((tmp_path / f"up{r}").exists() for r in (0, 1)):
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert (tmp_path / "got0").exists() and (tmp_path / "got1").exists()
+
+
+@pytest.mark.distributed  # imports megatron.training (~5 s)
+def test_a_finished_run_exits_at_once_with_its_output_written(tmp_path):
+    """shutdown.exit_now: status 0, the exit handlers run, garbage in reference cycles
+    finalized (the collection before the exit does it: without it this one stays), buffered
+    standard output flushed, and megatron's TensorBoard writer's last scalar in its event file
+    (megatron never closes the writer; exit_now does)."""
+    code = f"""
+import atexit, gc, sys
+from torch.utils.tensorboard import SummaryWriter
+from megatron.training import global_vars
+from megatron.md.train import shutdown
+
+global_vars._GLOBAL_TENSORBOARD_WRITER = w = SummaryWriter({str(tmp_path / "tb")!r})
+w.add_scalar("lm loss", 4.25, 7)
+atexit.register(lambda: open({str(tmp_path / "atexit")!r}, "w").close())
+
+class Cycle:
+    def __del__(self):
+        open({str(tmp_path / "finalized")!r}, "w").close()
+
+a = Cycle(); a.me = a; del a
+gc.disable()  # only the exit's collection can finalize it
+sys.stdout.write("no newline, buffered")
+shutdown.exit_now()
+print("not reached")
+"""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env, stdin=subprocess.DEVNULL)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout == "no newline, buffered"
+    assert (tmp_path / "atexit").exists() and (tmp_path / "finalized").exists()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("lm loss")] == [(7, 4.25)]
