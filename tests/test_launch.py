@@ -65,6 +65,24 @@ def test_sigterm_to_the_launcher_reaches_every_rank(tmp_path):
     assert (tmp_path / "got0").exists() and (tmp_path / "got1").exists()
 
 
+def test_no_rank_outlives_a_killed_launcher(tmp_path):
+    """A caller's timeout kills the launcher outright (SIGKILL): its ranks go with it."""
+    import psutil
+
+    body = "open(f'up{r}', 'w').close()\ntime.sleep(60)\n"
+    proc = subprocess.Popen(local_ranks(script(tmp_path, body), 2), cwd=tmp_path)
+    deadline = time.time() + 30
+    while not all((tmp_path / f"up{r}").exists() for r in (0, 1)):
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    ranks = psutil.Process(proc.pid).children()
+    assert len(ranks) == 2
+    proc.kill()
+    proc.wait()
+    gone, alive = psutil.wait_procs(ranks, timeout=10)
+    assert not alive and len(gone) == 2
+
+
 @pytest.mark.distributed  # imports megatron.training (~5 s)
 def test_a_finished_run_exits_at_once_with_its_output_written(tmp_path):
     """shutdown.exit_now: status 0, the exit handlers run, garbage in reference cycles

@@ -2,12 +2,12 @@
 machine, each with the variables torchrun gives its workers, waited for together.
 
 torchrun's job on one machine without its agent, which imports torch before it starts
-anything (~2 s per launch on a 2-core VM: the test suite launches about a hundred times).
+anything (~2 s per launch on a 2-core VM, where the test suite is mostly launches).
 Like torchrun: the first process that fails stops the others (SIGTERM, then SIGKILL after
 ``GRACE_S``) and its status is the launch's; SIGTERM and SIGINT sent to the launcher reach
-every process. Standard library only (it runs as a script, before any import of torch).
-Cluster jobs start torchrun (examples/md_decoupling/launch.sbatch); ``launch.local_ranks``
-builds this command.
+every process. Unlike torchrun's workers, no process outlives a launcher killed outright.
+Standard library only (it runs as a script, before any import of torch). Cluster jobs start
+torchrun (examples/md_decoupling/launch.sbatch); ``launch.local_ranks`` builds this command.
 """
 
 from __future__ import annotations
@@ -27,9 +27,24 @@ def start(nproc: int, port: int, cmd: list[str]) -> list[subprocess.Popen]:
     if nproc > 1:
         base.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several processes
     return [
-        subprocess.Popen([sys.executable, *cmd], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
+        subprocess.Popen(
+            [sys.executable, *cmd],
+            env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+            preexec_fn=_die_with_launcher,
+        )
         for r in range(nproc)
     ]
+
+
+def _die_with_launcher() -> None:
+    """In each process before it starts (Linux): SIGKILL when the launcher dies, so a launch
+    killed outright (a caller's timeout) leaves no rank running on."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: as torchrun, the ranks outlive it
+        pass
 
 
 def wait(procs: list[subprocess.Popen]) -> int:
