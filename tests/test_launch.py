@@ -85,9 +85,9 @@ def test_no_rank_outlives_a_killed_launcher(tmp_path):
 
 @pytest.mark.distributed  # imports megatron.training (~5 s)
 def test_a_finished_run_exits_at_once_with_its_output_written(tmp_path):
-    """shutdown.exit_now: status 0, the exit handlers run, garbage in reference cycles
-    finalized (the collection before the exit does it: without it this one stays), buffered
-    standard output flushed, and megatron's TensorBoard writer's last scalar in its event file
+    """shutdown.exit_now: status 0, threads that are not daemons waited for, the exit handlers
+    run, garbage in reference cycles finalized (the collection before the exit does it:
+    without it this one stays), buffered standard output flushed, and megatron's TensorBoard writer's last scalar in its event file
     (megatron never closes the writer; exit_now does)."""
     code = f"""
 import atexit, gc, sys
@@ -105,6 +105,11 @@ class Cycle:
 
 a = Cycle(); a.me = a; del a
 gc.disable()  # only the exit's collection can finalize it
+import threading, time
+def late():
+    time.sleep(0.5)
+    open({str(tmp_path / "thread")!r}, "w").close()
+threading.Thread(target=late).start()  # not a daemon: a normal exit waits for it
 sys.stdout.write("no newline, buffered")
 shutdown.exit_now()
 print("not reached")
@@ -115,6 +120,7 @@ print("not reached")
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout == "no newline, buffered"
     assert (tmp_path / "atexit").exists() and (tmp_path / "finalized").exists()
+    assert (tmp_path / "thread").exists()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(tmp_path / "tb"))

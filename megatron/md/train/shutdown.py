@@ -15,18 +15,23 @@ import atexit
 import gc
 import os
 import sys
+import threading
 
 
 def exit_now() -> None:
     """Close megatron's TensorBoard writer (megatron never closes it; closing flushes it and
-    joins its writer thread), run the exit handlers (wandb's, logging's, the
-    multiprocessing children's), finalize all garbage (files in reference cycles are flushed
-    and closed), flush the standard streams, and end the process with status 0."""
+    joins its writer thread), then what a normal exit does first, in its order: wait for the
+    threads that are not daemons, run the exit handlers (wandb's, logging's, the
+    multiprocessing children's); then finalize all garbage (files in reference cycles are
+    flushed and closed), flush the standard streams, and end the process with status 0."""
     gv = sys.modules.get("megatron.training.global_vars")
     writer = gv.get_tensorboard_writer() if gv is not None else None
     if writer is not None:
         writer.close()
-    atexit._run_exitfuncs()  # what a normal exit runs first
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
     gc.collect()
     sys.stdout.flush()
     sys.stderr.flush()
