@@ -87,8 +87,8 @@ def test_no_rank_outlives_a_killed_launcher(tmp_path):
 def test_a_finished_run_exits_at_once_with_its_output_written(tmp_path):
     """shutdown.exit_now: status 0, threads that are not daemons waited for, the exit handlers
     run, garbage in reference cycles finalized (the collection before the exit does it:
-    without it this one stays), buffered standard output flushed, and megatron's TensorBoard writer's last scalar in its event file
-    (megatron never closes the writer; exit_now does)."""
+    without it this one stays), buffered standard output flushed, and megatron's TensorBoard
+    writer's last scalar in its event file (megatron never closes the writer; exit_now does)."""
     code = f"""
 import atexit, gc, sys
 from torch.utils.tensorboard import SummaryWriter
