@@ -375,7 +375,8 @@ def test_bench_dispatch_counts(tmp_path):
 def test_dispatch_count_takes_a_compiled_call_as_one_op():
     """bench_dispatch --fused-step on: a compiled MD kernel's call counts as one operation
     (dynamo cannot run under the counter: the call runs its function unseen), with the kernel's
-    arithmetic; the real kernels are back after the count."""
+    arithmetic and a fused kernel's bytes (x, row, col read, out written in place: counted as
+    read and written); the real kernels are back after the count."""
     import bench_dispatch
     import torch
 
@@ -384,14 +385,15 @@ def test_dispatch_count_takes_a_compiled_call_as_one_op():
     real = compiled._get
     x, row, col = torch.full((2, 3), 2.0), torch.full((2, 1), 3.0), torch.ones(1, 3)
     out = torch.empty(2, 3)
-    ops = bench_dispatch.count(lambda: compiled._get("fuse", compiled._fuse)(x, row, col, out))[0]
-    assert ops == 1 and torch.equal(out, torch.full((2, 3), 6.0))
+    got = bench_dispatch.count(lambda: compiled._get("fuse", compiled._fuse)(x, row, col, out))
+    assert got[0] == 1 and torch.equal(out, torch.full((2, 3), 6.0))
+    assert got[3] == 4 * (6 + 2 + 3) + 2 * 4 * 6
     assert compiled._get is real
 
 
 def test_bytes_moved_count_reads_and_writes_not_views():
     """bench_dispatch.count's traffic: an in-place op reads and writes its tensor, a copy reads
-    one and writes the other, a view moves nothing."""
+    one and writes the other, a view or an allocation moves nothing, a fill writes only."""
     import bench_dispatch
     import torch
 
@@ -399,6 +401,12 @@ def test_bytes_moved_count_reads_and_writes_not_views():
     assert bench_dispatch.count(lambda: x.add_(1))[3] == 8000
     assert bench_dispatch.count(lambda: y.copy_(x))[3] == 4000 + 2 * 2000
     assert bench_dispatch.count(lambda: x.view(10, 100).t())[3] == 0
+    # an allocation moves nothing, a fill writes its result only (the argument: a shape)
+    assert bench_dispatch.count(lambda: torch.empty_like(x))[3] == 0
+    assert bench_dispatch.count(lambda: x.new_ones(10))[3] == 40
+    assert bench_dispatch.count(lambda: torch.zeros_like(y))[3] == 2000
+    # a reshape that cannot view: one copy (read and write), its _unsafe_view nothing
+    assert bench_dispatch.count(lambda: x.view(10, 100).t().reshape(-1))[3] == 8000
 
 
 def test_scaling_law_fit_exclude_plots_but_does_not_fit(tmp_path):

@@ -11,8 +11,9 @@ optimizer and with MD, at 12 and 24 layers:
 - host synchronizations (``.item()``, ``int(tensor)``, ``.tolist()``: aten's
   ``_local_scalar_dense``) in the step, base and MD, and of MD's those its own code issues
   (the rest are megatron's: its gradient norm reads two);
-- bytes read and written by the step's operations, base and MD (views not counted): the
-  memory traffic if nothing were fused or cached, the proxy of a bandwidth-bound step (a large
+- bytes read and written by the step's operations, base and MD (views and allocations move
+  nothing; a ``new_ones``/``zeros_like`` writes its result, reads no argument): the memory
+  traffic if nothing were fused or cached, the proxy of a bandwidth-bound step (a large
   model's on a GPU), as operations are of a launch-bound one;
 - the MD / base step time, measured side by side (A, B, A, B, … rounds; median of the
   per-round ratios), one process.
@@ -44,6 +45,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_md_step as bench  # noqa: E402  (CPU mode on a machine without CUDA, on import)
 
 PAIRS = {"adam_md/adam": ("adam", "adam_md"), "muon_md/muon": ("muon", "muon_md")}
+_aten = torch.ops.aten
+#: operations that move no data: allocations, and a view aten does not mark as one (what a
+#: reshape returns after a batched matmul or a copy)
+NO_TRAFFIC = {_aten.empty_like.default, _aten.new_empty.default, _aten.empty.memory_format,
+              _aten.new_empty_strided.default, _aten._unsafe_view.default}  # fmt: skip
+#: operations that write their result and read none of their arguments' elements
+WRITE_ONLY = {
+    _aten.new_ones.default, _aten.new_zeros.default, _aten.new_full.default,
+    _aten.zeros_like.default, _aten.ones_like.default, _aten.full_like.default,
+}  # fmt: skip
 
 
 def _bytes(tree) -> int:
@@ -55,8 +66,9 @@ def count(step) -> tuple[int, int, int, int]:
     """(aten operations dispatched by ``step()``, of which host reads of a tensor, of which
     issued by MD's own code: a frame of megatron/md/ other than the CPU mode's redirection;
     bytes the operations read and write: every tensor argument and result of an operation that
-    is not a view, the memory traffic of the step if nothing were fused or cached — the proxy
-    of a bandwidth-bound step, as operations are of a launch-bound one)."""
+    moves data (``NO_TRAFFIC``, views: none; ``WRITE_ONLY``: the result), the memory traffic of
+    the step if nothing were fused or cached — the proxy of a bandwidth-bound step, as
+    operations are of a launch-bound one)."""
     import traceback
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -73,13 +85,17 @@ def count(step) -> tuple[int, int, int, int]:
                     for f in traceback.extract_stack()
                 )
             out = func(*args, **(kwargs or {}))
-            if not func.is_view:
+            if func.is_view or func in NO_TRAFFIC:
+                pass
+            elif func in WRITE_ONLY:  # the argument gives a shape, dtype and device
+                Count.moved += _bytes(out)
+            else:
                 Count.moved += _bytes((args, kwargs)) + _bytes(out)
             return out
 
     with Count(), _kernels_as_one_op() as calls:
         step()
-    return Count.ops + calls[0], Count.syncs, Count.md_syncs, Count.moved
+    return Count.ops + calls[0], Count.syncs, Count.md_syncs, Count.moved + calls[1]
 
 
 @contextlib.contextmanager
@@ -87,18 +103,26 @@ def _kernels_as_one_op():
     """Each compiled MD kernel call (any: ``--fused-step on``'s, or ``auto``'s at a width where
     it compiles) counted as one operation: dynamo cannot run under a ``TorchDispatchMode``, so
     while counting, a call runs its function eagerly with dispatch modes off (the same
-    arithmetic, unseen by the counter). Its bytes are not counted."""
+    arithmetic, unseen by the counter). Its bytes are a fused kernel's traffic: each tensor
+    argument read once, each result written once, and an argument it writes in place (its
+    version counter moved) counted again, as an in-place aten operation's (so an output
+    argument counts as read too)."""
     from torch.utils._mode_utils import no_dispatch
 
     from megatron.md.engine import compiled
 
-    calls, real = [0], compiled._get
+    calls, real = [0, 0], compiled._get  # calls, bytes
 
     def stub(name, fn):
         def call(*args):
             calls[0] += 1
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            before = [t._version for t in tensors]
             with no_dispatch():
-                return fn(*args)
+                out = fn(*args)
+            written = [t for t, v in zip(tensors, before) if t._version != v]
+            calls[1] += _bytes(args) + _bytes(out) + _bytes(written)
+            return out
 
         return call
 

@@ -85,7 +85,10 @@ class MuonStep(BaseStep):
                 upd = self._orthogonalized(g, x.view(g.B, *g.local), hp)
                 if g.tangent_update is not None:  # muown-unit: the step on the tangent space
                     upd = g.tangent_update(upd)
-                g.W.add_(upd.reshape(g.B, -1), alpha=-hp.lr)
+                # Ŵ viewed at the update's shape: a transposed Newton–Schulz result (tall
+                # matrices) is read with its strides, as megatron's per-matrix add does,
+                # not copied first (a reshape would)
+                g.W.view(upd.shape).add_(upd, alpha=-hp.lr)
 
     @staticmethod
     def _orthogonalized(g, x: torch.Tensor, hp: MuonHParams) -> torch.Tensor:
