@@ -3,7 +3,7 @@ interpreter's teardown.
 
 That teardown (modules cleared, the heap of ~600k objects that megatron.training brings walked
 by the collector several times) costs 1.9-2.3 s per process from the end of training to the
-process's end (2-core VM, tiny preset, torch 2.15.0 CPU; 0.3 s with this), on every run and
+process's end (2-core VM, tiny preset, torch 2.15.0 CPU; 0.45-0.5 s with this), on every run and
 for nothing: what a run writes is written by then. The test suite starts dozens of runs.
 Only a run that returned normally exits this way; an error or an early exit (signal, duration,
 ``sys.exit``) takes the interpreter's own path.
