@@ -23,7 +23,9 @@ def script(tmp: Path, body: str) -> Path:
 
 
 def test_every_rank_gets_torchruns_variables(tmp_path):
-    body = "print(json.dumps({k: os.environ[k] for k in %r}), flush=True)\n" % (ENV_KEYS,)
+    # one write per line: with PYTHONUNBUFFERED a print's text and its newline are two writes,
+    # and the ranks' lines could interleave
+    body = "sys.stdout.write(json.dumps({k: os.environ[k] for k in %r}) + '\\n')\n" % (ENV_KEYS,)
     out = subprocess.run(local_ranks(script(tmp_path, body), 3, port=29555), capture_output=True,
                          text=True, timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
@@ -36,15 +38,20 @@ def test_every_rank_gets_torchruns_variables(tmp_path):
 
 def test_the_first_failure_stops_the_others_and_is_the_status(tmp_path):
     """Rank 1 fails with 3 while rank 0 would run a minute: the launch ends at once with 3 and
-    rank 0 is stopped by SIGTERM (it says so)."""
+    rank 0 is stopped by SIGTERM (it says so). Rank 1 fails only once rank 0 handles SIGTERM
+    (its file ``up0``): on a busy machine a fixed wait could end first."""
     body = (
         "signal.signal(signal.SIGTERM, lambda *a: (print('rank 0 stopped', flush=True), "
         "sys.exit(15)))\n"
-        "if r == 1:\n    time.sleep(0.5)\n    sys.exit(3)\ntime.sleep(60)\n"
+        "open(f'up{r}', 'w').close()\n"
+        "if r == 1:\n"
+        "    while not os.path.exists('up0'):\n        time.sleep(0.01)\n"
+        "    sys.exit(3)\n"
+        "time.sleep(60)\n"
     )
     t = time.monotonic()
     out = subprocess.run(local_ranks(script(tmp_path, body), 2), capture_output=True, text=True,
-                         timeout=60)  # fmt: skip
+                         timeout=60, cwd=tmp_path)  # fmt: skip
     assert out.returncode == 3 and time.monotonic() - t < 10, (out.returncode, out.stdout)
     assert "rank 0 stopped" in out.stdout
 

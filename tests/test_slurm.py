@@ -153,6 +153,9 @@ def test_scancel_term_saves_and_exits_zero(slurm, tmp_path):
     slurm[1].joinpath("step_s").write_text(str(statistics.median(steps)))
 
 
+WAITING = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED")
+
+
 def test_time_limit_stops_cleanly_and_the_requeued_job_finishes(slurm, tmp_path):
     """A 2-minute job stops itself a minute in (--exit-duration-in-mins: the time left less
     EXIT_MARGIN_MIN), saves, exits 0, is requeued by the launcher and resumes from its
@@ -176,7 +179,8 @@ def test_time_limit_stops_cleanly_and_the_requeued_job_finishes(slurm, tmp_path)
     # credential of the attempt just ended and kill the new one: "Job credential revoked")
     pending_since = None
     while (info := job(env, job_id)).get("JobState") != "COMPLETED":
-        assert time.time() < deadline and info.get("JobState") in ("PENDING", "RUNNING"), info
+        # between attempts the job passes through COMPLETING (and REQUEUED) to PENDING
+        assert time.time() < deadline and info.get("JobState") in WAITING, info
         if info.get("JobState") == "PENDING" and int(info.get("Restarts", 0)):
             pending_since = pending_since or time.time()
             if time.time() - pending_since > 15:
