@@ -22,6 +22,16 @@ def script(tmp: Path, body: str) -> Path:
     return p
 
 
+def started(tmp: Path, body: str) -> subprocess.Popen:
+    """A 2-rank launch of ``body``, once both ranks have written their file ``up<rank>``."""
+    proc = subprocess.Popen(local_ranks(script(tmp, body), 2), cwd=tmp)
+    deadline = time.time() + 30
+    while not all((tmp / f"up{r}").exists() for r in (0, 1)):
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    return proc
+
+
 def test_every_rank_gets_torchruns_variables(tmp_path):
     # one write per line: with PYTHONUNBUFFERED a print's text and its newline are two writes,
     # and the ranks' lines could interleave
@@ -62,11 +72,7 @@ def test_sigterm_to_the_launcher_reaches_every_rank(tmp_path):
         "signal.signal(signal.SIGTERM, lambda *a: (open(f'got{r}', 'w').close(), sys.exit(0)))\n"
         "open(f'up{r}', 'w').close()\ntime.sleep(60)\n"
     )
-    proc = subprocess.Popen(local_ranks(script(tmp_path, body), 2), cwd=tmp_path)
-    deadline = time.time() + 30
-    while not all((tmp_path / f"up{r}").exists() for r in (0, 1)):
-        assert time.time() < deadline and proc.poll() is None
-        time.sleep(0.05)
+    proc = started(tmp_path, body)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     assert (tmp_path / "got0").exists() and (tmp_path / "got1").exists()
@@ -77,11 +83,7 @@ def test_no_rank_outlives_a_killed_launcher(tmp_path):
     import psutil
 
     body = "open(f'up{r}', 'w').close()\ntime.sleep(60)\n"
-    proc = subprocess.Popen(local_ranks(script(tmp_path, body), 2), cwd=tmp_path)
-    deadline = time.time() + 30
-    while not all((tmp_path / f"up{r}").exists() for r in (0, 1)):
-        assert time.time() < deadline and proc.poll() is None
-        time.sleep(0.05)
+    proc = started(tmp_path, body)
     ranks = psutil.Process(proc.pid).children()
     assert len(ranks) == 2
     proc.kill()

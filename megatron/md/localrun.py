@@ -48,22 +48,24 @@ def _die_with_launcher() -> None:
 
 
 def wait(procs: list[subprocess.Popen]) -> int:
-    """The first failure's status (128 + N for a process ended by signal N), else 0."""
+    """The first failure's status (``_status``), else 0."""
     status, stopped_at = 0, None
-    while [p.poll() for p in procs].count(None):  # every process polled, each time
-        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+    while True:
+        codes = [p.poll() for p in procs]  # every process polled, each time
+        failed = [c for c in codes if c not in (None, 0)]
         if failed and status == 0:
-            rc = failed[0]
-            status = rc if rc > 0 else 128 - rc
-            stopped_at = time.monotonic()
+            status, stopped_at = _status(failed[0]), time.monotonic()
             _signal(procs, signal.SIGTERM)
+        if None not in codes:
+            return status
         if stopped_at is not None and time.monotonic() - stopped_at > GRACE_S:
             _signal(procs, signal.SIGKILL)
         time.sleep(0.05)
-    if status == 0:
-        failed = [p.returncode for p in procs if p.returncode != 0]
-        status = (failed[0] if failed[0] > 0 else 128 - failed[0]) if failed else 0
-    return status
+
+
+def _status(code: int) -> int:
+    """A process's exit code as a shell reports it: 128 + N for one ended by signal N."""
+    return code if code > 0 else 128 - code
 
 
 def _signal(procs: list[subprocess.Popen], sig: int) -> None:
