@@ -9,7 +9,9 @@ import threading
 
 import torch
 
+from megatron.md.base_steps import AdamHParams, MuonHParams
 from megatron.md.engine.engine import Domain, Engine, HParams, Member
+from megatron.md.engine.graph import DeviceScalars
 
 
 class Ranks:
@@ -36,6 +38,7 @@ class Ranks:
         self._acc: list = []
         self._lock = threading.Lock()
         self.reductions: list[int] = []  # buffer sizes, one per reduction of rank 0
+        self.scalars: dict[int, DeviceScalars] = {}
 
     def _reduce(self, buf: torch.Tensor) -> None:
         if self.n == 1:  # one rank: its partials are the totals
@@ -78,14 +81,25 @@ class Ranks:
     def init(self) -> None:
         self._each(lambda r, e: e.init_state(lambda key, buf: self._reduce(buf)))
 
-    def step(self, grads: list[list[torch.Tensor]], base_hp, gain_hp) -> None:
-        """``grads[r]``: rank r's gradient of each member, flat."""
+    def step(self, grads: list[list[torch.Tensor]], base_hp, gain_hp, device=False) -> None:
+        """``grads[r]``: rank r's gradient of each member, flat; ``device``: the step count and
+        LRs read from the device (``engine/graph.py``: what a CUDA graph replays)."""
         hp = HParams(adam=base_hp, muon=base_hp, gain=gain_hp)
+        if isinstance(base_hp, MuonHParams):
+            hp.adam = AdamHParams(base_hp.lr)  # (not read: every member's base is Muon)
 
         def one(r, e):
             for m, g in zip(e.members, grads[r]):
                 m.main.grad = g.to(m.main.dtype)
-            e.step({0: hp}, lambda key, buf: self._reduce(buf))
+            reduce = lambda key, buf: self._reduce(buf)  # noqa: E731
+            if not device:
+                e.step({0: hp}, reduce)
+                return
+            if r not in self.scalars:
+                self.scalars[r] = DeviceScalars(e.probe.device, e.groups[0].W.dtype)
+            e.advance()
+            dev = self.scalars[r].write(e.steps, {0: hp})
+            e.run(dev, reduce, self.scalars[r].step)
 
         self._each(one)
 

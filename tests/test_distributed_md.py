@@ -49,6 +49,11 @@ CP = {
     "dp2xcp2-zero1": (4, "--dist", "zero1"),
     "dp2xcp2-zero1-moe": (4, "--dist", "zero1", "--experts", "4"),
 }
+# --md-cuda-graph's arithmetic (the step count and LRs read from the device), a decaying LR
+DEVICE = {
+    "zero1-bf16": ("--dist", "zero1", "--dtype", "bf16"),
+    "muon-layerwise-bf16": (*MUON_LW, "--dtype", "bf16"),
+}
 # Every check below, so that each world size runs as ONE torchrun (tests/_torchrun.py:Batches).
 md_check = Batches(
     "md_check.py",
@@ -71,6 +76,7 @@ md_check = Batches(
         *[(n, "--dist", "zero1", "--fused-step", *a) for n, a in FUSED.items()],
         (2, *MUON_LW, "--fused-step"),
         *[(n, "--cp", "2", *a) for n, *a in CP.values()],
+        *[(2, *a, "--device-scalars", "--lr-decay") for a in DEVICE.values()],
     ],
 )
 
@@ -174,6 +180,19 @@ def test_muon_md_layerwise_fused_kernels():
     res = md_check(2, *MUON_LW, "--fused-step")
     check(res, 2)
     assert res["compiled_groups"] > 0 and res["split_qkv_matrices"] == 2
+
+
+@pytest.mark.parametrize("job", DEVICE)
+def test_md_step_with_its_numbers_on_the_device(job):
+    """What a CUDA graph replays (engine/graph.py), on CPU: the step count and every LR read
+    from the device, the LR decaying step by step, inside megatron's ZeRO-1 and layer-wise
+    optimizers (bf16: the fused weights written in the step, megatron's main->model copy then
+    skips them) against the reference with the same LRs: the tolerances of the eager step."""
+    res = md_check(2, *DEVICE[job], "--device-scalars", "--lr-decay")
+    check(res, 2, "bf16")
+    assert res["device_steps"] >= 5  # (layer-wise: the Muon and the Adam instance, 5 each)
+    assert res["payload"] == res["expected_payload"]
+    assert res["extra_collectives"] == md_collectives(res, 2)
 
 
 @pytest.mark.parametrize("job", CP)

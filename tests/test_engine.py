@@ -23,22 +23,24 @@ CUTS = {
 
 
 def _run(spec, cuts, base="adam", steps=5, shape=(9, 11), dtype=torch.float64, n=2,
-         compiled=False, one_buffer=False):  # fmt: skip
+         compiled=False, one_buffer=False, device=False):  # fmt: skip
     """``n`` matrices stepped by the reference and by the engine on ``len(cuts) + 1`` ranks,
     each owning one slice of every matrix (``one_buffer``: the fused weights are rows of one
-    buffer, as megatron's are). Returns (the engine's fused W per matrix, the reference's, the
-    ranks, the reference's states)."""
+    buffer, as megatron's are; ``device``: the engine's step count and LRs read from the
+    device, the LRs decaying step by step). Returns (the engine's fused W per matrix, the
+    reference's, the ranks, the reference's states)."""
     gen = torch.Generator().manual_seed(3)
     w0 = [torch.randn(shape, generator=gen, dtype=dtype) / shape[1] ** 0.5 for _ in range(n)]
     grads = [[torch.randn(shape, generator=gen, dtype=dtype) for _ in range(n)]
              for _ in range(steps)]  # fmt: skip
-    hp = AdamHParams(2e-2) if base == "adam" else MuonHParams(2e-2)
-    ghp = AdamHParams(1e-2)
+    decay = [1 - k / (2 * steps) if device else 1.0 for k in range(steps)]
+    hps = [AdamHParams(2e-2 * f) if base == "adam" else MuonHParams(2e-2 * f) for f in decay]
+    ghps = [AdamHParams(1e-2 * f) for f in decay]
     ref = []
     for w in w0:
         w = w.clone()
         ref.append((w, reference.init_state(w, spec, base)))
-    for gs in grads:
+    for gs, hp, ghp in zip(grads, hps, ghps):
         for (w, st), g in zip(ref, gs):
             reference.md_step(w, g, st, spec, hp, ghp)
     numel = shape[0] * shape[1]
@@ -47,9 +49,9 @@ def _run(spec, cuts, base="adam", steps=5, shape=(9, 11), dtype=torch.float64, n
                for i, w in enumerate(w0)] for lo, hi in zip(bounds[:-1], bounds[1:])]  # fmt: skip
     ranks = Ranks(pieces, dtype, compiled)
     ranks.init()
-    for gs in grads:
+    for gs, hp, ghp in zip(grads, hps, ghps):
         ranks.step([[g.reshape(-1)[lo:hi] for g in gs] for lo, hi in zip(bounds[:-1], bounds[1:])],
-                   hp, ghp)  # fmt: skip
+                   hp, ghp, device=device)  # fmt: skip
     if one_buffer:
         out = list(torch.empty(n, numel, dtype=dtype))
     else:
@@ -463,3 +465,140 @@ def test_muonh_matches_reference(qkv):
                         shape=(16, 11) if qkv else (9, 11))  # fmt: skip
     for a, b in zip(w, w_ref):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+# --md-cuda-graph's arithmetic (megatron/md/engine/graph.py): the step count and LRs read from
+# the device, what a replayed CUDA graph runs; the LRs decay step by step, as a schedule's do
+DEVICE_CASES = [
+    # (base, sphere, gains, cuts, dtype, compiled, row_blocks, tol)
+    ("adam", "frobenius", "rowcol", 2, torch.float64, False, (), 1e-12),
+    ("adam", "row", "lowrank", 3, torch.float64, False, (), 1e-12),
+    ("adam", "frobenius", "rowcol", 1, torch.float64, False, (4, 2, 2), 1e-12),
+    ("adam", "frobenius", "rowcol", 1, torch.float32, True, (), 1e-6),
+    ("muon", "frobenius", "rowcol", 1, torch.float32, False, (), 1e-6),
+    ("muon", "col", "rowcol", 1, torch.float32, False, (4, 2, 2), 1e-6),
+    ("muon", "frobenius", "rowcol", 1, torch.float32, True, (), 1e-6),
+]
+
+
+@pytest.mark.parametrize("base,sphere,gains,n_slices,dtype,compiled,blocks,tol", DEVICE_CASES)
+def test_device_scalars_equal_the_reference(base, sphere, gains, n_slices, dtype, compiled,
+                                            blocks, tol):  # fmt: skip
+    """The step with its step count and LRs as device tensors (a decaying LR) equals the
+    reference with the same LRs, to the tolerances of the Python-number step: fp64 1e-12,
+    fp32 1e-6 (ZeRO-1 slices, lowrank gains, Q/K/V blocks, Muon, the compiled kernels)."""
+    spec = MatrixSpec(sphere, "init", gains, "softplus", gain_rank=2, row_blocks=blocks,
+                      muon_scale="sphere_rms")  # fmt: skip
+    shape = (16, 11) if blocks else (9, 11)
+    w, w_ref, ranks, st_ref = _run(spec, CUTS[n_slices], base=base, dtype=dtype, shape=shape,
+                                   compiled=compiled, device=True)  # fmt: skip
+    assert ranks.scalars and all(e.steps == 5 for e in ranks.engines)
+    for a, b in zip(w, w_ref):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol / 10)
+    _same_gains(ranks, st_ref, reference.GAIN_NAMES[gains], rtol=max(tol, 1e-5 * (tol > 1e-9)),
+                atol=tol)  # fmt: skip
+
+
+def _stream(fn) -> list[tuple]:
+    """Every aten operation ``fn`` dispatches with its arguments that are not tensors (what a
+    CUDA graph would freeze): [(name, non-tensor arguments)]."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            leaves, _ = tree_flatten((args, kwargs or {}))
+            fixed = tuple("nan" if x != x else x for x in leaves if not isinstance(x, torch.Tensor))
+            seen.append((str(func), fixed))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return seen
+
+
+@pytest.mark.parametrize("base", ["adam", "muon"])
+def test_device_scalars_make_every_step_the_same_kernels(base):
+    """What lets a CUDA graph replay the step: with the step count and LRs on the device, step
+    4 and step 5 (another LR) dispatch the same operations with the same non-tensor arguments,
+    and read nothing back to the host; the Python-number step does not (its step count and LR
+    are in the arguments: the check can fail). (The compiled kernels refuse to run under the
+    dispatch mode that records this; their arguments are tensors.)"""
+    spec = MatrixSpec("frobenius", "init", "rowcol", "softplus", muon_scale="sphere_rms")
+    shapes = [(16, 8), (8, 16)] * 3
+    pieces = [[(sliced.SliceMD(s, 0, s[0] * s[1], spec, base), torch.randn(s).view(-1), i)
+               for i, s in enumerate(shapes)]]  # fmt: skip
+    grads = [[torch.randn(s).view(-1) for s in shapes]]
+    hp = lambda lr: AdamHParams(lr) if base == "adam" else MuonHParams(lr)  # noqa: E731
+    streams = {}
+    for device in (True, False):
+        ranks = Ranks(pieces, torch.float32)
+        ranks.init()
+        for k in range(3):
+            ranks.step(grads, hp(1e-2), AdamHParams(1e-2), device=device)
+        engine, seen = ranks.engines[0], []
+        run = engine.run  # the device's part of the step: what a graph holds
+        engine.run = lambda *a: seen.append(_stream(lambda: run(*a)))
+        for lr in (9e-3, 8e-3):
+            ranks.step(grads, hp(lr), AdamHParams(lr / 2), device=device)
+        streams[device] = seen
+    four, five = streams[True]
+    assert four == five and len(four) > 50
+    assert not any(name.startswith("aten._local_scalar_dense") for name, _ in four)
+    assert streams[False][0] != streams[False][1]
+
+
+def test_step_graph_warms_up_captures_replays_and_refuses_moved_memory(monkeypatch):
+    """StepGraph's rule (the capture and replay themselves need CUDA: md_check.py --cuda-graph
+    in tools/gpu_check.py): 3 eager steps, then a capture (replayed at once: a capture runs
+    nothing), then replays that never call the step's Python; a new structure starts over;
+    a tensor that moved since the capture stops the run, named, before a replay."""
+    from megatron.md.engine import graph
+
+    class Recorded:  # stands in for torch.cuda.CUDAGraph: counts replays
+        replays = 0
+
+        def replay(self):
+            Recorded.replays += 1
+
+    monkeypatch.setattr(graph.StepGraph, "_eager", staticmethod(lambda body: body()))
+    monkeypatch.setattr(
+        graph.StepGraph, "_capture", staticmethod(lambda body: (body(), Recorded())[1])
+    )
+    calls = []
+    body = lambda: calls.append(1)  # noqa: E731
+    sg = graph.StepGraph()
+    where = [("the gradient of w", 100), ("the gradient of b", 200)]
+    got = [sg.run(body, "k", where) for _ in range(6)]
+    assert got == ["eager"] * 3 + ["captured"] + ["replayed"] * 2
+    assert len(calls) == 4 and Recorded.replays == 3 and sg.replays == 3
+    assert [sg.run(body, "other", where) for _ in range(4)] == ["eager"] * 3 + ["captured"]
+    with pytest.raises(RuntimeError, match="the gradient of b moved .*0xc8 -> 0x12c"):
+        sg.run(body, "other", [("the gradient of w", 100), ("the gradient of b", 300)])
+    sg.drop()
+    assert sg.run(body, "other", where) == "eager"
+
+
+def test_device_scalars_follow_the_numbers_that_change():
+    """One device tensor holds the step count and each group's LR, weight decay and gains' LR;
+    the hyper-parameters read views of it, made once while the rest stays fixed."""
+    from megatron.md.engine.engine import HParams
+    from megatron.md.engine.graph import DeviceScalars
+
+    sc = DeviceScalars("cpu", torch.float64)
+
+    def hps(lr, wd=0.0, beta1=0.9):
+        one = HParams(AdamHParams(lr, beta1), MuonHParams(lr), AdamHParams(lr / 2))
+        return {0: one, 3: HParams(AdamHParams(2 * lr, weight_decay=wd), None, AdamHParams(lr))}
+
+    a = sc.write(7, hps(1e-2))
+    assert sc.values.tolist() == [7, 1e-2, 0, 5e-3, 2e-2, 0, 1e-2]
+    assert a[0].adam.lr.data_ptr() == a[0].muon.lr.data_ptr() == sc.values[1].data_ptr()
+    assert a[3].adam.weight_decay == 0.0  # zero: no weight-decay kernel in the step
+    b = sc.write(8, hps(5e-3))
+    assert b is a and sc.values.tolist() == [8, 5e-3, 0, 2.5e-3, 1e-2, 0, 5e-3]
+    c = sc.write(9, hps(5e-3, wd=0.1))  # weight decay turns on: another structure
+    assert c is not a and float(c[3].adam.weight_decay) == 0.1
+    assert sc.write(9, hps(5e-3, wd=0.1, beta1=0.8)) is not c

@@ -54,9 +54,15 @@ def test_the_pretraining_runs_of_the_plan_parse(tmp_path):
 def test_verdicts_read_the_numbers():
     """A correctness line over the bound, or a resumed loss that differs, fails the step."""
     step = next(s for s in gpu_check.plan() if s.name == "correctness")
-    good = '{"worst_rel": 0.0, "worst_dir_rel": 0.0, "bf16_excess": 0.0, "sphere_err": 0.0}'
+    good = ('{"worst_rel": 0.0, "worst_dir_rel": 0.0, "bf16_excess": 0.0, "sphere_err": 0.0, '
+            '"graph_replays": 5}')  # fmt: skip
     ok, lines = gpu_check.verdict(step, 0, "\n".join([good] * len(gpu_check.MD_JOBS)), Path("."))
     assert ok and len(lines) == 1 + len(gpu_check.MD_JOBS)
+    # --cuda-graph jobs: the steps after the warm-up must have come from the graph
+    eager = good.replace('"graph_replays": 5', '"graph_replays": 0')
+    ok, lines = gpu_check.verdict(step, 0, "\n".join([eager] * len(gpu_check.MD_JOBS)), Path("."))
+    graph = [x for x in lines if "--cuda-graph" in x]
+    assert not ok and len(graph) == 3 and all(x.startswith("BAD") for x in graph)
     bad = good.replace('"worst_rel": 0.0', '"worst_rel": 2e-7')  # MD off must be bit for bit
     ok, lines = gpu_check.verdict(step, 0, "\n".join([bad] * len(gpu_check.MD_JOBS)), Path("."))
     assert not ok and "BAD --vs megatron --optimizer adam --dist replicated" in lines[-2]

@@ -312,6 +312,13 @@ def test_a_gpu_job_stops_and_cpu_mode_on_purpose_runs(capsys, monkeypatch):
         (["--md-from-plain-checkpoint"], "needs --md-decoupling and --load"),
         (["--optimizer=muon", "--use-torch-fsdp2"], "FSDP"),
         (["--md-adam-layer-wise"], "--md-adam-layer-wise needs --md-decoupling"),
+        (["--md-cuda-graph"], "--md-cuda-graph needs --md-decoupling"),
+        (["--md-decoupling", "--md-cuda-graph"], "--md-cuda-graph needs CUDA"),
+        (["--md-decoupling", "--optimizer-cuda-graph"], "use --md-cuda-graph"),
+        (
+            ["--md-decoupling", "--md-cuda-graph", "--bf16", "--grad-reduce-in-bf16"],
+            "drop --grad-reduce-in-bf16",
+        ),  # fmt: skip
         (["--md-decoupling", "--md-adam-layer-wise", "--optimizer=muon"], "needs --optimizer adam"),
         (
             [

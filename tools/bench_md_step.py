@@ -109,7 +109,14 @@ def shape_model(name: str, vocab: int, tp: int = 1) -> torch.nn.Module:
 
 
 def build(
-    name: str, optimizer: str, md_on: bool, dtype: str, vocab: int, fused: str = "auto", tp: int = 1
+    name: str,
+    optimizer: str,
+    md_on: bool,
+    dtype: str,
+    vocab: int,
+    fused: str = "auto",
+    tp: int = 1,
+    graph: bool = False,
 ):
     from megatron.core.transformer import TransformerConfig
 
@@ -140,11 +147,16 @@ def build(
         muon_fp32_matmul_prec="medium" if DEV == "cuda" else "highest",
     )  # fmt: skip
     if md_on:
-        md = MDConfig(adam_layer_wise=optimizer == "adam_lw", fused_step=fused)
+        md = MDConfig(adam_layer_wise=optimizer == "adam_lw", fused_step=fused, cuda_graph=graph)
         enable_md(opt, [dmodel], md)
     gen = torch.Generator(DEV).manual_seed(1)
     for p in dmodel.module.parameters():
         p.main_grad.copy_(torch.randn(p.shape, generator=gen, device=DEV) * 1e-3)
+    if graph:  # the eager warm-up steps and the capture, before any is timed
+        from megatron.md.engine.graph import WARMUP
+
+        for _ in range(WARMUP + 1):
+            opt.step()
     return dmodel, opt
 
 
@@ -409,12 +421,15 @@ PAIRS = {
     "muon_md_eager/muon": ("muon", "muon_md_eager"),
     "muon_md_fused/muon": ("muon", "muon_md_fused"),
     "adam_md layer-wise/zero1": ("adam_md", "adam_lw_md"),
+    "adam_md_graph/adam": ("adam", "adam_md_graph"),
+    "muon_md_graph/muon": ("muon", "muon_md_graph"),
 }
 #: adam/muon as megatron builds them, ``_md``: with MD as a user gets it (--md-fused-step auto);
-#: ``_md_eager`` / ``_md_fused``: the eager step / the compiled kernels; adam_lw_md = AdamMD
+#: ``_md_eager`` / ``_md_fused``: the eager step / the compiled kernels; ``_md_graph``: the
+#: default step replayed from a CUDA graph (--md-cuda-graph, GPU only); adam_lw_md = AdamMD
 #: layer-wise
 RUNS = ["adam", "adam_md", "adam_md_eager", "adam_md_fused", "muon", "muon_md", "muon_md_eager",
-        "muon_md_fused", "adam_lw_md"]  # fmt: skip
+        "muon_md_fused", "adam_lw_md", "adam_md_graph", "muon_md_graph"]  # fmt: skip
 
 
 def measure(name: str, dtype: str, args, rank: int) -> dict:
@@ -430,7 +445,8 @@ def measure(name: str, dtype: str, args, rank: int) -> dict:
             opt_name, md_on = run.split("_md")[0], "_md" in run
             fused = {"fused": "on", "eager": "off"}.get(run.rsplit("_", 1)[-1], "auto")
             t0 = time.perf_counter()
-            dmodel, opts[run] = build(name, opt_name, md_on, dtype, args.vocab_size, fused, args.tp)
+            dmodel, opts[run] = build(name, opt_name, md_on, dtype, args.vocab_size, fused, args.tp,
+                                      graph=run.endswith("_graph"))  # fmt: skip
             models.append(dmodel)
             log(rank, f"{name} {dtype} {run}: built in {time.perf_counter() - t0:.1f} s")
         got = time_interleaved(opts, args.steps)
@@ -483,7 +499,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", nargs="+", choices=("fp32", "bf16"),
                     default=["bf16" if DEV == "cuda" else "fp32"])  # fmt: skip
     ap.add_argument("--runs", nargs="+", choices=RUNS,
-                    default=[r for r in RUNS if not r.startswith("muon_md_")],
+                    default=[r for r in RUNS
+                             if not r.startswith("muon_md_") and not r.endswith("_graph")],
                     help="which optimizer builds to time (ratios need both of a pair)")  # fmt: skip
     ap.add_argument("--world", type=int, nargs="+", help="world sizes to run in turn (ladder)")
     ap.add_argument("--tp", type=int, default=1,
@@ -492,6 +509,8 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", action="store_true",
                     help="where one step's time goes (Adam, AdamMD, Muon, MuonMD)")  # fmt: skip
     args = ap.parse_args(argv)
+    if DEV != "cuda" and any(r.endswith("_graph") for r in args.runs):
+        ap.error("the *_md_graph runs (--md-cuda-graph) need CUDA")
     if "LOCAL_RANK" in os.environ:
         return worker(args)
     if args.profile:

@@ -8,12 +8,13 @@ commit):
    (Muon: to fp32 rounding, the batched Newton–Schulz runs another cuBLAS kernel);
 2. step cost: ``tools/bench_dispatch.py`` (dispatched ops, host syncs, bytes moved) and
    ``tools/bench_md_step.py`` at 181M, 457M and 1.29B (AdamMD/Adam and MuonMD/Muon, bf16: the
-   default step, compiled at these sizes, and the eager one beside it), and where one step's
-   time goes at 181M and 1.29B (``--profile``: kernel time against wall time and the ten
-   costliest kernels of Adam, AdamMD, Muon and MuonMD). CUDA graph capture of the step is
-   not offered (docs/internals.md), so there is nothing to toggle;
+   default step, compiled at these sizes), the step replayed from a CUDA graph at 181M
+   (``--md-cuda-graph``: ``*_md_graph``), and where one step's time goes at 181M and 1.29B
+   (``--profile``: kernel time against wall time and the ten costliest kernels of Adam,
+   AdamMD, Muon and MuonMD); the correctness layouts include the graph's
+   (``md_check.py --cuda-graph``, a moving LR);
 3. end to end: ``tools/throughput.py`` on ``dense-181M`` (AdamW, Muon, AdamMD and MuonMD as
-   by default and with the eager step; bf16, local layer spec, tokens/s medians after
+   by default and with ``--md-cuda-graph``; bf16, local layer spec, tokens/s medians after
    warm-up), and a save at iteration N and a resume
    that must repeat the first run's losses exactly (both in megatron's ``--deterministic-mode``:
    without it two identical runs part on a GPU), with the long-run checks (sphere drift,
@@ -77,6 +78,7 @@ class Step:
 
 
 _LW_MUON = ["--optimizer", "muon", "--dist", "layerwise"]
+_GRAPH = ["--cuda-graph", "--lr-decay", "--steps", "8"]
 #: md_check.py jobs (one launch, joined by ``+``, pays megatron's import once)
 MD_JOBS = [
     ["--dist", "zero1"],
@@ -95,6 +97,10 @@ MD_JOBS = [
     ["--optimizer", "adam", "--dist", "replicated", "--fused-step"],
     [*_LW_MUON, "--dtype", "bf16", "--fused-step"],
     [*_LW_MUON, "--dtype", "bf16", "--experts", "4", "--fused-step"],
+    # --md-cuda-graph: 3 eager steps, a capture, 4 replays, the LR moving at every step
+    ["--dist", "zero1", "--dtype", "bf16", "--fused-step", *_GRAPH],
+    ["--dist", "zero1", "--dtype", "bf16", "--experts", "4", *_GRAPH],
+    [*_LW_MUON, "--dtype", "bf16", *_GRAPH],
     ["--vs", "megatron", "--dist", "zero1"],
     ["--vs", "megatron", "--dist", "zero1", "--dtype", "bf16", "--experts", "4"],
     ["--vs", "megatron", *_LW_MUON, "--dtype", "bf16", "--experts", "4"],
@@ -143,13 +149,15 @@ def plan() -> list[Step]:
              ["--model", "181M", "457M", "1.29B", "--world", "1", "--dtype", "bf16",
               "--steps", "5", "--runs", "adam", "adam_md", "muon", "muon_md",
               "--json", "{out}/step_cost.json"], 180),
-        # the eager MD step beside it, in its own step: a step killed at its cap must not take
-        # the default path's table with it
+        # the default step replayed from a CUDA graph (--md-cuda-graph) at the launch-bound
+        # size, against the base; the step-cost rows above are the same step without it (the
+        # eager step beside the compiled one: H200, 2026-11-26, docs/benchmarks.md; run
+        # bench_md_step.py --runs adam adam_md_eager muon muon_md_eager to see it again)
         Step("step-cost", "tools/bench_md_step.py",
-             ["--model", "181M", "1.29B", "--world", "1", "--dtype", "bf16", "--steps", "5",
-              "--runs", "adam", "adam_md_eager", "muon", "muon_md_eager",
-              "--json", "{out}/step_eager.json"], 120,
-             notes=["the eager AdamMD and MuonMD steps (*_md_eager)"]),
+             ["--model", "181M", "--world", "1", "--dtype", "bf16", "--steps", "8",
+              "--runs", "adam", "adam_md_graph", "muon", "muon_md_graph",
+              "--json", "{out}/step_graph.json"], 120,
+             notes=["the MD step replayed from a CUDA graph (*_md_graph, --md-cuda-graph)"]),
         # where one step's time goes, base against MD: at 181M whether AdamMD's compiled step
         # is host-bound (wall time against kernel time; its tokens/s were 94.8 % of AdamW's on
         # the H200), at 1.29B which kernels make MuonMD's 1.34x Muon's step
@@ -158,7 +166,7 @@ def plan() -> list[Step]:
         Step("throughput", "tools/throughput.py",
              ["--preset", "dense-181M", "--iters", "20", "--warmup", "8", "--nproc", "1",
               "--seq-length", "2048", "--methods", "adamw", "muon", "adammd", "muonmd",
-              "adammd-eager", "muonmd-eager",
+              "adammd-graph", "muonmd-graph",
               "--out", "{out}", "--", "--transformer-impl=local"], 270),
     ]  # fmt: skip
     for name, flags in (("adammd", adammd), ("muonmd", muonmd)):
@@ -300,9 +308,13 @@ def verdict(step: Step, rc: int, output: str, out: Path) -> tuple[bool, list[str
                 good = res["bf16_excess"] <= BF16_EXCESS and res["worst_dir_rel"] <= FP32_REL
             else:
                 good = res["worst_rel"] <= FP32_REL and res["worst_dir_rel"] <= FP32_REL
+            if "--cuda-graph" in job:  # every step after the warm-up from the graph
+                good &= res.get("graph_replays", 0) >= 5
             ok &= good
             keys = ("worst_rel", "worst_dir_rel", "bf16_excess", "sphere_err")
             nums = ", ".join(f"{k} {res[k]:.3g}" for k in keys)
+            if "--cuda-graph" in job:
+                nums += f", graph_replays {res.get('graph_replays')}"
             lines.append(f"{'ok ' if good else 'BAD'} {' '.join(job)}: {nums}")
     elif step.resumes:
         a, b = (_losses(out / f"{step.resumes}-{k}.jsonl") for k in ("a", "b"))

@@ -30,10 +30,13 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 from runlog import LogError, RunLog, read_log, read_manifest, run_pretrain  # noqa: E402
 
 #: methods that are another's recipe with flags added; adammd-eager / muonmd-eager: the eager
-#: MD step (--md-fused-step off) beside the default, compiled on a GPU at these sizes
+#: MD step (--md-fused-step off) beside the default, compiled on a GPU at these sizes;
+#: *-graph: the default step replayed from a CUDA graph (--md-cuda-graph, GPU only)
 VARIANTS = {
     "adammd-eager": ("adammd", ["--md-fused-step=off"]),
     "muonmd-eager": ("muonmd", ["--md-fused-step=off"]),
+    "adammd-graph": ("adammd", ["--md-cuda-graph"]),
+    "muonmd-graph": ("muonmd", ["--md-cuda-graph"]),
 }
 #: adammd-lw: AdamMD on whole matrices owned layer-wise (--md-adam-layer-wise), as the paper's
 #: throughput table ran it (appendix "Implementation, Efficiency, and Throughput")

@@ -186,6 +186,13 @@ class MDConfig:
     there); docs/benchmarks.md. Execution only: the results agree with the eager step to fp32
     rounding, it is never used with MD off, checkpoints are interchangeable."""
 
+    cuda_graph: bool = False
+    """Capture the MD optimizer's inner step (every MD matrix's step with its reductions, the
+    1-D parameters' Adam, the fused weights) in a CUDA graph after 3 eager steps and replay it
+    (megatron/md/engine/graph.py); the step count and LRs are then read on the device, an fp32
+    rounding from the eager step. GPU only; megatron's gradient buffers must stay put (fp32,
+    megatron's default with --bf16). Off by default: not yet measured on a GPU."""
+
     def __post_init__(self) -> None:
         self.validate()
 

@@ -26,6 +26,7 @@ import torch
 from megatron.md.base_steps import AdamHParams, MuonHParams, adam_multi_
 from megatron.md.config import MDConfig
 from megatron.md.engine.engine import Domain, Engine, HParams, Member, reduced_norms
+from megatron.md.engine.graph import DeviceScalars, StepGraph
 from megatron.md.sliced import SliceMD
 from megatron.md.state import MatrixState
 
@@ -82,6 +83,13 @@ class MDInner(torch.optim.Optimizer):
         # a one-element tensor: 0, or NaN once the step saw a non-finite reduced partial or
         # gain (train/nonfinite.py); the engine's
         self.probe = torch.zeros(1)
+        # --md-cuda-graph (engine/graph.py): the step's changing numbers on the device, and
+        # the graph (None: those numbers on the device, stepped eagerly)
+        self.scalars: DeviceScalars | None = None
+        self.graph: StepGraph | None = None
+        self._graph_counts = (0, 0, 0)  # the collective counters a captured step adds
+        self._fused_in_step = False  # the step wrote W already: the next fuse() is done
+        self._in_graph_body = False
 
     # ---- set-up ----
     def bind(self, main: torch.Tensor, slot: MDSlot) -> None:
@@ -136,6 +144,8 @@ class MDInner(torch.optim.Optimizer):
         if self.engine is None:
             self.engine = Engine(self._members(), self.domains, self.compiled)
             self.probe = self.engine.probe
+        if self.graph is not None:
+            self.graph.drop()
         with self._uncounted():
             self.engine.init_state(self._reduce, keep_base=keep_base)
         self.engine.share_step([self.state[p] for _, p in self._vectors()])
@@ -154,6 +164,8 @@ class MDInner(torch.optim.Optimizer):
                 m.state = self.state[m.main]
                 m.md_state = self.md_state[m.main]
             self.engine.rebind()
+            if self.graph is not None:
+                self.graph.drop()
             self.engine.share_step([self.state[p] for _, p in self._vectors()])
 
     def load_state_dict(self, state_dict) -> None:
@@ -171,7 +183,7 @@ class MDInner(torch.optim.Optimizer):
 
     # ---- the step ----
     def _timer(self, name: str):
-        if self.timers is None:
+        if self.timers is None or self._in_graph_body:  # megatron's timers synchronize
             return contextlib.nullcontext()
         t = self.timers(name, log_level=2)
 
@@ -233,6 +245,10 @@ class MDInner(torch.optim.Optimizer):
         if missing:
             raise RuntimeError(f"no gradient for MD matrix {missing[0]} (megatron sets every one)")
         self.last_payload = self.last_payload_bytes = 0
+        if self.scalars is not None:
+            with self._timer("md-step"):
+                self._device_step(hps)
+            return None
         with self._timer("md-step"):
             self.engine.step(hps, self._reduce)
         vectors: dict[int, list] = {}  # 1-D params: torch AdamW arithmetic, multi-tensor
@@ -246,6 +262,70 @@ class MDInner(torch.optim.Optimizer):
             with self._timer("md-fuse"):
                 self.engine.fuse(self.outputs(), fp32_mode=True)
         return None
+
+    # ---- the step with its changing numbers on the device (--md-cuda-graph) ----
+    def use_cuda_graph(self, graph: bool = True) -> None:
+        """Step with the step count and LRs read from the device (``engine/graph.py``), and
+        with ``graph`` capture the step in a CUDA graph after its warm-up and replay it."""
+        device = self.probe.device
+        if graph and device.type != "cuda":
+            raise ValueError(f"--md-cuda-graph needs the optimizer on a GPU (it is on {device})")
+        dtype = self.engine.groups[0].W.dtype if self.engine and self.engine.groups else None
+        self.scalars = DeviceScalars(device, dtype or torch.float32)
+        self.graph = StepGraph() if graph else None
+
+    def _device_step(self, hps: dict[int, HParams]) -> None:
+        self.engine.advance()
+        dev = self.scalars.write(self.engine.steps, hps)
+        step = self.scalars.step
+        vectors = [(i, p) for i, p in self._vectors() if p.grad is not None]
+        outs = self.outputs() if self.slots else {}
+
+        def body() -> None:
+            self._in_graph_body = True
+            try:
+                for g in self.engine.groups:  # φ(ĝ) from this step's kernels, not a cached
+                    g.settle()  # tensor the graph would outlive
+                    g.gains_changed()
+                self.engine.run(dev, self._reduce, step)
+                works: dict[int, list] = {}
+                for i, p in vectors:
+                    st = self.state[p]
+                    works.setdefault(i, []).append((p, p.grad, st["exp_avg"], st["exp_avg_sq"]))
+                for i, w in works.items():
+                    adam_multi_(*map(list, zip(*w)), step, dev[i].adam)
+                if self.slots:
+                    self.engine.fuse(outs)
+            finally:
+                self._in_graph_body = False
+
+        if self.graph is None:
+            body()
+        else:
+            before = self.n_collectives, self.last_payload, self.last_payload_bytes
+            key = (self.scalars.key, tuple(id(p) for _, p in vectors))
+            how = self.graph.run(body, key, self._addresses(vectors, outs))
+            if how == "captured":
+                now = self.n_collectives, self.last_payload, self.last_payload_bytes
+                self._graph_counts = tuple(b - a for a, b in zip(before, now))
+            elif how == "replayed":
+                c, n, nb = self._graph_counts
+                self.n_collectives += c
+                self.last_payload += n
+                self.last_payload_bytes += nb
+            for g in self.engine.groups:
+                g.gains_changed()
+        # megatron's main->model copy calls fuse() next, where W is not the main param
+        self._fused_in_step = any(not s.fp32_mode for s in self.slots.values())
+
+    def _addresses(self, vectors: list, outs: dict) -> list[tuple[str, int]]:
+        """What a replay reads or writes outside the graph's pool that megatron could move."""
+        out = [(f"the gradient of {s.name}", p.grad.data_ptr()) for p, s in self.slots.items()]
+        out += [(f"the gradient of a 1-D parameter ({tuple(p.shape)})", p.grad.data_ptr())
+                for _, p in vectors]  # fmt: skip
+        out += [(f"the fused weight's destination of {m.md.shape}", outs[id(m)].data_ptr())
+                for m in self.engine.members]  # fmt: skip
+        return out
 
     def fuse_into(self, main: torch.Tensor, out: torch.Tensor) -> bool:
         """Write W = Γ ⊙ Ŵ of ``main`` (a direction) into ``out``; False if ``main`` is not an
@@ -261,6 +341,9 @@ class MDInner(torch.optim.Optimizer):
         """W = Γ ⊙ Ŵ of every MD matrix whose main param is its direction into its destination
         (the integration's ``outputs``: megatron's main→model copy); fp32 params' W is
         written by the step itself."""
+        if self._fused_in_step:  # --md-cuda-graph: the step wrote W
+            self._fused_in_step = False
+            return
         if self.engine is not None and self.slots:
             with self._timer("md-fuse"):
                 self.engine.fuse(self.outputs(), fp32_mode=False)

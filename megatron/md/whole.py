@@ -148,3 +148,5 @@ def setup_whole(opt, roles: dict, names: dict, md: MDConfig, layer_wise: bool) -
     inner.init_state()
     out = {id(m): outputs[m.main] for m in inner.engine.members}
     inner.outputs = lambda: out
+    if md.cuda_graph:
+        inner.use_cuda_graph()

@@ -148,3 +148,5 @@ def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
     opt.__class__ = MDDistributedOptimizer
     inner.init_state()
     inner.outputs = _outputs(opt)
+    if md.cuda_graph:
+        inner.use_cuda_graph()

@@ -4,6 +4,8 @@
         [--dtype fp32|bf16] [--experts 4] [--sphere frobenius] [--vs reference|megatron]
         [--device cuda]   (NCCL, one rank per GPU; the oracle then runs on the GPU too)
         [--fused-step]    (the compiled kernels, megatron/md/engine/compiled.py)
+        [--device-scalars] [--lr-decay]  (the step count and LRs on the device; a moving LR)
+        [--cuda-graph]    (with --device cuda: the step replayed from a CUDA graph)
         [--cp 2]          (megatron's context-parallel groups: DP × CP = W)
 
 Every rank feeds the same batch, so the data-parallel mean gradient equals each rank's local
@@ -62,6 +64,18 @@ def parse(argv=None):
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--fused-step", action="store_true", help="MDConfig.fused_step")
+    ap.add_argument(
+        "--device-scalars",
+        action="store_true",
+        help="the step count and LRs read from the device (engine/graph.py)",
+    )
+    ap.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="MDConfig.cuda_graph: the step captured after 3 steps (CUDA only)",
+    )
+    ap.add_argument("--lr-decay", action="store_true",
+                    help="LR × (1 - k / (2 steps)) at step k, in both optimizers")  # fmt: skip
     ap.add_argument("--cp", type=int, default=1, help="context-parallel size (DP = W / cp)")
     ap.add_argument(
         "--no-split-qkv", dest="split_qkv", action="store_false", help="--muon-no-split-qkv"
@@ -72,6 +86,8 @@ def parse(argv=None):
     args = ap.parse_args(argv)
     if args.vs == "megatron" and args.dist == "layerwise" and args.optimizer == "adam":
         ap.error("megatron-core has no layer-wise Adam to compare with")
+    if args.cuda_graph and args.device != "cuda":
+        ap.error("--cuda-graph needs --device cuda")
     return args
 
 
@@ -96,6 +112,7 @@ def md_config(args):
         sphere=args.sphere,
         adam_layer_wise=lw_adam,
         fused_step="on" if args.fused_step else "off",
+        cuda_graph=args.cuda_graph,
         split_qkv=args.split_qkv,  # AdamMD splits too (pretrain_gpt.py's --muon-split-qkv)
     )
 
@@ -334,6 +351,9 @@ def check(args) -> dict:
     else:
         named, copies, ref = oracle_for(model, md, args.optimizer)
     inners = [o.optimizer for o in leaf_optimizers(opt) if hasattr(o.optimizer, "slots")]
+    if args.device_scalars:
+        for inner in inners:
+            inner.use_cuda_graph(graph=False)
     cut = any(b.nc < s.md.shape[1] for i in inners for s in i.slots.values() for b in s.md.blocks)
     cut = torch.tensor(float(cut), device=DEV)
     dist.all_reduce(cut)
@@ -342,7 +362,10 @@ def check(args) -> dict:
     sphere_err = 0.0
     grad_diff = []  # --vs megatron: per step, max |local grad of model - of model2|
     md_calls = []  # the collectives of the last MD step
-    for x, y in cpu_demo.batches(data, args.steps, 4, 16, 0):
+    for k, (x, y) in enumerate(cpu_demo.batches(data, args.steps, 4, 16, 0)):
+        if args.lr_decay:  # as a schedule moves it (the oracle's groups below)
+            for g in opt.param_groups:
+                g["lr"] = LR * (1 - k / (2 * args.steps))
         x, y = cp_share(x.to(DEV), y.to(DEV))
         grads = step(dmodel, opt, x, y, md_calls)
         differ = grads_differ(grads)
@@ -356,6 +379,9 @@ def check(args) -> dict:
             continue
         for c, g in zip(copies, grads):
             c.grad = g.float().clone()
+        if args.lr_decay:
+            for g in ref.param_groups:
+                g["lr"] = opt.param_groups[0]["lr"]
         gn = torch.stack([c.grad.norm() for c in copies]).norm()
         coeff = CLIP / (gn + 1e-6)
         if coeff < 1:
@@ -488,6 +514,9 @@ def check(args) -> dict:
         "extra_collectives": sorted(k for k, n in extra.items() for _ in range(max(n, 0))),
         "missing_collectives": sorted(k for k, n in missing.items() for _ in range(max(n, 0))),
         "classes": sorted({type(o).__name__ for o in leaf_optimizers(opt)}),
+        # the MD steps run with their numbers on the device, and replayed from a CUDA graph
+        "device_steps": sum(i.engine.steps for i in inners if i.scalars is not None),
+        "graph_replays": sum(i.graph.replays for i in inners if i.graph is not None),
     }
 
 

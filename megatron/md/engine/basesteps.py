@@ -36,9 +36,11 @@ class BaseStep:
     writes_grads = False
     """Whether its step writes the G_Ŵ it is given (then never megatron's gradients)."""
 
-    def step(self, groups: list, grads: list[torch.Tensor], step: int, hp) -> None:
+    def step(self, groups: list, grads: list[torch.Tensor], step, hp) -> None:
         """Update every group's Ŵ in place from its G_Ŵ (``grads``, stacked like Ŵ) at the
-        1-based ``step`` with the hyper-parameters ``hp`` shared by the groups."""
+        1-based ``step`` with the hyper-parameters ``hp`` shared by the groups. ``step`` and
+        ``hp``'s LR are Python numbers, or 0-d device tensors (a step a CUDA graph replays:
+        then no value may reach Python)."""
         raise NotImplementedError
 
 
@@ -88,7 +90,11 @@ class MuonStep(BaseStep):
                 # Ŵ viewed at the update's shape: a transposed Newton–Schulz result (tall
                 # matrices) is read with its strides, as megatron's per-matrix add does,
                 # not copied first (a reshape would)
-                g.W.view(upd.shape).add_(upd, alpha=-hp.lr)
+                w = g.W.view(upd.shape)
+                if isinstance(hp.lr, torch.Tensor):  # a device LR (engine/graph.py)
+                    w.addcmul_(upd, hp.lr, value=-1)
+                else:
+                    w.add_(upd, alpha=-hp.lr)
 
     @staticmethod
     def _orthogonalized(g, x: torch.Tensor, hp: MuonHParams) -> torch.Tensor:

@@ -147,11 +147,22 @@ def _get(name: str, fn):
 
 
 _hparams: dict[tuple, torch.Tensor] = {}
+_tails: dict[tuple, torch.Tensor] = {}
 
 
 def adam_hparams(hp: AdamHParams, step: int, like: torch.Tensor) -> torch.Tensor:
     """The step's Adam scalars as a tensor of ``like``'s dtype and device, made once per step
-    and hyper-parameters."""
+    and hyper-parameters; with the step count and LR on the device (a step a CUDA graph
+    replays), computed there at every call."""
+    if isinstance(step, torch.Tensor):
+        bc1, bc2 = 1 - torch.pow(hp.beta1, step), 1 - torch.pow(hp.beta2, step)
+        head = torch.stack([hp.lr / bc1, bc2.sqrt()]).to(like.dtype)
+        key = (str(like.device), like.dtype, hp.beta1, hp.beta2, hp.eps)
+        if key not in _tails:  # made at the first (eager) step: no copy in a capture, and
+            # kept for good (a graph reads it by address)
+            vals = [1 - hp.beta1, hp.beta2, 1 - hp.beta2, hp.eps]
+            _tails[key] = torch.tensor(vals, dtype=like.dtype, device=like.device)
+        return torch.cat([head, _tails[key]])
     key = (str(like.device), like.dtype, step, hp.lr, hp.beta1, hp.beta2, hp.eps)
     if key not in _hparams:
         if len(_hparams) > 64:

@@ -256,11 +256,21 @@ class Engine:
         self.share_step([m.state for m in self.members])
 
     # ---- the step ----
-    def step(self, hps: dict[int, HParams], reduce_fn, timer=None) -> None:
+    def step(self, hps: dict[int, HParams], reduce_fn) -> None:
         """One MD step of every matrix: ``hps`` by parameter-group index; ``reduce_fn(domain
         key, buffer)`` sums a domain's partials over its ranks."""
+        self.advance()
+        self.run(hps, reduce_fn, self.steps)
+
+    def advance(self) -> None:
+        """Count a step (the host's part of it: what checkpoints read)."""
         self.steps += 1
         self.step_tensor.fill_(self.steps)
+
+    def run(self, hps: dict[int, HParams], reduce_fn, step) -> None:
+        """The device's part of a step: ``step`` is the 1-based step count, a Python number or,
+        with ``hps``' LRs, a 0-d device tensor (then nothing is read from Python numbers that
+        change between steps, and a CUDA graph can replay it: ``graph.py``)."""
         if not self.groups:
             return
         dev = self.probe.device
@@ -278,7 +288,7 @@ class Engine:
                 hp = hps[g.members[0].param_group].base(g.base.name)
                 batches.setdefault((g.base.name, _key(hp)), (hp, []))[1].append(g)
             for hp, gs in batches.values():
-                gs[0].base.step(gs, [held[g][0] for g in gs], self.steps, hp)
+                gs[0].base.step(gs, [held[g][0] for g in gs], step, hp)
             for g in chunk:
                 G, P, inplace = held.pop(g)
                 if g.n_norm:
@@ -294,7 +304,7 @@ class Engine:
                 pre_p, pre_in = self._view("pre", g, pre_bufs, g.n_pre)
             if g.kernels is not None and g.kernels.phase1 is not None:
                 hp = hps[g.members[0].param_group].base(g.base.name)
-                g.kernels.phase1(g, G, P, self.steps, hp)
+                g.kernels.phase1(g, G, P, step, hp)
                 self._write("step", g, bufs, P, inplace)
                 continue
             if g.kernels is not None and g.kernels.partials is not None:
@@ -329,7 +339,7 @@ class Engine:
                 chain = "direct" if g.spec.gains == "lowrank" else g.spec.gain_map
                 gains.add(g, n, T[:, off : off + size_n], chain, g.spec.gain_map, ghp)
                 off += size_n
-        gains.run(self.steps)
+        gains.run(step)
         for g in self.groups:
             g.gains_changed()
         if gains.raws:
@@ -389,7 +399,7 @@ class _GainBatch:
         self.by.setdefault((_key(hp), chain, gain_map), (hp, []))[1].append(work)
         self.raws.append(g.gains[name])
 
-    def run(self, step: int) -> None:
+    def run(self, step) -> None:
         for (_, chain, gain_map), (hp, works) in self.by.items():
             raws, grads, avgs, avg_sqs = map(list, zip(*works))
             if chain in maps.CHAIN_MAPS:

@@ -308,8 +308,23 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
             # layer-wise Muon
             args.use_layer_wise_distributed_optimizer = True
             args.use_distributed_optimizer = False
+        if args.optimizer_cuda_graph:
+            _fail(
+                "--optimizer-cuda-graph captures megatron's whole optimizer step, where MD's "
+                "step takes the LR and step count as Python numbers that a graph would freeze: "
+                "use --md-cuda-graph (MD's inner step in a graph, its LR and step count read "
+                "on the device)"
+            )
+        if args.md_cuda_graph and args.bf16 and not args.accumulate_allreduce_grads_in_fp32:
+            _fail(
+                "--md-cuda-graph replays the step on megatron's gradient buffer, which must then "
+                "be fp32 (bf16 gradients are copied to new fp32 tensors every step): drop "
+                "--grad-reduce-in-bf16 / --main-grads-dtype bf16"
+            )
     elif args.md_adam_layer_wise:
         _fail("--md-adam-layer-wise needs --md-decoupling")
+    elif args.md_cuda_graph:
+        _fail("--md-cuda-graph needs --md-decoupling (it captures MD's step)")
     elif args.muon_scale_mode in ("sphere_rms", "hyperball"):
         _fail(f"--muon-scale-mode {args.muon_scale_mode} needs --md-decoupling (it follows the "
               "sphere radius)")  # fmt: skip

@@ -134,7 +134,11 @@ def parse(argv: list[str], on_cpu: bool, check_data: bool = True):
             "device in a process of its own (dist_checkpointing/strategies/async_utils.py); "
             "drop it on a CPU"
         )
-    return args, md_args.validate(args, check_data=check_data)
+    md = md_args.validate(args, check_data=check_data)
+    if on_cpu and args.md_cuda_graph:
+        errors.fail("--md-cuda-graph needs CUDA (it captures the MD step in a CUDA graph): drop "
+                    "it on a CPU")  # fmt: skip
+    return args, md
 
 
 def single_process_env() -> None:
