@@ -250,3 +250,29 @@ def test_an_untagged_qkv_piece_is_refused_under_the_split():
     tag_qkv(model)
     qkv = model.decoder.layers[0].self_attention.linear_qkv.weight
     assert split_blocks(qkv, name, split=True) == tuple(qkv.qkv_split_shapes)
+
+
+def test_cuda_graph_needs_a_gpu_and_names_what_a_replay_reads():
+    """--md-cuda-graph on a CPU optimizer is refused; the tensors a replay must find where the
+    capture saw them are every MD gradient, every 1-D gradient and every fused weight's
+    destination, each named for the message that stops a run when one moved."""
+    from megatron.md.enable import enable_md
+
+    dmodel, opt = _build()
+    enable_md(opt, [dmodel], MDConfig())
+    inner = opt.optimizer
+    with pytest.raises(ValueError, match="--md-cuda-graph needs the optimizer on a GPU"):
+        inner.use_cuda_graph()
+    x = torch.randint(0, 256, (2, 16))
+    dmodel.zero_grad_buffer()
+    cpu_demo.lm_loss(dmodel, x, x).backward()
+    dmodel.finish_grad_sync()
+    opt.step()
+    vectors = [(i, p) for i, p in inner._vectors() if p.grad is not None]
+    where = inner._addresses(vectors, inner.outputs())
+    n_md, n_vec = len(inner.slots), len(vectors)
+    assert n_md and n_vec and len(where) == 2 * n_md + n_vec
+    names = [inner._address_name(k, vectors) for k in range(len(where))]
+    assert names[0] == "the gradient of module.embedding.word_embeddings.weight"
+    assert names[n_md].startswith("the gradient of a 1-D parameter of shape (")
+    assert names[-1].startswith("the destination of a fused weight of shape (")

@@ -304,7 +304,8 @@ class MDInner(torch.optim.Optimizer):
         else:
             before = self.n_collectives, self.last_payload, self.last_payload_bytes
             key = (self.scalars.key, tuple(id(p) for _, p in vectors))
-            how = self.graph.run(body, key, self._addresses(vectors, outs))
+            where = self._addresses(vectors, outs)
+            how = self.graph.run(body, key, where, lambda k: self._address_name(k, vectors))
             if how == "captured":
                 now = self.n_collectives, self.last_payload, self.last_payload_bytes
                 self._graph_counts = tuple(b - a for a, b in zip(before, now))
@@ -318,14 +319,23 @@ class MDInner(torch.optim.Optimizer):
         # megatron's main->model copy calls fuse() next, where W is not the main param
         self._fused_in_step = any(not s.fp32_mode for s in self.slots.values())
 
-    def _addresses(self, vectors: list, outs: dict) -> list[tuple[str, int]]:
-        """What a replay reads or writes outside the graph's pool that megatron could move."""
-        out = [(f"the gradient of {s.name}", p.grad.data_ptr()) for p, s in self.slots.items()]
-        out += [(f"the gradient of a 1-D parameter ({tuple(p.shape)})", p.grad.data_ptr())
-                for _, p in vectors]  # fmt: skip
-        out += [(f"the fused weight's destination of {m.md.shape}", outs[id(m)].data_ptr())
-                for m in self.engine.members]  # fmt: skip
-        return out
+    def _addresses(self, vectors: list, outs: dict) -> list[int]:
+        """Where a replay reads or writes outside the graph's pool what megatron could move:
+        the MD matrices' gradients, the 1-D ones', the fused weights' destinations."""
+        out = [p.grad.data_ptr() for p in self.slots]
+        out += [p.grad.data_ptr() for _, p in vectors]
+        return out + [outs[id(m)].data_ptr() for m in self.engine.members]
+
+    def _address_name(self, k: int, vectors: list) -> str:
+        """What the ``k``-th of ``_addresses`` is, for a message."""
+        names = [s.name for s in self.slots.values()]
+        if k < len(names):
+            return f"the gradient of {names[k]}"
+        k -= len(names)
+        if k < len(vectors):
+            return f"the gradient of a 1-D parameter of shape {tuple(vectors[k][1].shape)}"
+        md = self.engine.members[k - len(vectors)].md
+        return f"the destination of a fused weight of shape {md.shape}"
 
     def fuse_into(self, main: torch.Tensor, out: torch.Tensor) -> bool:
         """Write W = Γ ⊙ Ŵ of ``main`` (a direction) into ``out``; False if ``main`` is not an

@@ -62,7 +62,7 @@ def parse(argv):
         ap.error("MuonMD needs whole matrices: --dist layerwise or replicated")
     if args.cp > 1 and args.experts:
         ap.error("--cp with --experts is not part of this check")
-    args.vs, args.fused_step = "reference", False
+    args.vs, args.fused_step, args.cuda_graph = "reference", False, False
     return args
 
 

@@ -93,24 +93,26 @@ class StepGraph:
         self.left = warmup
         self.graph = None
         self.key = None
-        self.addresses: list[tuple[str, int]] | None = None
+        self.addresses: list[int] | None = None
         self.replays = 0  # steps run from a graph (a capture's included)
 
     def drop(self) -> None:
         """Forget the graph (a load replaced state): eager steps and a capture again."""
         self.graph, self.key, self.addresses, self.left = None, None, None, self.warmup
 
-    def run(self, body: Callable[[], None], key, addresses: list[tuple[str, int]]) -> str:
+    def run(
+        self, body: Callable[[], None], key, addresses: list[int], name: Callable[[int], str]
+    ) -> str:
         """One step: ``body`` run eagerly ("eager"), captured and replayed once ("captured"),
         or the graph replayed ("replayed"); ``key``: the step's structure (a change drops the
-        graph); ``addresses``: (what, data_ptr) of every tensor outside the graph's pool that
-        may move."""
+        graph); ``addresses``: the data pointers of every tensor outside the graph's pool that
+        may move, ``name(k)`` what the k-th is."""
         if key != self.key:
             self.drop()
             self.key = key
         if self.graph is not None:
             if addresses != self.addresses:
-                raise RuntimeError(_moved(self.addresses, addresses))
+                raise RuntimeError(_moved(self.addresses, addresses, name))
             self.graph.replay()
             self.replays += 1
             return "replayed"
@@ -147,11 +149,11 @@ class StepGraph:
         return graph
 
 
-def _moved(before: list[tuple[str, int]], now: list[tuple[str, int]]) -> str:
-    for (what, a), (_, b) in zip(before, now):
+def _moved(before: list[int], now: list[int], name: Callable[[int], str]) -> str:
+    for k, (a, b) in enumerate(zip(before, now)):
         if a != b:
             return (
-                f"--md-cuda-graph: {what} moved since the MD step was captured (address {a:#x} "
+                f"--md-cuda-graph: {name(k)} moved since the MD step was captured (address {a:#x} "
                 f"-> {b:#x}); a replay would read stale memory. The gradients stay in megatron's "
                 "grad buffer only when it is fp32 (megatron's default with --bf16; not with "
                 "--grad-reduce-in-bf16)"
