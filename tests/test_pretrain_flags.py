@@ -485,6 +485,10 @@ def test_paper_architecture_is_explicit_and_announced():
         line = startup.banner(args, None).splitlines()[-1]
     assert line.startswith("[megatron-md] never run by the maintainers: Transformer Engine")
     assert "several nodes; NCCL with more than one rank" in line and "sequence parallel" in line
+    from megatron.md.config import MDConfig
+
+    line = startup.banner(args, MDConfig(cuda_graph=True)).splitlines()[-1]
+    assert line.endswith("the MD step in a CUDA graph (--md-cuda-graph)")
 
 
 def test_decoupled_lr_is_refused_with_the_flags_to_use(capsys):

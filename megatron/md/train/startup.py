@@ -81,6 +81,8 @@ def untested(args, md) -> list[str]:
         out.append("context-parallel attention")
     if args.async_save:
         out.append("--async-save")
+    if md is not None and md.cuda_graph:
+        out.append("the MD step in a CUDA graph (--md-cuda-graph)")
     return out
 
 
