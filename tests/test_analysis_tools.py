@@ -242,15 +242,27 @@ def test_throughput_eager_variants_are_the_recipes_with_the_eager_step():
         assert md.fused_step == "off" and not md.use_fused("cuda", 1 << 30)
         assert throughput.BASE[name] == base
         gv.unset_global_variables()
+    for name, recipe, base in (
+        ("adammd-graph", "adammd", "adamw"),
+        ("muonmd-graph", "muonmd", "muon"),
+    ):
+        flags = throughput.method_flags(name, 4e-3)  # (GPU only: the parse refuses a CPU)
+        assert flags == [*throughput.method_flags(recipe, 4e-3), "--md-cuda-graph"]
+        assert throughput.BASE[name] == base
 
 
 @pytest.mark.distributed
 def test_throughput_cpu_smoke_run(tmp_path):
     """Run mode: Muon and MuonMD through pretrain_gpt.py (tiny preset, 1 process), one table,
-    MuonMD's slowdown and the MD phases (all four methods' logs: test_pretrain_e2e.py)."""
+    MuonMD's slowdown and the MD phases (all four methods' logs: test_pretrain_e2e.py); a
+    method that fails (``muonmd-graph``: a CPU refuses --md-cuda-graph) is named, the others
+    are still tabled, and the tool exits 1."""
     out = run_tool("throughput.py", "--preset=tiny", "--iters=6", "--warmup=2", "--nproc=1",
-                   "--methods", "muon", "muonmd", f"--out={tmp_path}", timeout=900)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
+                   "--methods", "muon", "muonmd-graph", "muonmd", f"--out={tmp_path}",
+                   timeout=900)  # fmt: skip
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "muonmd-graph failed (exit " in out.stderr
+    assert "failed: muonmd-graph (the table has the others)" in out.stderr
     res = json.loads((tmp_path / "throughput.json").read_text())
     assert list(res) == ["muon", "muonmd"]
     for m, r in res.items():

@@ -7,6 +7,8 @@ reads the JSONL logs of runs made elsewhere (``--logs``, or a sweep manifest suc
 iterations after ``--warmup``: tokens/s/GPU, model TFLOP/s/GPU and MFU (megatron's FLOP count;
 MFU needs a peak: known GPUs or ``--peak-tflops``), the slowdown of each MD variant against its
 base (AdamMD/AdamW, MuonMD/Muon) and the step's phases in ms. Writes throughput.{json,csv,png}.
+A method whose run fails is named and left out; the others are still run and tabled, and the
+tool exits 1.
 
     python tools/throughput.py --preset dense-181M --iters 40 --out runs/tput      # on GPUs
     python tools/throughput.py --preset tiny --iters 12 --warmup 4 --out /tmp/tput  # CPU smoke
@@ -194,8 +196,11 @@ def run_methods(args, extra: list[str]) -> dict[str, Path]:
         ]  # fmt: skip
         print(f"[throughput] {m}: {args.iters} iterations on {args.nproc} ranks", file=sys.stderr)
         rc = run_pretrain(args.nproc, flags, args.out / f"{m}.log", args.out)
-        if rc != 0:
-            sys.exit(f"[throughput] {m} failed (exit {rc}); see {args.out / f'{m}.log'}")
+        if rc != 0:  # the others still run and are tabled; the tool exits 1 at the end
+            print(f"[throughput] {m} failed (exit {rc}); see {args.out / f'{m}.log'}",
+                  file=sys.stderr)  # fmt: skip
+            args.failed.append(m)
+            continue
         logs[m] = metrics
     return logs
 
@@ -261,6 +266,7 @@ def main(argv=None) -> None:
             args.nproc = args.nproc or (_gpu_count() if gpu else 2)
             args.seq_length = args.seq_length or (4096 if gpu else 128)
             args.global_batch_size = args.global_batch_size or args.micro_batch_size * args.nproc
+            args.failed = []
             groups = {args.preset: {m: read_log(p) for m, p in run_methods(args, extra).items()}}
         report = {}
         for key, logs in groups.items():
@@ -273,6 +279,8 @@ def main(argv=None) -> None:
     except LogError as e:
         sys.exit(f"[throughput] {e}")
     print(f"\n[throughput] wrote {args.out}/throughput.{{json,csv,png}}", file=sys.stderr)
+    if getattr(args, "failed", None):
+        sys.exit(f"[throughput] failed: {', '.join(args.failed)} (the table has the others)")
 
 
 def _gpu_count() -> int:
