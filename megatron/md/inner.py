@@ -267,7 +267,8 @@ class MDInner(torch.optim.Optimizer):
     def use_cuda_graph(self, graph: bool = True) -> None:
         """Step with the step count and LRs read from the device (``engine/graph.py``), and
         with ``graph`` capture the step in a CUDA graph after its warm-up and replay it."""
-        device = self.probe.device
+        # the parameters' device (the probe is on the CPU where a rank holds no MD matrix)
+        device = next((p.device for g in self.param_groups for p in g["params"]), self.probe.device)
         if graph and device.type != "cuda":
             raise ValueError(f"--md-cuda-graph needs the optimizer on a GPU (it is on {device})")
         dtype = self.engine.groups[0].W.dtype if self.engine and self.engine.groups else None
