@@ -63,43 +63,33 @@ def adam_multi_(
     single-tensor path on CPU; a few kernel launches in all on GPU."""
     if not params:
         return
-    if isinstance(step, torch.Tensor):
-        return _adam_multi_device_(params, grads, exp_avgs, exp_avg_sqs, step, hp)
-    if hp.weight_decay != 0:
+    on_device = isinstance(step, torch.Tensor)  # a step a CUDA graph replays (engine/graph.py)
+    if isinstance(hp.weight_decay, torch.Tensor) or hp.weight_decay != 0:
         torch._foreach_mul_(params, 1 - hp.lr * hp.weight_decay)
     torch._foreach_lerp_(exp_avgs, grads, 1 - hp.beta1)
     torch._foreach_mul_(exp_avg_sqs, hp.beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - hp.beta2)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    if on_device:
+        # the step count and LR (and a changing weight decay) as 0-d device tensors: the same
+        # kernels with the same arguments at every step; the bias corrections computed there
+        # and folded into the divisor, as torch's capturable Adam does (an fp32 rounding from
+        # the Python-number path)
+        bias_correction1 = 1 - torch.pow(hp.beta1, step)
+        torch._foreach_div_(denom, (1 - torch.pow(hp.beta2, step)).sqrt())
+        torch._foreach_add_(denom, hp.eps)
+        torch._foreach_div_(denom, -hp.lr / bias_correction1)  # p += m / (denom / -step_size)
+        torch._foreach_addcdiv_(params, exp_avgs, denom)
+        return
     bias_correction1 = 1 - hp.beta1**step
     bias_correction2 = 1 - hp.beta2**step
     step_size = hp.lr / bias_correction1
-    denom = torch._foreach_sqrt(exp_avg_sqs)
     # scalar lists, as torch passes them: on CUDA ``_foreach_div_`` by a list rounds
     # differently from by a scalar (up to 1 ulp, measured on an H100, torch 2.11)
     n = len(params)
     torch._foreach_div_(denom, [bias_correction2**0.5] * n)
     torch._foreach_add_(denom, hp.eps)
     torch._foreach_addcdiv_(params, exp_avgs, denom, [step_size * -1] * n)
-
-
-def _adam_multi_device_(params, grads, exp_avgs, exp_avg_sqs, step: torch.Tensor, hp) -> None:
-    """``adam_multi_`` with the step count, and ``hp.lr`` and ``hp.weight_decay`` where they
-    change, read from device tensors (0-d) instead of Python numbers, so the same kernels with
-    the same arguments run at every step and a CUDA graph can replay them (``engine/graph.py``).
-    The bias corrections are then computed on the device and folded into the divisor, as torch's
-    capturable Adam does: an fp32 rounding from ``adam_multi_``."""
-    if not isinstance(hp.weight_decay, float | int) or hp.weight_decay != 0:
-        torch._foreach_mul_(params, 1 - hp.lr * hp.weight_decay)
-    torch._foreach_lerp_(exp_avgs, grads, 1 - hp.beta1)
-    torch._foreach_mul_(exp_avg_sqs, hp.beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - hp.beta2)
-    bias_correction1 = 1 - torch.pow(hp.beta1, step)
-    bias_correction2 = 1 - torch.pow(hp.beta2, step)
-    denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, bias_correction2.sqrt())
-    torch._foreach_add_(denom, hp.eps)
-    torch._foreach_div_(denom, -hp.lr / bias_correction1)  # p += m / (denom / -step_size)
-    torch._foreach_addcdiv_(params, exp_avgs, denom)
 
 
 def muon_scale_factor(mode: str, d_out: int, d_in: int, radius=None):

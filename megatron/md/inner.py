@@ -251,17 +251,22 @@ class MDInner(torch.optim.Optimizer):
             return None
         with self._timer("md-step"):
             self.engine.step(hps, self._reduce)
-        vectors: dict[int, list] = {}  # 1-D params: torch AdamW arithmetic, multi-tensor
-        for i, p in self._vectors():
-            if p.grad is not None:
-                st = self.state[p]
-                vectors.setdefault(i, []).append((p, p.grad, st["exp_avg"], st["exp_avg_sq"]))
-        for i, works in vectors.items():
-            adam_multi_(*map(list, zip(*works)), self.engine.steps, hps[i].adam)
+        self._vector_adam([(i, p) for i, p in self._vectors() if p.grad is not None],
+                          self.engine.steps, hps)  # fmt: skip
         if any(s.fp32_mode for s in self.slots.values()):  # W is the main param: now
             with self._timer("md-fuse"):
                 self.engine.fuse(self.outputs(), fp32_mode=True)
         return None
+
+    def _vector_adam(self, vectors: list, step, hps: dict[int, HParams]) -> None:
+        """The 1-D parameters' step (``(group index, param)`` with a gradient): torch AdamW's
+        arithmetic, one multi-tensor Adam per parameter group."""
+        works: dict[int, list] = {}
+        for i, p in vectors:
+            st = self.state[p]
+            works.setdefault(i, []).append((p, p.grad, st["exp_avg"], st["exp_avg_sq"]))
+        for i, w in works.items():
+            adam_multi_(*map(list, zip(*w)), step, hps[i].adam)
 
     # ---- the step with its changing numbers on the device (--md-cuda-graph) ----
     def use_cuda_graph(self, graph: bool = True) -> None:
@@ -289,12 +294,7 @@ class MDInner(torch.optim.Optimizer):
                     g.settle()  # tensor the graph would outlive
                     g.gains_changed()
                 self.engine.run(dev, self._reduce, step)
-                works: dict[int, list] = {}
-                for i, p in vectors:
-                    st = self.state[p]
-                    works.setdefault(i, []).append((p, p.grad, st["exp_avg"], st["exp_avg_sq"]))
-                for i, w in works.items():
-                    adam_multi_(*map(list, zip(*w)), step, dev[i].adam)
+                self._vector_adam(vectors, step, dev)
                 if self.slots:
                     self.engine.fuse(outs)
             finally:
