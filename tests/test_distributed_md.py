@@ -38,7 +38,8 @@ MD_OFF = {
     "zero1": ("--dist", "zero1"),
     "zero1-bf16-moe": ("--dist", "zero1", "--dtype", "bf16", "--experts", "4"),
     "layerwise-bf16-moe": (*MUON_LW, "--dtype", "bf16", "--experts", "4"),
-    "replicated-muon": ("--optimizer", "muon", "--dist", "replicated"),
+    # the LR moving step by step in both optimizers (as a schedule moves it)
+    "replicated-muon-lr-decay": ("--optimizer", "muon", "--dist", "replicated", "--lr-decay"),
 }
 # --md-fused-step (compiled kernels): fp32 with cuts inside rows (4 ranks), bf16 MoE (2)
 FUSED = {4: (), 2: ("--dtype", "bf16", "--experts", "4")}

@@ -74,8 +74,11 @@ def parse(argv=None):
         action="store_true",
         help="MDConfig.cuda_graph: the step captured after 3 steps (CUDA only)",
     )
-    ap.add_argument("--lr-decay", action="store_true",
-                    help="LR × (1 - k / (2 steps)) at step k, in both optimizers")  # fmt: skip
+    ap.add_argument(
+        "--lr-decay",
+        action="store_true",
+        help="LR × (1 - k / (2 steps)) at step k, in MD's optimizer and the one it is held to",
+    )
     ap.add_argument("--cp", type=int, default=1, help="context-parallel size (DP = W / cp)")
     ap.add_argument(
         "--no-split-qkv", dest="split_qkv", action="store_false", help="--muon-no-split-qkv"
@@ -364,8 +367,9 @@ def check(args) -> dict:
     md_calls = []  # the collectives of the last MD step
     for k, (x, y) in enumerate(cpu_demo.batches(data, args.steps, 4, 16, 0)):
         if args.lr_decay:  # as a schedule moves it (the oracle's groups below)
-            for g in opt.param_groups:
-                g["lr"] = LR * (1 - k / (2 * args.steps))
+            for o in (opt, opt2) if args.vs == "megatron" else (opt,):
+                for g in o.param_groups:
+                    g["lr"] = LR * (1 - k / (2 * args.steps))
         x, y = cp_share(x.to(DEV), y.to(DEV))
         grads = step(dmodel, opt, x, y, md_calls)
         differ = grads_differ(grads)
