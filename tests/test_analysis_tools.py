@@ -382,6 +382,11 @@ def test_bench_dispatch_counts(tmp_path):
         assert r["time_ratio"] > 0
         for run in r["bytes"]["2"]:  # traffic grows with the layers
             assert r["bytes"]["4"][run] > r["bytes"]["2"][run] > 0, r
+    # MuonMD multiplies the matrices Muon does (Newton–Schulz, batched per shape) and adds only
+    # its partials' matrix-vector products (seen: 1.008 here); Adam multiplies none
+    muon = res["muon_md/muon"]
+    assert 1.0 <= muon["flop_ratio"] < 1.02, muon["matmul_flops"]
+    assert res["adam_md/adam"]["flop_ratio"] is None
 
 
 def test_dispatch_count_takes_a_compiled_call_as_one_op():
@@ -419,6 +424,21 @@ def test_bytes_moved_count_reads_and_writes_not_views():
     assert bench_dispatch.count(lambda: torch.zeros_like(y))[3] == 2000
     # a reshape that cannot view: one copy (read and write), its _unsafe_view nothing
     assert bench_dispatch.count(lambda: x.view(10, 100).t().reshape(-1))[3] == 8000
+
+
+def test_matmul_flops_count_by_dtype():
+    """bench_dispatch.count's matrix-product FLOPs: 2·m·n·k per product (batched: times the
+    batch; matrix-vector: 2·m·k), keyed by the factors' dtype; an elementwise op adds none."""
+    import bench_dispatch
+    import torch
+
+    x, y, v = torch.ones(4, 3), torch.ones(3, 5), torch.ones(3)
+    assert bench_dispatch.count(lambda: x @ y)[4] == {"float32": 2 * 4 * 3 * 5}
+    assert bench_dispatch.count(lambda: x @ v)[4] == {"float32": 2 * 4 * 3}
+    assert bench_dispatch.count(lambda: x.add_(1))[4] == {}
+    b, c = torch.ones(2, 4, 3, dtype=torch.bfloat16), torch.ones(2, 3, 5, dtype=torch.bfloat16)
+    step = lambda: torch.baddbmm(torch.zeros(2, 4, 5, dtype=torch.bfloat16), b, c)  # noqa: E731
+    assert bench_dispatch.count(step)[4] == {"bfloat16": 2 * 2 * 4 * 3 * 5}
 
 
 def test_scaling_law_fit_exclude_plots_but_does_not_fit(tmp_path):

@@ -15,6 +15,9 @@ optimizer and with MD, at 12 and 24 layers:
   nothing; a ``new_ones``/``zeros_like`` writes its result, reads no argument): the memory
   traffic if nothing were fused or cached, the proxy of a bandwidth-bound step (a large
   model's on a GPU), as operations are of a launch-bound one;
+- matrix-product FLOPs (``mm``, ``bmm``, ``addmm``, ``baddbmm``, ``mv``, ...), by the factors'
+  dtype: the work of a compute-bound step (Muon's Newton–Schulz at scale), and whether MD
+  multiplies in the precision the base does (a compiled call's products, if any, are unseen);
 - the MD / base step time, measured side by side (A, B, A, B, … rounds; median of the
   per-round ratios), one process.
 
@@ -62,22 +65,41 @@ def _bytes(tree) -> int:
     return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
-def count(step) -> tuple[int, int, int, int]:
+#: matrix products: aten operation -> the (batched) factors' argument positions
+MATMULS = {_aten.mm.default: (0, 1), _aten.bmm.default: (0, 1), _aten.addmm.default: (1, 2),
+           _aten.baddbmm.default: (1, 2), _aten.addbmm.default: (1, 2),
+           _aten.mv.default: (0, 1), _aten.dot.default: (0, 1)}  # fmt: skip
+
+
+def _matmul_flops(func, args) -> tuple[int, str] | None:
+    """2·(batch)·m·n·k of a matrix product, and its factors' dtype; None for another op."""
+    if func not in MATMULS:
+        return None
+    a, b = (args[i] for i in MATMULS[func])
+    n = b.shape[-1] if b.dim() > 1 else 1
+    return 2 * a.numel() * n, str(a.dtype).removeprefix("torch.")
+
+
+def count(step) -> tuple[int, int, int, int, dict]:
     """(aten operations dispatched by ``step()``, of which host reads of a tensor, of which
     issued by MD's own code: a frame of megatron/md/ other than the CPU mode's redirection;
     bytes the operations read and write: every tensor argument and result of an operation that
     moves data (``NO_TRAFFIC``, views: none; ``WRITE_ONLY``: the result), the memory traffic of
     the step if nothing were fused or cached — the proxy of a bandwidth-bound step, as
-    operations are of a launch-bound one)."""
+    operations are of a launch-bound one; matrix-product FLOPs by the factors' dtype — the
+    compute of a compute-bound step, Muon's Newton–Schulz at scale)."""
     import traceback
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
         ops = syncs = md_syncs = moved = 0
+        flops: dict[str, int] = {}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             Count.ops += 1
+            if (mm := _matmul_flops(func, args)) is not None:
+                Count.flops[mm[1]] = Count.flops.get(mm[1], 0) + mm[0]
             if func is torch.ops.aten._local_scalar_dense.default:
                 Count.syncs += 1
                 Count.md_syncs += any(
@@ -95,7 +117,7 @@ def count(step) -> tuple[int, int, int, int]:
 
     with Count(), _kernels_as_one_op() as calls:
         step()
-    return Count.ops + calls[0], Count.syncs, Count.md_syncs, Count.moved + calls[1]
+    return Count.ops + calls[0], Count.syncs, Count.md_syncs, Count.moved + calls[1], Count.flops
 
 
 @contextlib.contextmanager
@@ -178,6 +200,7 @@ def measure(args) -> dict:
         lo, hi = args.num_layers[0], args.num_layers[-1]
         added = 4 * (hi - lo)  # QKV, proj, fc1, fc2 per layer
         extra = lambda n: got[n][md][0] - got[n][base][0]  # noqa: E731
+        base_flops = sum(got[lo][base][4].values())
         out[key] = {
             "ops": {n: {r: got[n][r][0] for r in (base, md)} for n in args.num_layers},
             "syncs": {n: {r: got[n][r][1] for r in (base, md)} for n in args.num_layers},
@@ -186,9 +209,19 @@ def measure(args) -> dict:
             "op_ratio": got[lo][md][0] / got[lo][base][0],
             "bytes": {n: {r: got[n][r][3] for r in (base, md)} for n in args.num_layers},
             "byte_ratio": got[lo][md][3] / got[lo][base][3],
+            "matmul_flops": {n: {r: got[n][r][4] for r in (base, md)} for n in args.num_layers},
+            # None where the base multiplies no matrices (Adam)
+            "flop_ratio": sum(got[lo][md][4].values()) / base_flops if base_flops else None,
             "time_ratio": got["time_ratio"],
         }
     return out
+
+
+def _mflops(by_dtype: dict) -> str:
+    """Matrix-product MFLOPs, by dtype where more than one: "12.3" or "10.1 bf16 + 2.2 fp32"."""
+    if len(by_dtype) <= 1:
+        return f"{sum(by_dtype.values()) / 1e6:.1f}"
+    return " + ".join(f"{v / 1e6:.1f} {k}" for k, v in sorted(by_dtype.items()))
 
 
 def main(argv=None) -> None:
@@ -230,19 +263,23 @@ def main(argv=None) -> None:
           f"of {args.rounds} paired rounds at {lo} layers")  # fmt: skip
     print(f"{'pair':<14} {'layers':>6} {'base ops':>9} {'MD ops':>8} {'syncs b/MD':>11} "
           f"{'MD code':>8} {'op ratio':>9} {'time ratio':>11} {'extra/matrix':>13} "
-          f"{'MB moved b/MD':>15} {'byte ratio':>11}")  # fmt: skip
+          f"{'MB moved b/MD':>15} {'byte ratio':>11} {'matmul MFLOP b/MD':>18} "
+          f"{'flop ratio':>10}")  # fmt: skip
     for key, r in res.items():
         base, md = PAIRS[key]
         for n in args.num_layers:
             first = n == lo
-            per = r["extra_ops_per_added_matrix"]
+            per, fl = r["extra_ops_per_added_matrix"], r["matmul_flops"]
+            fr = "—" if r["flop_ratio"] is None else f"{r['flop_ratio']:.4}"
             print(f"{key:<14} {n:>6} {r['ops'][n][base]:>9} {r['ops'][n][md]:>8} "
                   f"{r['syncs'][n][base]:>5}/{r['syncs'][n][md]:<5} {r['md_code_syncs'][n]:>8} "
                   f"{r['op_ratio'] if first else '':>9.4} "
                   f"{r['time_ratio'] if first else '':>11.4} "
                   f"{per if first and per is not None else '':>13} "
                   f"{r['bytes'][n][base] / 1e6:>7.1f}/{r['bytes'][n][md] / 1e6:<7.1f} "
-                  f"{r['byte_ratio'] if first else '':>11.4}")  # fmt: skip
+                  f"{r['byte_ratio'] if first else '':>11.4} "
+                  f"{_mflops(fl[n][base]):>8}/{_mflops(fl[n][md]):<9} "
+                  f"{fr if first else '':>10}")  # fmt: skip
     summary = {"device": where, "torch": torch.__version__, "width": args.hidden_size,
                "vocab": args.vocab_size, "fused_step": args.fused_step, "results": res}  # fmt: skip
     if args.json:
