@@ -218,7 +218,7 @@ def measure(args) -> dict:
 
 
 def _mflops(by_dtype: dict) -> str:
-    """Matrix-product MFLOPs, by dtype where more than one: "12.3" or "10.1 bf16 + 2.2 fp32"."""
+    """Matrix-product MFLOPs, by dtype where more than one ("10.1 bfloat16 + 2.2 float32")."""
     if len(by_dtype) <= 1:
         return f"{sum(by_dtype.values()) / 1e6:.1f}"
     return " + ".join(f"{v / 1e6:.1f} {k}" for k, v in sorted(by_dtype.items()))

@@ -6,13 +6,13 @@ commit):
    (ZeRO-1 dense and MoE, layer-wise MuonMD and AdamMD, replicated; Q/K/V split and not; fp32
    and bf16) against the reference, and MD off against megatron's own optimizers bit for bit
    (Muon: to fp32 rounding, the batched Newton–Schulz runs another cuBLAS kernel);
-2. step cost: ``tools/bench_dispatch.py`` (dispatched ops, host syncs, bytes moved) and
-   ``tools/bench_md_step.py`` at 181M, 457M and 1.29B (AdamMD/Adam and MuonMD/Muon, bf16: the
-   default step, compiled at these sizes), the step replayed from a CUDA graph at 181M
-   (``--md-cuda-graph``: ``*_md_graph``), and where one step's time goes at 181M and 1.29B
-   (``--profile``: kernel time against wall time and the ten costliest kernels of Adam,
-   AdamMD, Muon and MuonMD); the correctness layouts include the graph's
-   (``md_check.py --cuda-graph``, a moving LR);
+2. step cost: ``tools/bench_dispatch.py`` (dispatched ops, host syncs, bytes moved, matrix
+   products' FLOPs by dtype) and ``tools/bench_md_step.py`` at 181M, 457M and 1.29B
+   (AdamMD/Adam and MuonMD/Muon, bf16: the default step, compiled at these sizes), the step
+   replayed from a CUDA graph at 181M (``--md-cuda-graph``: ``*_md_graph``), and where one
+   step's time goes at 181M and 1.29B (``--profile``: kernel time against wall time and the ten
+   costliest kernels of Adam, AdamMD, Muon and MuonMD); the correctness layouts include the
+   graph's (``md_check.py --cuda-graph``, a moving LR);
 3. end to end: ``tools/throughput.py`` on ``dense-181M`` (AdamW, Muon, AdamMD and MuonMD as
    by default and with ``--md-cuda-graph``; bf16, local layer spec, tokens/s medians after
    warm-up), and a save at iteration N and a resume
