@@ -1,6 +1,8 @@
 """enable_md in one process: bad settings are refused up front, MD timers are recorded."""
 
+import contextlib
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -276,3 +278,41 @@ def test_cuda_graph_needs_a_gpu_and_names_what_a_replay_reads():
     assert names[0] == "the gradient of module.embedding.word_embeddings.weight"
     assert names[n_md].startswith("the gradient of a 1-D parameter of shape (")
     assert names[-1].startswith("the destination of a fused weight of shape (")
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "muon"])
+def test_the_device_scalar_step_reads_nothing_back_to_the_host(optimizer):
+    """What a CUDA-graph capture needs of MD's whole inner step (the engine, the 1-D
+    parameters' Adam, the fused weights; not only the engine's part, test_engine.py): with the
+    step count and LRs on the device, no MD code reads a tensor back to the host in megatron's
+    own optimizer step (a read would end the capture; megatron's gradient norm, outside the
+    graph, makes its own). Seen: none of MD's against megatron's 2, AdamMD and MuonMD."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron.md.enable import enable_md
+
+    dmodel, opt = _build(optimizer=optimizer, bf16=optimizer == "muon")
+    enable_md(opt, [dmodel], MDConfig(split_qkv=False))  # as _build's megatron Muon
+    inners = [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]
+    inners = [i for i in inners if hasattr(i, "use_cuda_graph")]
+    assert inners
+    for inner in inners:
+        inner.use_cuda_graph(graph=False)
+    reads = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                reads.append(any("/megatron/md/" in f.filename and "cpu_mode" not in f.filename
+                                 for f in traceback.extract_stack()))  # fmt: skip
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randint(0, 256, (2, 16))
+    for k in range(4):
+        dmodel.zero_grad_buffer()
+        cpu_demo.lm_loss(dmodel, x, x).backward()
+        dmodel.finish_grad_sync()
+        with Reads() if k == 3 else contextlib.nullcontext():
+            opt.step()
+    assert reads and not any(reads), reads  # megatron's reads seen, none of MD's
+    assert all(i.engine.steps == 4 for i in inners)
