@@ -290,11 +290,11 @@ def test_the_device_scalar_step_reads_nothing_back_to_the_host(optimizer):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from megatron.md.enable import enable_md
+    from megatron.md.leaves import leaf_optimizers
 
     dmodel, opt = _build(optimizer=optimizer, bf16=optimizer == "muon")
     enable_md(opt, [dmodel], MDConfig(split_qkv=False))  # as _build's megatron Muon
-    inners = [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]
-    inners = [i for i in inners if hasattr(i, "use_cuda_graph")]
+    inners = [o.optimizer for o in leaf_optimizers(opt) if hasattr(o.optimizer, "slots")]
     assert inners
     for inner in inners:
         inner.use_cuda_graph(graph=False)
