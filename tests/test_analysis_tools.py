@@ -311,6 +311,33 @@ def test_bench_md_step_profile_compares_each_base_with_its_md_step():
         assert any("MDInner.step" in x for x in mine) == run.endswith("+MD"), mine
 
 
+def test_profile_sums_each_kernel_once():
+    """--profile's total: on a CPU the ops' self time without the optimizer's
+    ``record_function`` range (a real profile: the range's own 30 ms sleep is not an op's); on
+    a GPU the kernel events alone — an aten op's device time is its kernels', a GPU annotation's
+    their span (torch's event fields, stubbed: no GPU here)."""
+    import time
+    from types import SimpleNamespace as E
+
+    import bench_md_step
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        with record_function("Optimizer.step#X.step"):
+            time.sleep(0.03)
+            torch.ones(64, 64) @ torch.ones(64, 64)
+    ev = p.key_averages()
+    ops = sum(e.self_cpu_time_total for e in ev if not e.is_user_annotation)
+    assert bench_md_step._own_time(ev, cuda=False) == pytest.approx(ops)
+    assert sum(e.self_cpu_time_total for e in ev) - ops > 2e4  # the range's 30 ms: left out
+    cpu, gpu = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    ev = [E(device_type=cpu, is_user_annotation=False, self_device_time_total=7.0),  # aten::bmm
+          E(device_type=gpu, is_user_annotation=False, self_device_time_total=7.0),  # its kernel
+          E(device_type=gpu, is_user_annotation=True, self_device_time_total=9.0)]  # fmt: skip
+    assert bench_md_step._own_time(ev, cuda=True) == 7.0
+
+
 @pytest.mark.distributed
 def test_bench_md_step_under_tensor_parallelism(tmp_path):
     """--tp 2: every matrix split as megatron splits it (column/row-parallel, SwiGLU stride 2,

@@ -352,6 +352,19 @@ def _count_ops(fn) -> tuple[int, int]:
     return Count.n, Count.syncs
 
 
+def _stepped_once(spec, base, shapes):
+    """Whole matrices of ``shapes`` on one rank, stepped once (the first step's one-off work);
+    returns their next step, to be observed."""
+    pieces = [[(sliced.SliceMD(s, 0, s[0] * s[1], spec, base), torch.randn(s).view(-1), i)
+               for i, s in enumerate(shapes)]]  # fmt: skip
+    ranks = Ranks(pieces, torch.float32)
+    ranks.init()
+    grads = [[torch.randn(s).view(-1) for s in shapes]]
+    hp = AdamHParams(1e-2) if base == "adam" else MuonHParams(1e-2)
+    ranks.step(grads, hp, AdamHParams(1e-2))
+    return lambda: ranks.step(grads, hp, AdamHParams(1e-2))
+
+
 @pytest.mark.parametrize("base", ["adam", "muon"])
 def test_the_step_does_not_grow_with_the_number_of_matrices(base):
     """The same treatment on 4 and on 12 matrices of each shape (the engine's groups): one
@@ -361,15 +374,7 @@ def test_the_step_does_not_grow_with_the_number_of_matrices(base):
     for n in (4, 12):
         spec = MatrixSpec("frobenius", "init", "rowcol", "softplus", muon_scale="sphere_rms",
                           row_blocks=(4, 2, 2) if base == "muon" else ())  # fmt: skip
-        shapes = [(16, 8), (8, 16)] * n
-        pieces = [[(sliced.SliceMD(s, 0, s[0] * s[1], spec, base), torch.randn(s).view(-1), i)
-                   for i, s in enumerate(shapes)]]  # fmt: skip
-        ranks = Ranks(pieces, torch.float32)
-        ranks.init()
-        grads = [[torch.randn(s).view(-1) for s in shapes]]
-        hp = AdamHParams(1e-2) if base == "adam" else MuonHParams(1e-2)
-        ranks.step(grads, hp, AdamHParams(1e-2))  # the first step's one-off work
-        counts.append(_count_ops(lambda: ranks.step(grads, hp, AdamHParams(1e-2))))
+        counts.append(_count_ops(_stepped_once(spec, base, [(16, 8), (8, 16)] * n)))
     assert counts[0] == counts[1] and counts[0][1] == 0, counts
 
 
@@ -602,3 +607,31 @@ def test_device_scalars_follow_the_numbers_that_change():
     c = sc.write(9, hps(5e-3, wd=0.1))  # weight decay turns on: another structure
     assert c is not a and float(c[3].adam.weight_decay) == 0.1
     assert sc.write(9, hps(5e-3, wd=0.1, beta1=0.8)) is not c
+
+
+@pytest.mark.parametrize("base", ["adam", "muon"])
+@pytest.mark.parametrize("sphere", ["frobenius", "row", "col"])
+def test_no_matrix_product_makes_one_number_per_matrix(base, sphere):
+    """A norm or dot per matrix is a reduction, never a (B, 1, K)·(B, K, 1) product: cuBLAS
+    runs that as a mat-vec with one output per matrix, whatever K (one NVIDIA H100, MuonMD at
+    1.29B, 2026-11-26: 11 ms a call, 34 of its step's 138 ms; docs/benchmarks.md)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    products = {torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default,
+                torch.ops.aten.mm.default, torch.ops.aten.mv.default}  # fmt: skip
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in products:
+                seen.append((str(func), tuple(args[0].shape), tuple(out.shape)))
+            return out
+
+    step = _stepped_once(MatrixSpec(sphere, "init", "rowcol", "softplus"), base,
+                         [(16, 8), (8, 16), (16, 8)])  # fmt: skip
+    with Record():
+        step()
+    assert seen, "the step multiplies no matrices: the recorder saw nothing"
+    dots = [s for s in seen if s[2][-2:] == (1, 1) or s[2] == () or s[2] == (1,)]
+    assert not dots, dots

@@ -487,8 +487,14 @@ def test_paper_architecture_is_explicit_and_announced():
     assert "several nodes; NCCL with more than one rank" in line and "sequence parallel" in line
     from megatron.md.config import MDConfig
 
-    line = startup.banner(args, MDConfig(cuda_graph=True)).splitlines()[-1]
-    assert line.endswith("the MD step in a CUDA graph (--md-cuda-graph)")
+    args.load = None
+    with pytest.MonkeyPatch.context() as m:  # measured on one GPU, one rank: not named there
+        m.setenv("WORLD_SIZE", "1")
+        assert "CUDA graph" not in startup.banner(args, MDConfig(cuda_graph=True))
+        m.setenv("WORLD_SIZE", "2")
+        line = startup.banner(args, MDConfig(cuda_graph=True)).splitlines()[-1]
+    assert line.endswith("the MD step in a CUDA graph with more than one rank or a --load "
+                         "(--md-cuda-graph)")  # fmt: skip
 
 
 def test_decoupled_lr_is_refused_with_the_flags_to_use(capsys):

@@ -160,8 +160,8 @@ def plan() -> list[Step]:
               "--json", "{out}/step_graph.json"], 120,
              notes=["the MD step replayed from a CUDA graph (*_md_graph, --md-cuda-graph)"]),
         # where one step's time goes, base against MD: at 181M whether AdamMD's compiled step
-        # is host-bound (wall time against kernel time; its tokens/s were 94.8 % of AdamW's on
-        # the H200), at 1.29B which kernels make MuonMD's 1.34x Muon's step
+        # is host-bound (wall time against kernel time), at 1.29B which kernels make MuonMD's
+        # step (the H100, 2026-11-26: a batched dot as a cuBLAS mat-vec, 34 of 138 ms; gone)
         Step("profile", "tools/bench_md_step.py",
              ["--profile", "--model", "181M", "1.29B", "--world", "1", "--dtype", "bf16"], 200),
         Step("throughput", "tools/throughput.py",
@@ -182,13 +182,15 @@ def plan() -> list[Step]:
                  "--md-fused-step=on"]  # fmt: skip
         steps += [
             Step("resume", "pretrain_gpt.py",
-                 [*first, "--metrics-file={out}/%s-a.jsonl" % name], 60, torchrun=True,
+                 # 90 s: the first run (launch, compile, 24 iterations, two saves) took 60 s
+                 # on the H100 (2026-11-26) and was cut off at its old 60 s cap
+                 [*first, "--metrics-file={out}/%s-a.jsonl" % name], 90, torchrun=True,
                  notes=[f"{name}: {2 * SAVED_AT} iterations, saved at {SAVED_AT}"]),
             Step("resume", "pretrain_gpt.py",
                  # the first run saved at the end too: load the middle one, not the latest
                  [*first, "--load={out}/%s" % name, f"--ckpt-step={SAVED_AT}",
                   "--metrics-file={out}/%s-b.jsonl" % name],
-                 60, torchrun=True, resumes=name,
+                 90, torchrun=True, resumes=name,
                  notes=[f"{name}: resumed at {SAVED_AT}, must repeat the iterations after it"]),
         ]  # fmt: skip
     steps.append(

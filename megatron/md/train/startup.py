@@ -81,8 +81,11 @@ def untested(args, md) -> list[str]:
         out.append("context-parallel attention")
     if args.async_save:
         out.append("--async-save")
-    if md is not None and md.cuda_graph:
-        out.append("the MD step in a CUDA graph (--md-cuda-graph)")
+    if md is not None and md.cuda_graph and (world > 1 or getattr(args, "load", None)):
+        # run on one H100, one rank, 2026-11-26 (docs/benchmarks.md); not across ranks, not
+        # through a resume
+        out.append("the MD step in a CUDA graph with more than one rank or a --load "
+                   "(--md-cuda-graph)")  # fmt: skip
     return out
 
 
