@@ -249,6 +249,9 @@ def test_throughput_eager_variants_are_the_recipes_with_the_eager_step():
         flags = throughput.method_flags(name, 4e-3)  # (GPU only: the parse refuses a CPU)
         assert flags == [*throughput.method_flags(recipe, 4e-3), "--md-cuda-graph"]
         assert throughput.BASE[name] == base
+    # the base once more, against itself: the spread between two runs of one recipe
+    assert throughput.method_flags("adamw-again", 4e-3) == throughput.method_flags("adamw", 4e-3)
+    assert throughput.BASE["adamw-again"] == "adamw"
 
 
 @pytest.mark.distributed

@@ -14,8 +14,8 @@ commit):
    costliest kernels of Adam, AdamMD, Muon and MuonMD); the correctness layouts include the
    graph's (``md_check.py --cuda-graph``, a moving LR);
 3. end to end: ``tools/throughput.py`` on ``dense-181M`` (AdamW, Muon, AdamMD and MuonMD as
-   by default and with ``--md-cuda-graph``; bf16, local layer spec, tokens/s medians after
-   warm-up), and a save at iteration N and a resume
+   by default and with ``--md-cuda-graph``, AdamW again last: the spread between two runs;
+   bf16, local layer spec, tokens/s medians after warm-up), and a save at iteration N and a resume
    that must repeat the first run's losses exactly (both in megatron's ``--deterministic-mode``:
    without it two identical runs part on a GPU), with the long-run checks (sphere drift,
    finite gains) on its log;
@@ -167,8 +167,8 @@ def plan() -> list[Step]:
         Step("throughput", "tools/throughput.py",
              ["--preset", "dense-181M", "--iters", "20", "--warmup", "8", "--nproc", "1",
               "--seq-length", "2048", "--methods", "adamw", "muon", "adammd", "muonmd",
-              "adammd-graph", "muonmd-graph",
-              "--out", "{out}", "--", "--transformer-impl=local"], 270),
+              "adammd-graph", "muonmd-graph", "adamw-again",
+              "--out", "{out}", "--", "--transformer-impl=local"], 300),
     ]  # fmt: skip
     for name, flags in (("adammd", adammd), ("muonmd", muonmd)):
         # 24 iterations: tools/long_run_check.py reads at least 20 losses

@@ -33,8 +33,12 @@ from runlog import LogError, RunLog, read_log, read_manifest, run_pretrain  # no
 
 #: methods that are another's recipe with flags added; adammd-eager / muonmd-eager: the eager
 #: MD step (--md-fused-step off) beside the default, compiled on a GPU at these sizes;
-#: *-graph: the default step replayed from a CUDA graph (--md-cuda-graph, GPU only)
+#: *-graph: the default step replayed from a CUDA graph (--md-cuda-graph, GPU only);
+#: adamw-again: AdamW once more, its "vs base" the first AdamW's — the run-to-run spread in the
+#: same call, the yardstick of the MD rows' percentages (one run per method on an H100,
+#: 2026-11-26: AdamMD's forward-backward 124 ms against AdamW's 102, the same model)
 VARIANTS = {
+    "adamw-again": ("adamw", []),
     "adammd-eager": ("adammd", ["--md-fused-step=off"]),
     "muonmd-eager": ("muonmd", ["--md-fused-step=off"]),
     "adammd-graph": ("adammd", ["--md-cuda-graph"]),
@@ -44,7 +48,7 @@ VARIANTS = {
 #: throughput table ran it (appendix "Implementation, Efficiency, and Throughput")
 METHODS = ("adamw", "muon", "adammd", "muonmd", "adammd-lw", *VARIANTS)
 BASE = {"adammd": "adamw", "muonmd": "muon", "adammd-lw": "adamw"}
-BASE |= {name: BASE[recipe] for name, (recipe, _) in VARIANTS.items()}
+BASE |= {name: BASE.get(recipe, recipe) for name, (recipe, _) in VARIANTS.items()}
 #: dense bf16 peak TFLOP/s by device-name substring (first match wins)
 PEAKS = (("GH200", 989.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0),
          ("A100", 312.0), ("B200", 2250.0))  # fmt: skip
