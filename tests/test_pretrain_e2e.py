@@ -144,6 +144,7 @@ def test_loss_decreases_and_diagnostics_are_logged(runs, name):
         and run["git"]
         and [r["iteration"] for r in train] == list(range(1, 21))
     )
+    assert "host" not in train[0] and all(r["host"]["cpu_ms"] > 0 for r in train[1:])
     first, last = train[0]["lm loss"], sum(r["lm loss"] for r in train[-2:]) / 2
     assert last < 0.9 * first, (first, last)
     assert any(r["type"] == "valid" for r in rows)
@@ -321,6 +322,11 @@ def test_throughput_tool_reads_the_runs(runs, tmp_path):
         assert r["tflops_per_gpu"] > 0 and r["mfu"] is None  # no peak known for a CPU
         assert r["phases_ms"]["optimizer-inner-step"] > 0
         assert ("md-step" in r["phases_ms"]) == m.endswith("md")
+        # the loop thread's CPU per iteration: never above the iteration's wall time (each
+        # iteration's is not, so neither is the median); no CUDA allocator on a CPU
+        host = r["host"]
+        assert 0 < host["cpu_ms"] <= 1.02 * r["step_ms"] and host["gc_ms"] >= 0, (host, r)
+        assert "cuda_mallocs" not in host
     assert res["adammd"]["slowdown_vs_base"] > 0 and res["adamw"]["slowdown_vs_base"] is None
     assert "muonmd |" in out.stdout
 

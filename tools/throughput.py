@@ -6,7 +6,8 @@ reads the JSONL logs of runs made elsewhere (``--logs``, or a sweep manifest suc
 ``throughput`` experiment of ``sweep.py``), and prints per method, as medians over the logged
 iterations after ``--warmup``: tokens/s/GPU, model TFLOP/s/GPU and MFU (megatron's FLOP count;
 MFU needs a peak: known GPUs or ``--peak-tflops``), the slowdown of each MD variant against its
-base (AdamMD/AdamW, MuonMD/Muon) and the step's phases in ms. Writes throughput.{json,csv,png}.
+base (AdamMD/AdamW, MuonMD/Muon), the step's phases in ms and the host's counters (the loop
+thread's CPU ms, GC ms, CUDA allocations per iteration). Writes throughput.{json,csv,png}.
 A method whose run fails is named and left out; the others are still run and tabled, and the
 tool exits 1.
 
@@ -54,6 +55,9 @@ PEAKS = (("GH200", 989.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0
          ("A100", 312.0), ("B200", 2250.0))  # fmt: skip
 PHASES = ("optimizer", "optimizer-inner-step", "md-step", "md-reduce", "md-fuse",
           "params-all-gather", "forward-backward")  # fmt: skip
+#: the train rows' ``host`` counters (megatron/md/train/host.py), per iteration: the loop
+#: thread's CPU time, Python's garbage collection, the CUDA allocator's device allocations
+HOST = {"cpu_ms": "host CPU ms", "gc_ms": "GC ms", "cuda_mallocs": "cudaMalloc/it"}
 
 
 def peak_for(device: str, override: float | None) -> float | None:
@@ -82,6 +86,11 @@ def summarize(log: RunLog, warmup: int, peak: float | None) -> dict:
         vals = [r["timers_ms"][name] for r in rows if name in r.get("timers_ms", {})]
         if vals:
             phases[name] = statistics.median(vals)
+    host = {}
+    for name in HOST:
+        vals = [r["host"][name] for r in rows if name in r.get("host", {})]
+        if vals:
+            host[name] = statistics.median(vals)
     return {
         "log": str(log.path),
         "device": device,
@@ -92,6 +101,7 @@ def summarize(log: RunLog, warmup: int, peak: float | None) -> dict:
         "tflops_per_gpu": tflops,
         "mfu": tflops / peak if tflops and peak else None,
         "phases_ms": phases,
+        "host": host,
     }
 
 
@@ -101,7 +111,8 @@ def table(results: dict[str, dict]) -> str:
         r["slowdown_vs_base"] = (
             base["tokens_per_s_per_gpu"] / r["tokens_per_s_per_gpu"] if base else None
         )
-    cols = ["method", "tok/s/GPU", "TFLOP/s/GPU", "MFU", "vs base", "step ms", *PHASES]
+    cols = ["method", "tok/s/GPU", "TFLOP/s/GPU", "MFU", "vs base", "step ms", *PHASES,
+            *HOST.values()]  # fmt: skip
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
 
     def f(x, fmt):
@@ -117,6 +128,7 @@ def table(results: dict[str, dict]) -> str:
             "" if rel is None else f"{rel:.3f}x ({100 * (1 / rel - 1):+.1f}% tok/s)",
             f(r["step_ms"], ".1f"),
             *(f(r["phases_ms"].get(p), ".1f") for p in PHASES),
+            *(f(r.get("host", {}).get(h), ".1f") for h in HOST),
         ]
         lines.append(" | ".join(cells))
     return "\n".join(lines)
@@ -128,11 +140,12 @@ def write_outputs(results: dict[str, dict], out: Path, title: str) -> None:
     with (out / "throughput.csv").open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["method", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu",
-                    "slowdown_vs_base", "step_ms", *PHASES])  # fmt: skip
+                    "slowdown_vs_base", "step_ms", *PHASES, *HOST])  # fmt: skip
         for m, r in results.items():
             w.writerow([m, r["tokens_per_s_per_gpu"], r["tflops_per_gpu"], r["mfu"],
                         r["slowdown_vs_base"], r["step_ms"],
-                        *(r["phases_ms"].get(p) for p in PHASES)])  # fmt: skip
+                        *(r["phases_ms"].get(p) for p in PHASES),
+                        *(r.get("host", {}).get(h) for h in HOST)])  # fmt: skip
     import matplotlib
 
     matplotlib.use("Agg")

@@ -8,7 +8,10 @@ which has the losses):
   "grad_norm", "tokens_per_s", "step_s", "flops_per_iter"[, "timers_ms": {...}][, "md": {...}]}``
   every ``--log-interval`` iterations; ``timers_ms``: the writing rank's megatron timers
   (``--timing-log-level`` ≥ 1) and ours (``md-step`` ⊃ ``md-reduce``, ``md-fuse``; level 2),
-  milliseconds per iteration;
+  milliseconds per iteration; ``host`` (from the second logged iteration on, per iteration since
+  the last log, the writing rank; ``host.py``): the main thread's CPU time, Python's cyclic
+  garbage collection, and on CUDA the caching allocator's device allocations and retries — what
+  separates a host-bound slowdown from a device-bound one;
 - ``{"type": "valid" | "test", "iteration", "lm loss"}`` after each evaluation.
 
 The ``md`` entry: the diagnostics of ``diagnostics.py`` (relative update from fp32 weights,
@@ -28,6 +31,8 @@ import time
 from dataclasses import asdict
 
 import torch
+
+from megatron.md.train.host import HostCounters
 
 _S: dict = {"file": None, "opt": None, "diag": None, "t": None, "step_diag": None}
 
@@ -71,6 +76,9 @@ def start_run(args, md) -> str:
     path = args.metrics_file or os.path.join(args.save or "runs", "metrics.jsonl")
     _S["file"] = path
     _S["args"], _S["md"] = args, md
+    if _S.get("host") is not None:  # a second run in this process: one gc callback
+        _S["host"].close()
+    _S["host"] = HostCounters()
     if _writer():
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         config = {k: v for k, v in sorted(vars(args).items()) if _jsonable(v)}
@@ -200,6 +208,11 @@ def wrap_training_log(orig):
         row["flops_per_iter"] = _flops(args)
         if timers:
             row["timers_ms"] = timers
+        host = _S.get("host")
+        if host is not None and last is not None and iteration > last[1]:
+            row["host"] = host.per_iteration(iteration - last[1])
+        elif host is not None:
+            host.reset()
         diag = _S["diag"]
         if diag is not None and diag[0] == iteration:
             row["md"] = diag[1]
