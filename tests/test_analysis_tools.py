@@ -213,7 +213,7 @@ def test_paired_comparison_by_seed(tmp_path):
 
 
 TOOLS = ("throughput.py", "lr_sweep.py", "scaling_law.py", "plot_diagnostics.py", "plot_curves.py",
-         "paired.py", "from_authors.py")  # fmt: skip
+         "paired.py", "from_authors.py", "fb_dispatch.py")  # fmt: skip
 
 
 @pytest.mark.parametrize("tool", TOOLS)
@@ -256,25 +256,39 @@ def test_throughput_eager_variants_are_the_recipes_with_the_eager_step():
 
 @pytest.mark.distributed
 def test_throughput_cpu_smoke_run(tmp_path):
-    """Run mode: Muon and MuonMD through pretrain_gpt.py (tiny preset, 1 process), one table,
-    MuonMD's slowdown and the MD phases (all four methods' logs: test_pretrain_e2e.py); a
-    method that fails (``muonmd-graph``: a CPU refuses --md-cuda-graph) is named, the others
-    are still tabled, and the tool exits 1."""
+    """Run mode: MuonMD through pretrain_gpt.py (tiny preset, 1 process), its MD phases in the
+    table (the slowdown against a base, and all four methods' logs: test_pretrain_e2e.py's
+    ``--logs`` test); a method that fails (``muonmd-graph``: a CPU refuses --md-cuda-graph) is
+    named, the others are still tabled, and the tool exits 1."""
     out = run_tool("throughput.py", "--preset=tiny", "--iters=6", "--warmup=2", "--nproc=1",
-                   "--methods", "muon", "muonmd-graph", "muonmd", f"--out={tmp_path}",
+                   "--methods", "muonmd-graph", "muonmd", f"--out={tmp_path}",
                    timeout=900)  # fmt: skip
     assert out.returncode == 1, out.stderr[-3000:]
     assert "muonmd-graph failed (exit " in out.stderr
     assert "failed: muonmd-graph (the table has the others)" in out.stderr
     res = json.loads((tmp_path / "throughput.json").read_text())
-    assert list(res) == ["muon", "muonmd"]
-    for m, r in res.items():
-        assert r["measured_iterations"] == 4 and r["tokens_per_s_per_gpu"] > 0
-        assert ("md-step" in r["phases_ms"]) == m.endswith("md")
-    assert res["muon"]["slowdown_vs_base"] is None and res["muonmd"]["slowdown_vs_base"] > 0
+    assert list(res) == ["muonmd"]
+    r = res["muonmd"]
+    assert r["measured_iterations"] == 4 and r["tokens_per_s_per_gpu"] > 0
+    assert {"md-step", "optimizer-inner-step"} <= set(r["phases_ms"])
+    assert r["slowdown_vs_base"] is None  # Muon did not run: no ratio, not a wrong one
     table = out.stdout.splitlines()
-    assert sum(line.split(" | ")[0] in res for line in table) == 2
+    assert sum(line.split(" | ")[0] in res for line in table) == 1
     assert (tmp_path / "throughput.png").stat().st_size > 10_000
+
+
+@pytest.mark.distributed
+def test_md_adds_no_operation_to_the_forward_backward(tmp_path):
+    """fb_dispatch.py: AdamMD's forward-backward in a real pretrain_gpt.py run dispatches exactly
+    AdamW's operations, op by op (MD lives in the optimizer step; the model keeps one fused
+    weight): a hook or a reparametrized weight in the model would show here."""
+    out = run_tool("fb_dispatch.py", "--methods", "adamw", "adammd", "--iters=1",
+                   f"--json={tmp_path / 'fb.json'}", timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads((tmp_path / "fb.json").read_text())["results"]
+    (base,), (md,) = res["adamw"]["ops"], res["adammd"]["ops"]
+    assert base > 1000 and md == base and res["adammd"]["differing_ops"] == {}, res
+    assert res["adammd"]["by_op"]["aten.mm.default"] > 10  # the model's products were counted
 
 
 @pytest.mark.distributed
