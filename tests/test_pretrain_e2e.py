@@ -666,9 +666,9 @@ def test_rewarm_arms_continue_the_source_and_keep_its_gains(runs, tmp_path):
 
 def test_wandb_offline_run_has_the_metrics_and_config(tmp_path):
     """--wandb-project alone (offline mode): megatron's own history (lm loss), our MD
-    diagnostics and the config (megatron's args and the MD config) reach the run file. megatron
-    logs to wandb only beside a TensorBoard writer: tensorboard is a dependency of the package,
-    and --tensorboard-dir gets a default."""
+    diagnostics, the host's counters and the config (megatron's args and the MD config) reach
+    the run file. megatron logs to wandb only beside a TensorBoard writer: tensorboard is a
+    dependency of the package, and --tensorboard-dir gets a default."""
     from _wandb_offline import read_run
 
     d = tmp_path / "wb"
@@ -684,6 +684,8 @@ def test_wandb_offline_run_has_the_metrics_and_config(tmp_path):
     run = read_run(d)
     keys = set().union(*run["history"])
     assert {"lm loss", "md/rel_update/qkv", "md/sphere_drift/fc1"} <= keys, sorted(keys)[:40]
+    cpu = [h["host/cpu_ms"] for h in run["history"] if "host/cpu_ms" in h]  # iterations 2, 3
+    assert len(cpu) == 2 and all(v > 0 for v in cpu) and "host/gc_ms" in keys
     losses = [h["lm loss"] for h in run["history"] if "lm loss" in h]
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
     assert run["config"]["md_config"]["gains"] == "rowcol"

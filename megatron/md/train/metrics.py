@@ -155,8 +155,9 @@ def _lrs(opt) -> dict:
     return out
 
 
-def _to_wandb(md: dict, iteration: int) -> None:
-    """The diagnostics as wandb scalars ``md/<metric>/<class>`` (megatron's writer, last rank)."""
+def _to_wandb(md: dict, iteration: int, prefix: str = "md/") -> None:
+    """The diagnostics as wandb scalars ``md/<metric>/<class>`` (megatron's writer, last rank);
+    the host's counters as ``host/<counter>``."""
     from megatron.training.global_vars import get_wandb_writer
 
     writer = get_wandb_writer()
@@ -168,9 +169,9 @@ def _to_wandb(md: dict, iteration: int) -> None:
         for k, v in items:
             if isinstance(v, list):  # gains_by_layer: [raw-gain norm, min, max]
                 for part, x in zip(("raw_norm", "min", "max"), v):
-                    flat[f"md/{metric}/{k}/{part}"] = x
+                    flat[f"{prefix}{metric}/{k}/{part}"] = x
             else:
-                flat[f"md/{metric}/{k}"] = v
+                flat[f"{prefix}{metric}/{k}"] = v
     writer.log(flat, iteration)
 
 
@@ -211,6 +212,7 @@ def wrap_training_log(orig):
         host = _S.get("host")
         if host is not None and last is not None and iteration > last[1]:
             row["host"] = host.per_iteration(iteration - last[1])
+            _to_wandb({"host": row["host"]}, iteration, prefix="")
         elif host is not None:
             host.reset()
         diag = _S["diag"]
