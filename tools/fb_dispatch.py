@@ -46,10 +46,10 @@ def child(method: str, skip: int, iters: int, extra: list[str]) -> None:
     from megatron.md import cpu_mode
     from megatron.md.train import recipes
 
-    n = skip + iters
+    n, tmp = skip + iters, tempfile.TemporaryDirectory()  # the run's metrics file, discarded
     flags = [*RUN_FLAGS, *recipes.dense_recipe(method, 4e-3), "--lr-warmup-iters=0",
              f"--train-iters={n}", f"--eval-interval={n + 1}", f"--md-log-interval={n + 1}",
-             f"--metrics-file={tempfile.mkdtemp()}/metrics.jsonl", *extra]  # fmt: skip
+             f"--metrics-file={tmp.name}/metrics.jsonl", *extra]  # fmt: skip
     cpu_mode.start(flags)
     import megatron.training.training as training
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -84,7 +84,8 @@ def child(method: str, skip: int, iters: int, extra: list[str]) -> None:
     training.get_forward_backward_func = counted_func
     from megatron.md.train import cli
 
-    cli.main(flags)
+    with tmp:
+        cli.main(flags)
     counted = seen[skip : skip + iters]
     if len(counted) < iters or not all(counted):
         seam = "megatron.training.training.get_forward_backward_func"
