@@ -1,7 +1,15 @@
-"""Test set-up: CPU mode (megatron.md.cpu_mode) on machines without CUDA, before megatron."""
+"""Test set-up: CPU mode (megatron.md.cpu_mode) on machines without CUDA, before megatron; the
+session's fork server for local launches (megatron/md/forkserver.py)."""
 
 import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import warnings
+from collections import Counter
+from pathlib import Path
 
 from megatron.md import cpu_mode
 
@@ -18,3 +26,51 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("distributed") is None:
             item.add_marker(pytest.mark.quick)
+
+
+_SERVER: dict = {}
+
+
+def pytest_configure(config):
+    """Start the fork server: every rank of a local launch (megatron/md/localrun.py) whose
+    environment agrees is forked from it, with torch imported (~4 s of CPU per rank saved).
+    ``MEGATRON_MD_FORKSERVER=0`` starts every rank afresh."""
+    if os.environ.get("MEGATRON_MD_FORKSERVER") is not None:
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="md-forkserver-"))
+    sock = str(tmp / "sock")
+    # the environment of most launches: localrun gives several ranks one thread each (as
+    # torchrun does) and the tests' own launches ask for the same
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRON_MD_FORKSERVER": sock}
+    log = open(tmp / "log", "w")
+    cmd = [sys.executable, "-m", "megatron.md.forkserver", sock]
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    _SERVER.update(proc=proc, tmp=tmp, log=log)
+    os.environ["MEGATRON_MD_FORKSERVER"] = sock
+
+
+def pytest_report_header(config):
+    if "proc" in _SERVER:
+        return f"fork server for local launches: {_SERVER['tmp'] / 'log'}"
+    return f"fork server: MEGATRON_MD_FORKSERVER={os.environ['MEGATRON_MD_FORKSERVER']}"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many ranks the fork server forked, and why the others started afresh."""
+    if "proc" not in _SERVER:
+        return
+    log = (_SERVER["tmp"] / "log").read_text().splitlines()
+    forked = sum(ln.startswith("[forkserver] forked") for ln in log)
+    why = Counter(ln.split(": ", 1)[-1] for ln in log if ln.startswith("[forkserver] refused"))
+    terminalreporter.write_line(f"fork server: {forked} ranks forked, {why.total()} started afresh")
+    for reason, n in why.most_common():
+        terminalreporter.write_line(f"  {n:4d} x {reason[:150]}")
+
+
+def pytest_unconfigure(config):
+    proc = _SERVER.pop("proc", None)
+    if proc is not None:
+        proc.terminate()
+        proc.wait(timeout=30)
+        _SERVER["log"].close()
+        shutil.rmtree(_SERVER["tmp"], ignore_errors=True)

@@ -1,5 +1,6 @@
 """The local launcher (megatron/md/localrun.py: torchrun's job on one machine, without its
-agent) and the end of a finished run (megatron/md/train/shutdown.py)."""
+agent) and the end of a finished run (megatron/md/train/shutdown.py). Every launcher test runs
+with fresh ranks and with ranks forked by the session's fork server (megatron/md/forkserver.py)."""
 
 import json
 import os
@@ -16,28 +17,43 @@ from megatron.md.launch import local_ranks
 ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+@pytest.fixture(params=["fresh", "forked"])
+def via(request, monkeypatch) -> str:
+    """How the ranks start: fresh processes, or forked by the session's fork server."""
+    if request.param == "fresh":
+        monkeypatch.setenv("MEGATRON_MD_FORKSERVER", "0")
+    elif os.environ.get("MEGATRON_MD_FORKSERVER", "0") == "0":
+        pytest.skip("no fork server in this session (MEGATRON_MD_FORKSERVER=0)")
+    return request.param
+
+
 def script(tmp: Path, body: str) -> Path:
+    """A rank that writes ``up<rank>`` (its pid and parent's) first, then runs ``body``."""
     p = tmp / "rank.py"
-    p.write_text("import json, os, signal, sys, time\nr = int(os.environ['RANK'])\n" + body)
+    p.write_text("import json, os, signal, sys, time\nr = int(os.environ['RANK'])\n"
+                 "open(f'up{r}', 'w').write(f'{os.getpid()} {os.getppid()}')\n" + body)  # fmt: skip
     return p
 
 
-def started(tmp: Path, body: str) -> subprocess.Popen:
-    """A 2-rank launch of ``body``, once both ranks have written their file ``up<rank>``."""
+def started(tmp: Path, body: str, via: str) -> tuple[subprocess.Popen, list[int]]:
+    """A 2-rank launch of ``body`` once both ranks are up, and their pids; they were started
+    ``via`` (a forked rank is the fork server's child, a fresh one the launcher's)."""
     proc = subprocess.Popen(local_ranks(script(tmp, body), 2), cwd=tmp)
     deadline = time.time() + 30
-    while not all((tmp / f"up{r}").exists() for r in (0, 1)):
+    while not all((tmp / f"up{r}").exists() and (tmp / f"up{r}").read_text() for r in (0, 1)):
         assert time.time() < deadline and proc.poll() is None
         time.sleep(0.05)
-    return proc
+    ids = [tuple(map(int, (tmp / f"up{r}").read_text().split())) for r in (0, 1)]
+    assert {ppid == proc.pid for _, ppid in ids} == {via == "fresh"}, (ids, proc.pid)
+    return proc, [pid for pid, _ in ids]
 
 
-def test_every_rank_gets_torchruns_variables(tmp_path):
+def test_every_rank_gets_torchruns_variables(tmp_path, via):
     # one write per line: with PYTHONUNBUFFERED a print's text and its newline are two writes,
     # and the ranks' lines could interleave
     body = "sys.stdout.write(json.dumps({k: os.environ[k] for k in %r}) + '\\n')\n" % (ENV_KEYS,)
     out = subprocess.run(local_ranks(script(tmp_path, body), 3, port=29555), capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+                         text=True, timeout=60, cwd=tmp_path)  # fmt: skip
     assert out.returncode == 0, out.stderr
     got = sorted((json.loads(ln) for ln in out.stdout.splitlines()), key=lambda e: e["RANK"])
     assert [(e["RANK"], e["LOCAL_RANK"]) for e in got] == [("0", "0"), ("1", "1"), ("2", "2")]
@@ -46,16 +62,16 @@ def test_every_rank_gets_torchruns_variables(tmp_path):
     }
 
 
-def test_the_first_failure_stops_the_others_and_is_the_status(tmp_path):
+def test_the_first_failure_stops_the_others_and_is_the_status(tmp_path, via):
     """Rank 1 fails with 3 while rank 0 would run a minute: the launch ends at once with 3 and
     rank 0 is stopped by SIGTERM (it says so). Rank 1 fails only once rank 0 handles SIGTERM
-    (its file ``up0``): on a busy machine a fixed wait could end first."""
+    (its file ``handles0``): on a busy machine a fixed wait could end first."""
     body = (
         "signal.signal(signal.SIGTERM, lambda *a: (print('rank 0 stopped', flush=True), "
         "sys.exit(15)))\n"
-        "open(f'up{r}', 'w').close()\n"
+        "open(f'handles{r}', 'w').close()\n"
         "if r == 1:\n"
-        "    while not os.path.exists('up0'):\n        time.sleep(0.01)\n"
+        "    while not os.path.exists('handles0'):\n        time.sleep(0.01)\n"
         "    sys.exit(3)\n"
         "time.sleep(60)\n"
     )
@@ -66,26 +82,27 @@ def test_the_first_failure_stops_the_others_and_is_the_status(tmp_path):
     assert "rank 0 stopped" in out.stdout
 
 
-def test_sigterm_to_the_launcher_reaches_every_rank(tmp_path):
+def test_sigterm_to_the_launcher_reaches_every_rank(tmp_path, via):
     """What scancel or a time limit sends: each rank handles it (megatron saves and exits 0)."""
     body = (
         "signal.signal(signal.SIGTERM, lambda *a: (open(f'got{r}', 'w').close(), sys.exit(0)))\n"
-        "open(f'up{r}', 'w').close()\ntime.sleep(60)\n"
+        "open(f'ready{r}', 'w').close()\ntime.sleep(60)\n"
     )
-    proc = started(tmp_path, body)
+    proc, _ = started(tmp_path, body, via)
+    while not ((tmp_path / "ready0").exists() and (tmp_path / "ready1").exists()):
+        assert proc.poll() is None
+        time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     assert (tmp_path / "got0").exists() and (tmp_path / "got1").exists()
 
 
-def test_no_rank_outlives_a_killed_launcher(tmp_path):
+def test_no_rank_outlives_a_killed_launcher(tmp_path, via):
     """A caller's timeout kills the launcher outright (SIGKILL): its ranks go with it."""
     import psutil
 
-    body = "open(f'up{r}', 'w').close()\ntime.sleep(60)\n"
-    proc = started(tmp_path, body)
-    ranks = psutil.Process(proc.pid).children()
-    assert len(ranks) == 2
+    proc, pids = started(tmp_path, "time.sleep(60)\n", via)
+    ranks = [psutil.Process(pid) for pid in pids]
     proc.kill()
     proc.wait()
     gone, alive = psutil.wait_procs(ranks, timeout=10)
@@ -94,7 +111,9 @@ def test_no_rank_outlives_a_killed_launcher(tmp_path):
 
 @pytest.mark.distributed  # imports megatron.training (~5 s)
 def test_a_finished_run_exits_at_once_with_its_output_written(tmp_path):
-    """shutdown.exit_now: status 0, threads that are not daemons waited for, the exit handlers
+    """shutdown.exit_now: status 0, threads that are not daemons waited for (a thread pool's
+    idle worker told to end first, as the interpreter does: joined unasked, it never ends;
+    seen as a checkpoint test's rank hanging at its end), the exit handlers
     run, garbage in reference cycles finalized (the collection before the exit does it:
     without it this one stays), buffered standard output flushed, and megatron's TensorBoard
     writer's last scalar in its event file (megatron never closes the writer; exit_now does)."""
@@ -119,13 +138,16 @@ def late():
     time.sleep(0.5)
     open({str(tmp_path / "thread")!r}, "w").close()
 threading.Thread(target=late).start()  # not a daemon: a normal exit waits for it
+from concurrent.futures import ThreadPoolExecutor
+pool = ThreadPoolExecutor(1)  # its idle worker ends when told the interpreter exits
+pool.submit(int).result()
 sys.stdout.write("no newline, buffered")
 shutdown.exit_now()
 print("not reached")
 """
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, env=env, stdin=subprocess.DEVNULL)  # fmt: skip
+                         timeout=60, env=env, stdin=subprocess.DEVNULL)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout == "no newline, buffered"
     assert (tmp_path / "atexit").exists() and (tmp_path / "finalized").exists()

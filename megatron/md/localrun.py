@@ -6,7 +6,9 @@ anything (~2 s per launch on a 2-core VM, where the test suite is mostly launche
 Like torchrun: the first process that fails stops the others (SIGTERM, then SIGKILL after
 ``GRACE_S``) and its status is the launch's; SIGTERM and SIGINT sent to the launcher reach
 every process. Unlike torchrun's workers, no process outlives a launcher killed outright.
-Standard library only (it runs as a script, before any import of torch). Cluster jobs start
+With ``MEGATRON_MD_FORKSERVER`` set (the test suite), ranks are forked by that fork server
+where it agrees (megatron/md/forkserver.py). Standard library only (it runs as a script, before
+any import of torch). Cluster jobs start
 torchrun (examples/md_decoupling/launch.sbatch); ``launch.local_ranks`` builds this command.
 """
 
@@ -21,19 +23,25 @@ import time
 GRACE_S = 10.0  # a process stopped with SIGTERM gets this long before SIGKILL
 
 
-def start(nproc: int, port: int, cmd: list[str]) -> list[subprocess.Popen]:
+def start(nproc: int, port: int, cmd: list[str]) -> list:
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}  # fmt: skip
     if nproc > 1:
         base.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several processes
-    return [
-        subprocess.Popen(
-            [sys.executable, *cmd],
-            env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-            preexec_fn=_die_with_launcher,
-        )
-        for r in range(nproc)
-    ]
+    return [_process([sys.executable, *cmd], {**base, "RANK": str(r), "LOCAL_RANK": str(r)})
+            for r in range(nproc)]  # fmt: skip
+
+
+def _process(argv: list[str], env: dict[str, str]):
+    """One rank: forked by the fork server named in ``MEGATRON_MD_FORKSERVER`` where there is
+    one and it agrees (megatron/md/forkserver.py: the test suite's), else a fresh process."""
+    if env.get("MEGATRON_MD_FORKSERVER", "0") != "0":
+        from megatron.md import forkserver
+
+        forked = forkserver.spawn(env["MEGATRON_MD_FORKSERVER"], argv, env)
+        if forked is not None:
+            return forked
+    return subprocess.Popen(argv, env=env, preexec_fn=_die_with_launcher)
 
 
 def _die_with_launcher() -> None:
@@ -47,7 +55,7 @@ def _die_with_launcher() -> None:
         pass
 
 
-def wait(procs: list[subprocess.Popen]) -> int:
+def wait(procs: list) -> int:
     """The first failure's status (``_status``), else 0."""
     status, stopped_at = 0, None
     while True:
@@ -68,7 +76,7 @@ def _status(code: int) -> int:
     return code if code > 0 else 128 - code
 
 
-def _signal(procs: list[subprocess.Popen], sig: int) -> None:
+def _signal(procs: list, sig: int) -> None:
     for p in procs:
         if p.poll() is None:
             p.send_signal(sig)

@@ -20,17 +20,19 @@ import threading
 
 def exit_now() -> None:
     """Close megatron's TensorBoard writer (megatron never closes it; closing flushes it and
-    joins its writer thread), then what a normal exit does first, in its order: wait for the
-    threads that are not daemons, run the exit handlers (wandb's, logging's, the
-    multiprocessing children's); then finalize all garbage (files in reference cycles are
-    flushed and closed), flush the standard streams, and end the process with status 0."""
+    joins its writer thread), then what a normal exit does first, in its order: threading's
+    own exit hooks (a thread pool's idle workers told to end) and a wait for the threads that
+    are not daemons, the exit handlers (wandb's, logging's, the multiprocessing children's);
+    then finalize all garbage (files in reference cycles are flushed and closed), flush the
+    standard streams, and end the process with status 0."""
     gv = sys.modules.get("megatron.training.global_vars")
     writer = gv.get_tensorboard_writer() if gv is not None else None
     if writer is not None:
         writer.close()
-    for t in threading.enumerate():
-        if t is not threading.main_thread() and not t.daemon:
-            t.join()
+    # what the interpreter's exit calls first (CPython 3.12, Python/pylifecycle.c
+    # wait_for_thread_shutdown); joining the threads without its hooks waits forever on an
+    # idle ThreadPoolExecutor worker (a checkpoint's, say)
+    threading._shutdown()
     atexit._run_exitfuncs()
     gc.collect()
     sys.stdout.flush()

@@ -1,0 +1,388 @@
+"""A fork server for local launches: each rank forked from a process that has already imported
+torch and the other third-party packages a run imports, instead of importing them again.
+
+``python -m megatron.md.forkserver SOCKET`` imports those packages once (~4 s of CPU on a 2-core
+VM, torch 2.13 CPU), then serves ``localrun.py``: with ``MEGATRON_MD_FORKSERVER=SOCKET`` in its
+environment, the launcher asks the server to fork each rank (``spawn``) and waits for it as for
+a process of its own. The test suite starts one for its session (tests/conftest.py), where
+about a hundred launches each spent that import on every rank. Cluster jobs never use it.
+
+A forked rank is the process a fresh ``python SCRIPT ARGS`` would be, given what the server's
+imports read, so the server refuses (and the launcher starts the rank afresh) where that does
+not hold:
+- the command is not ``<this python> SCRIPT.py ...`` (interpreter options, ``-m``, ``-c``);
+- the launcher runs in another session (``start_new_session``, SLURM): signals sent to its
+  process group would miss a forked rank;
+- the rank's environment differs from the server's in a variable the imports read: every one
+  read through ``os.environ`` while importing (recorded), and every one of ``IMPORT_PREFIXES``
+  (read by C code: OpenMP, the allocator, the interpreter).
+Megatron itself is not imported here: ``cpu_mode`` must patch ``torch.cuda`` before megatron
+imports from it. What the imports print is printed again by each rank. Known difference: the
+ranks share the server's string-hash seed (``PYTHONHASHSEED``), where fresh processes each
+draw one.
+The rank becomes a child of the server in the launcher's process group; the server relays its
+exit status, and kills it when the launcher's connection closes (the launcher died) or when
+the server itself dies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import sys
+import tempfile
+
+#: what a run imports besides megatron (measured: ~85 % of a rank's import time)
+PRELOAD = ("torch", "numpy", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx",
+           "torch.distributed.tensor", "torch.distributed.checkpoint", "torch.utils.tensorboard",
+           "wandb", "emerging_optimizers", "triton", "sympy", "pydantic", "yaml",
+           "psutil")  # fmt: skip
+#: variables read by C code at start-up or import, which the recording cannot see
+IMPORT_PREFIXES = ("PYTHON", "LD_", "LANG", "LC_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_",
+                   "THP_", "MALLOC_", "TORCH", "PYTORCH", "CUDA", "NVIDIA")  # fmt: skip
+REPLY_TIMEOUT_S = (
+    120.0  # the launcher's wait for "forked" or "refused" (the server may be importing)
+)
+
+
+# -- the launcher's side -------------------------------------------------------------------
+
+
+class Forked:
+    """A rank forked by the server, waited for like a ``subprocess.Popen``."""
+
+    def __init__(self, sock: socket.socket, pid: int):
+        self.sock, self.pid, self.returncode = sock, pid, None
+        self._buf = b""
+        sock.setblocking(False)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                data = self.sock.recv(64)
+            except BlockingIOError:
+                return None
+            self._buf += data
+            if data and not self._buf.endswith(b"\n"):
+                return None
+            words = self._buf.split()
+            # the server gone without a word: its death killed the rank (PR_SET_PDEATHSIG)
+            self.returncode = int(words[1]) if words[:1] == [b"exit"] else -signal.SIGKILL
+            self.sock.close()
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+
+def spawn(path: str, argv: list[str], env: dict[str, str]) -> Forked | None:
+    """``argv`` forked by the server at ``path`` with this process's standard streams and
+    ``env``; None where the server refuses (or cannot be reached): start it afresh."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(REPLY_TIMEOUT_S)
+        sock.connect(path)
+        req = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(), "launcher": os.getpid()})
+        data = req.encode()
+        socket.send_fds(sock, [struct.pack("!I", len(data)) + data], [0, 1, 2])
+        reply = b""
+        while not reply.endswith(b"\n"):
+            chunk = sock.recv(256)
+            if not chunk:
+                break
+            reply += chunk
+    except OSError as e:
+        print(f"[forkserver] {path}: {e}; starting the rank afresh", file=sys.stderr)
+        sock.close()
+        return None
+    words = reply.split()
+    if words[:1] != [b"forked"]:
+        sock.close()
+        return None
+    return Forked(sock, int(words[1]))
+
+
+# -- the server ----------------------------------------------------------------------------
+
+
+#: packages whose import scans the whole environment for variables of their prefix
+SCANS = {"tqdm": "TQDM_", "networkx": "NETWORKX_", "fsspec": "FSSPEC_"}
+
+
+class _Recording(os._Environ):
+    """``os.environ`` while the server imports: every variable read is recorded; a scan of the
+    whole environment records its package's prefix (``SCANS``), or "*" (everything counts)."""
+
+    read: set[str] = set()
+    written: dict[str, str | None] = {}  # set by an import (None: deleted)
+
+    def __getitem__(self, key):
+        caller = sys._getframe(1).f_code
+        if not (caller.co_name == "__iter__" and "_collections_abc" in caller.co_filename):
+            _Recording.read.add(key)  # (not a value of a scan, .items(): the scan is recorded)
+        return super().__getitem__(key)
+
+    def __setitem__(self, key, value):
+        _Recording.written[key] = value
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        _Recording.written[key] = None
+        super().__delitem__(key)
+
+    def __iter__(self):
+        frame = sys._getframe(1)
+        while frame is not None:
+            prefix = SCANS.get(frame.f_globals.get("__name__", "").partition(".")[0])
+            if prefix:
+                _Recording.read.add(prefix + "*")
+                break
+            frame = frame.f_back
+        else:
+            _Recording.read.add("*")
+        return super().__iter__()
+
+
+@dataclasses.dataclass
+class Preloaded:
+    """What the server's imports depended on and did."""
+
+    env: dict[str, str]
+    """the server's environment before the imports"""
+    read: set[str]
+    """variables the imports read; ``PREFIX*`` for a scan of a prefix, ``*`` for everything"""
+    written: dict[str, str | None]
+    """variables the imports set (None: deleted), as they would in a fresh process"""
+    printed: bytes
+    """what the imports wrote to stdout and stderr"""
+
+
+def preload() -> Preloaded:
+    """Import ``PRELOAD``, recording what the imports read, wrote and printed."""
+    env = dict(os.environ)
+    out = tempfile.TemporaryFile()
+    saved = os.dup(1), os.dup(2)
+    os.dup2(out.fileno(), 1)
+    os.dup2(out.fileno(), 2)
+    os.environ.__class__ = _Recording
+    try:
+        for name in PRELOAD:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
+    finally:
+        os.environ.__class__ = os._Environ
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+    out.seek(0)
+    return Preloaded(env, set(_Recording.read), dict(_Recording.written), out.read())
+
+
+def refusal(req: dict, pre: Preloaded) -> str | None:
+    """Why the rank of ``req`` would not be the process a fresh start makes (None: fork it)."""
+    argv, env = req["argv"], req["env"]
+    if len(argv) < 2 or argv[0] != sys.executable or not argv[1].endswith(".py"):
+        return f"not '{sys.executable} SCRIPT.py ...': {argv[:2]}"
+    if not os.path.isfile(argv[1]):
+        return f"no such script {argv[1]}"
+    try:
+        if os.getsid(req["launcher"]) != os.getsid(0):
+            return "the launcher runs in another session"
+    except ProcessLookupError:
+        return "the launcher is gone"
+    if "*" in pre.read:
+        return "the imports read the whole environment"
+    prefixes = IMPORT_PREFIXES + tuple(r[:-1] for r in pre.read if r.endswith("*"))
+    names = {r for r in pre.read if not r.endswith("*")}
+    names |= {k for k in (*env, *pre.env) if k.startswith(prefixes)}
+    differ = sorted(k for k in names if env.get(k) != pre.env.get(k))
+    return f"environment differs in {differ}" if differ else None
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    msg, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 3)
+    while len(msg) < 4 or len(msg) < 4 + struct.unpack("!I", msg[:4])[0]:
+        chunk = conn.recv(1 << 16)
+        if not chunk:
+            raise ConnectionError("request cut short")
+        msg += chunk
+    return json.loads(msg[4:]), fds
+
+
+def serve(listener: socket.socket, pre: Preloaded) -> tuple[dict, list[int]] | None:
+    """Fork ranks until SIGTERM (or the parent's death); returns only in a forked rank: its
+    request."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *a: None)  # a rank ended: the wake-up pipe says so
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+    ranks: dict[int, socket.socket] = {}  # pid -> the launcher's connection
+    print(f"[forkserver] serving {listener.getsockname()}", flush=True)
+    while not stop:
+        for key, _ in sel.select(timeout=1.0):
+            if key.fileobj is listener:
+                conn, _ = listener.accept()
+                conn.settimeout(10.0)
+                try:
+                    req, fds = _receive(conn)
+                except (OSError, ValueError) as e:
+                    print(f"[forkserver] bad request: {e}", flush=True)
+                    conn.close()
+                    continue
+                why = refusal(req, pre)
+                if why:
+                    print(f"[forkserver] refused {req['argv'][1:2]}: {why}", flush=True)
+                    conn.sendall(f"refused {why}\n".encode())
+                    conn.close()
+                    for fd in fds:
+                        os.close(fd)
+                    continue
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:  # the rank: leave the server behind
+                    sel.close()
+                    listener.close()
+                    for c in (*ranks.values(), conn):
+                        c.close()
+                    os.close(wake_r)
+                    os.close(wake_w)
+                    signal.set_wakeup_fd(-1)
+                    return req, fds
+                for fd in fds:
+                    os.close(fd)
+                print(f"[forkserver] forked {pid}: {req['argv'][1:2]}", flush=True)
+                conn.sendall(f"forked {pid}\n".encode())
+                ranks[pid] = conn
+                sel.register(conn, selectors.EVENT_READ, pid)
+            elif key.fileobj == wake_r:
+                os.read(wake_r, 4096)
+                _reap(ranks, sel)
+            else:  # a launcher's connection closed: its rank must not outlive it
+                conn, pid = key.fileobj, key.data
+                try:
+                    gone = not conn.recv(64)
+                except OSError:
+                    gone = True
+                if gone:
+                    sel.unregister(conn)
+                    conn.close()
+                    _kill(pid)
+    for pid in ranks:
+        _kill(pid)
+    return None
+
+
+def _reap(ranks: dict[int, socket.socket], sel: selectors.BaseSelector) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = ranks.pop(pid, None)
+        if conn is not None and conn.fileno() >= 0:
+            sel.unregister(conn)
+            try:
+                conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+            except OSError:
+                pass
+            conn.close()
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def become(req: dict, fds: list[int], pre: Preloaded) -> str:
+    """In a forked rank: take the launcher's streams, directory, environment (with what the
+    imports set in it) and process group and a fresh interpreter's signal dispositions;
+    returns the script to run."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with us
+    os.setpgid(0, os.getpgid(req["launcher"]))
+    for sig, how in ((signal.SIGCHLD, signal.SIG_DFL), (signal.SIGTERM, signal.SIG_DFL),
+                     (signal.SIGINT, signal.default_int_handler)):  # fmt: skip
+        signal.signal(sig, how)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    for k, v in pre.written.items():  # as the imports of a fresh process would (where they read
+        # k first, its value matched)
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    script = req["argv"][1]
+    sys.argv = req["argv"][1:]
+    sys.orig_argv = list(req["argv"])
+    sys.path[0] = os.path.dirname(os.path.realpath(script))  # as python sets it
+    if "numpy" in sys.modules:  # its global generator: drawn from the OS in a fresh process
+        sys.modules["numpy"].random.seed()
+    if pre.printed:
+        os.write(2, pre.printed)
+    return script
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        sys.exit("usage: python -m megatron.md.forkserver SOCKET")
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(
+        1, signal.SIGTERM
+    )  # PR_SET_PDEATHSIG: the session's end
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(argv[0])
+    listener.listen(64)  # launches that come while the imports run wait for them
+    pre = preload()
+    threads = len(os.listdir("/proc/self/task"))
+    if threads != 1:  # fork copies one thread: a pool started by an import would be lost
+        sys.exit(f"[forkserver] the imports started {threads - 1} thread(s): cannot fork safely")
+    job = serve(listener, pre)
+    if job is None:
+        return
+    import runpy
+
+    script = become(*job, pre)
+    sys.excepthook = _excepthook
+    runpy.run_path(script, run_name="__main__")  # exceptions and exit as a fresh interpreter
+
+
+def _excepthook(typ, value, tb):
+    """A traceback from the script's first frame on, as a fresh interpreter prints it."""
+    import runpy
+
+    ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+    while tb is not None and tb.tb_frame.f_code.co_filename in ours:
+        tb = tb.tb_next
+    sys.__excepthook__(typ, value.with_traceback(tb), tb)  # (it prints value.__traceback__)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,123 @@
+"""The fork server (megatron/md/forkserver.py): a forked rank is the process a fresh start makes,
+and the server starts a rank afresh where it could not be. The launcher's own guarantees
+(signals, failures, a killed launcher) run both ways in tests/test_launch.py."""
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron.md import forkserver
+from megatron.md.launch import local_ranks
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("MEGATRON_MD_FORKSERVER", "0") == "0",
+    reason="no fork server in this session (MEGATRON_MD_FORKSERVER=0)",
+)
+
+# what a rank can see of how it was started: the environment, arguments, import path,
+# directory, process group, signal dispositions, open files, __main__, stdin, a draw of numpy's
+# global generator; then rank 1 finishes and rank 0 ends as asked: an exception, sys.exit, a
+# signal, or normally
+PROBE = """
+import importlib, json, os, signal, sys, time
+import numpy
+for name in %r:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass
+main = sys.modules["__main__"]
+sigs = {s.name: str(signal.getsignal(s)) for s in signal.valid_signals()
+        if isinstance(s, signal.Signals) and s not in (signal.SIGKILL, signal.SIGSTOP)}
+fds = sorted(int(f) for f in os.listdir("/proc/self/fd"))
+with open(f"/proc/{os.getppid()}/cmdline") as f:
+    parent = f.read().split("\\0")
+facts = {"env": dict(os.environ), "argv": sys.argv, "path": sys.path, "cwd": os.getcwd(),
+         "pgid": os.getpgid(0), "sigs": sigs, "wakeup_fd": signal.set_wakeup_fd(-1),
+         "fds": fds[:-1], "main": [main.__name__, main.__file__], "ppid": os.getppid(),
+         "parent": parent, "numpy": int(numpy.random.randint(2**31)), "stdin": sys.stdin.read()}
+r = os.environ["RANK"]
+with open(f"facts{r}.json", "w") as f:
+    json.dump(facts, f)
+print("rank", r, "up", flush=True)
+if r != "0":
+    open("finished", "w").close()
+    sys.exit(0)
+while os.environ["WORLD_SIZE"] != "1" and not os.path.exists("finished"):
+    time.sleep(0.01)
+how = sys.argv[1]
+if how == "raise":
+    def inner():
+        raise ValueError("from the script")
+    inner()
+if how == "exit":
+    sys.exit(3)
+if how == "signal":
+    os.kill(os.getpid(), signal.SIGKILL)
+""" % (forkserver.PRELOAD,)
+STATUS = {"done": 0, "raise": 1, "exit": 3, "signal": 128 + signal.SIGKILL}
+
+
+def launch(tmp: Path, how: str, via: str, nproc: int = 2, **kw):
+    """The launch's result and each rank's facts, its ranks started ``via``."""
+    d = tmp / via
+    d.mkdir(parents=True)
+    (d / "probe.py").write_text(PROBE)
+    env = {**os.environ, **({"MEGATRON_MD_FORKSERVER": "0"} if via == "fresh" else {})}
+    out = subprocess.run(local_ranks(d / "probe.py", nproc, [how]), cwd=d, env=env, text=True,
+                         capture_output=True, timeout=120, input="stdin text", **kw)  # fmt: skip
+    return out, [json.loads((d / f"facts{r}.json").read_text()) for r in range(nproc)]
+
+
+def parent(facts: dict) -> str:
+    """What started the rank: the launcher or the fork server."""
+    cmd = " ".join(facts["parent"])
+    return "launcher" if "localrun.py" in cmd else "server" if "forkserver" in cmd else cmd
+
+
+@pytest.mark.parametrize("how", list(STATUS))
+def test_a_forked_rank_is_the_process_a_fresh_start_makes(tmp_path, how):
+    fresh, fresh_facts = launch(tmp_path, how, "fresh")
+    forked, forked_facts = launch(tmp_path, how, "forked")
+    assert forked.returncode == fresh.returncode == STATUS[how], fresh.stderr + forked.stderr
+    # the same output, a traceback included (paths aside: each ran in its own directory)
+    assert sorted(forked.stdout.splitlines()) == sorted(fresh.stdout.splitlines())
+    assert forked.stderr.replace("/forked/", "/fresh/") == fresh.stderr, forked.stderr
+    if how == "raise":
+        assert 'in inner\n    raise ValueError("from the script")' in fresh.stderr
+    assert [parent(f) for f in fresh_facts + forked_facts] == ["launcher"] * 2 + ["server"] * 2
+    assert forked_facts[0]["numpy"] != forked_facts[1]["numpy"]  # each drew its own seed
+    # stdin: one rank reads what the launcher was given, the other what is left (nothing)
+    assert sorted(f.pop("stdin") for f in fresh_facts) == sorted(
+        f.pop("stdin") for f in forked_facts
+    )
+    for a, b in zip(fresh_facts, forked_facts):
+        for f in (a, b):
+            del f["ppid"], f["parent"], f["numpy"], f["env"]["MASTER_PORT"]
+            del f["env"]["MEGATRON_MD_FORKSERVER"]
+        a["cwd"], a["path"][0], a["main"][1] = b["cwd"], b["path"][0], b["main"][1]
+        a["argv"][0] = b["argv"][0]
+        assert a == b
+
+
+def test_a_launcher_in_another_session_gets_fresh_ranks(tmp_path):
+    """Signals sent to that session's process group must reach the ranks (sbatch; a test that
+    kills a launch's group): a forked rank would be in the server's session."""
+    out, facts = launch(tmp_path, "done", "forked", start_new_session=True)
+    assert out.returncode == 0, out.stderr
+    assert [parent(f) for f in facts] == ["launcher"] * 2
+    assert all(f["pgid"] == f["ppid"] for f in facts)  # the launcher leads its new group
+
+
+@pytest.mark.parametrize("name", ["OMP_NUM_THREADS", "TORCH_COMPILE_DISABLE"])
+def test_an_environment_the_imports_read_differently_gets_fresh_ranks(tmp_path, monkeypatch, name):
+    """OMP_NUM_THREADS (read by OpenMP as torch loads) and a variable read through os.environ
+    while torch is imported: a rank forked from imports that read another value would differ."""
+    monkeypatch.setenv(name, "2")
+    out, facts = launch(tmp_path, "done", "forked")
+    assert out.returncode == 0, out.stderr
+    assert [(f["env"][name], parent(f)) for f in facts] == [("2", "launcher")] * 2
