@@ -43,9 +43,11 @@ PRELOAD = ("torch", "numpy", "torch.distributed", "torch._dynamo", "torch._induc
            "torch.distributed.tensor", "torch.distributed.checkpoint", "torch.utils.tensorboard",
            "wandb", "emerging_optimizers", "triton", "sympy", "pydantic", "yaml",
            "psutil")  # fmt: skip
-#: variables read by C code at start-up or import, which the recording cannot see
-IMPORT_PREFIXES = ("PYTHON", "LD_", "LANG", "LC_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_",
-                   "THP_", "MALLOC_", "TORCH", "PYTORCH", "CUDA", "NVIDIA")  # fmt: skip
+#: variables read by C code at start-up or import, which the recording cannot see (Intel
+#: OpenMP's ``KMP_*`` too where it is loaded: torch's CPU wheels load GNU OpenMP, and inductor
+#: sets ``KMP_DUPLICATE_LIB_OK`` in the environment of a process that compiles)
+IMPORT_PREFIXES = ("PYTHON", "LD_", "LANG", "LC_", "OMP_", "GOMP_", "MKL_", "OPENBLAS_", "THP_",
+                   "MALLOC_", "TORCH", "PYTORCH", "CUDA", "NVIDIA")  # fmt: skip
 REPLY_TIMEOUT_S = (
     120.0  # the launcher's wait for "forked" or "refused" (the server may be importing)
 )
@@ -162,6 +164,8 @@ class Preloaded:
     """variables the imports set (None: deleted), as they would in a fresh process"""
     printed: bytes
     """what the imports wrote to stdout and stderr"""
+    intel_openmp: bool
+    """whether the imports loaded Intel's OpenMP runtime (which reads ``KMP_*``)"""
 
 
 def preload() -> Preloaded:
@@ -187,7 +191,9 @@ def preload() -> Preloaded:
         for fd in saved:
             os.close(fd)
     out.seek(0)
-    return Preloaded(env, set(_Recording.read), dict(_Recording.written), out.read())
+    with open("/proc/self/maps") as maps:
+        intel_openmp = "libiomp" in maps.read()
+    return Preloaded(env, set(_Recording.read), dict(_Recording.written), out.read(), intel_openmp)
 
 
 def refusal(req: dict, pre: Preloaded) -> str | None:
@@ -205,6 +211,7 @@ def refusal(req: dict, pre: Preloaded) -> str | None:
     if "*" in pre.read:
         return "the imports read the whole environment"
     prefixes = IMPORT_PREFIXES + tuple(r[:-1] for r in pre.read if r.endswith("*"))
+    prefixes += ("KMP_",) if pre.intel_openmp else ()
     names = {r for r in pre.read if not r.endswith("*")}
     names |= {k for k in (*env, *pre.env) if k.startswith(prefixes)}
     differ = sorted(k for k in names if env.get(k) != pre.env.get(k))
