@@ -2,10 +2,11 @@
 torch and the other third-party packages a run imports, instead of importing them again.
 
 ``python -m megatron.md.forkserver SOCKET`` imports those packages once (~4 s of CPU on a 2-core
-VM, torch 2.13 CPU), then serves ``localrun.py``: with ``MEGATRON_MD_FORKSERVER=SOCKET`` in its
+VM, torch 2.15.0), then serves ``localrun.py``: with ``MEGATRON_MD_FORKSERVER=SOCKET`` in its
 environment, the launcher asks the server to fork each rank (``spawn``) and waits for it as for
 a process of its own. The test suite starts one for its session (tests/conftest.py), where
-about a hundred launches each spent that import on every rank. Cluster jobs never use it.
+about a hundred launches spent that import on every rank (CI: 19.5 min instead of 28-30).
+Cluster jobs never use it.
 
 A forked rank is the process a fresh ``python SCRIPT ARGS`` would be, given what the server's
 imports read, so the server refuses (and the launcher starts the rank afresh) where that does
