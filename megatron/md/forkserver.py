@@ -49,9 +49,8 @@ PRELOAD = ("torch", "numpy", "torch.distributed", "torch._dynamo", "torch._induc
 #: sets ``KMP_DUPLICATE_LIB_OK`` in the environment of a process that compiles)
 IMPORT_PREFIXES = ("PYTHON", "LD_", "LANG", "LC_", "OMP_", "GOMP_", "MKL_", "OPENBLAS_", "THP_",
                    "MALLOC_", "TORCH", "PYTORCH", "CUDA", "NVIDIA")  # fmt: skip
-REPLY_TIMEOUT_S = (
-    120.0  # the launcher's wait for "forked" or "refused" (the server may be importing)
-)
+#: the launcher's wait for "forked" or "refused" (a server just started is still importing)
+REPLY_TIMEOUT_S = 120.0
 
 
 # -- the launcher's side -------------------------------------------------------------------
@@ -285,6 +284,8 @@ def serve(listener: socket.socket, pre: Preloaded) -> tuple[dict, list[int]] | N
                 _reap(ranks, sel)
             else:  # a launcher's connection closed: its rank must not outlive it
                 conn, pid = key.fileobj, key.data
+                if conn.fileno() < 0:  # reaped above, in this same round
+                    continue
                 try:
                     gone = not conn.recv(64)
                 except OSError:
