@@ -25,8 +25,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 stamp="$VENV/.megatron-md-$(sha1sum setup.py | cut -c1-12)"
 here_installed() {  # is megatron.md imported from this checkout? (editable installs move with clones)
+  local here=$PWD  # (read before the cd: inside the subshell $PWD is /)
   (cd / && "$VENV/bin/python" -c "import importlib.util as u, sys; s = u.find_spec('megatron.md'); \
-sys.exit(0 if s and s.submodule_search_locations[0].startswith('$PWD/') else 1)" 2>/dev/null)
+sys.exit(0 if s and s.submodule_search_locations[0].startswith('$here/') else 1)" 2>/dev/null)
 }
 if [ ! -f "$stamp" ] || ! here_installed; then
   echo "[run.sh] installing megatron-md and its dependencies into $VENV (first time: several minutes)"

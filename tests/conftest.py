@@ -62,6 +62,8 @@ def pytest_terminal_summary(terminalreporter):
     log = (_SERVER["tmp"] / "log").read_text().splitlines()
     forked = sum(ln.startswith("[forkserver] forked") for ln in log)
     why = Counter(ln.split(": ", 1)[-1] for ln in log if ln.startswith("[forkserver] refused"))
+    if not forked and not why:
+        return
     terminalreporter.write_line(f"fork server: {forked} ranks forked, {why.total()} started afresh")
     for reason, n in why.most_common():
         terminalreporter.write_line(f"  {n:4d} x {reason[:150]}")

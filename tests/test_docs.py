@@ -2,6 +2,7 @@
 what the parser generates, and no document names internal work periods (a measurement is
 identified by its date, device and versions)."""
 
+import os
 import re
 import subprocess
 import sys
@@ -30,6 +31,24 @@ def test_readme_is_short_and_starts_with_the_two_commands():
     block = text.split("```")[1]
     assert [ln.split("#")[0].strip() for ln in block.strip().splitlines()[1:]] == [
         "bash run.sh demo", "bash run.sh test"]  # fmt: skip
+
+
+def test_run_sh_reuses_the_venv_this_checkout_is_installed_in():
+    """``bash run.sh`` installs only where the venv lacks this checkout (no stamp for this
+    setup.py, or megatron.md imported from elsewhere); it once read ``$PWD`` after a ``cd /``
+    and reinstalled on every call."""
+    import hashlib
+
+    import megatron.md
+
+    digest = hashlib.sha1((ROOT / "setup.py").read_bytes()).hexdigest()[:12]
+    stamp = Path(sys.prefix) / f".megatron-md-{digest}"
+    if not (stamp.exists() and Path(megatron.md.__file__).resolve().is_relative_to(ROOT)):
+        pytest.skip("this venv is not installed from this checkout: run.sh would install")
+    env = {**os.environ, "MEGATRON_MD_VENV": sys.prefix}
+    out = subprocess.run(["bash", "run.sh", "no-such-command"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600, env=env)  # fmt: skip
+    assert out.returncode == 2 and "installing" not in out.stdout + out.stderr, out.stdout
 
 
 def test_no_document_names_internal_work_periods():

@@ -13,10 +13,13 @@ import pytest
 from megatron.md import forkserver
 from megatron.md.launch import local_ranks
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("MEGATRON_MD_FORKSERVER", "0") == "0",
-    reason="no fork server in this session (MEGATRON_MD_FORKSERVER=0)",
-)
+pytestmark = [
+    pytest.mark.distributed,  # launches that import torch (~70 s in all): not the quick tier
+    pytest.mark.skipif(
+        os.environ.get("MEGATRON_MD_FORKSERVER", "0") == "0",
+        reason="no fork server in this session (MEGATRON_MD_FORKSERVER=0)",
+    ),
+]
 
 # what a rank can see of how it was started: the environment, arguments, import path,
 # directory, process group, signal dispositions, open files, __main__, stdin, a draw of numpy's
