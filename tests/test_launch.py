@@ -112,11 +112,11 @@ def test_no_rank_outlives_a_killed_launcher(tmp_path, via):
 @pytest.mark.distributed  # imports megatron.training (~5 s)
 def test_a_finished_run_exits_at_once_with_its_output_written(tmp_path):
     """shutdown.exit_now: status 0, threads that are not daemons waited for (a thread pool's
-    idle worker told to end first, as the interpreter does: joined unasked, it never ends;
-    seen as a checkpoint test's rank hanging at its end), the exit handlers
-    run, garbage in reference cycles finalized (the collection before the exit does it:
-    without it this one stays), buffered standard output flushed, and megatron's TensorBoard
-    writer's last scalar in its event file (megatron never closes the writer; exit_now does)."""
+    idle worker told to end first, as the interpreter does: joined unasked, it never ends; seen
+    as a checkpoint test's rank hanging at its end), the exit handlers run, garbage in
+    reference cycles finalized (the collection before the exit does it: without it this one
+    stays), buffered standard output flushed, and megatron's TensorBoard writer's last scalar
+    in its event file (megatron never closes the writer; exit_now does)."""
     code = f"""
 import atexit, gc, sys
 from torch.utils.tensorboard import SummaryWriter

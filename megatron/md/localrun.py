@@ -8,8 +8,8 @@ Like torchrun: the first process that fails stops the others (SIGTERM, then SIGK
 every process. Unlike torchrun's workers, no process outlives a launcher killed outright.
 With ``MEGATRON_MD_FORKSERVER`` set (the test suite), ranks are forked by that fork server
 where it agrees (megatron/md/forkserver.py). Standard library only (it runs as a script, before
-any import of torch). Cluster jobs start
-torchrun (examples/md_decoupling/launch.sbatch); ``launch.local_ranks`` builds this command.
+any import of torch). Cluster jobs start torchrun (examples/md_decoupling/launch.sbatch);
+``launch.local_ranks`` builds this command.
 """
 
 from __future__ import annotations
