@@ -18,9 +18,10 @@ not hold:
   read through ``os.environ`` while importing (recorded), and every one of ``IMPORT_PREFIXES``
   (read by C code: OpenMP, the allocator, the interpreter).
 Megatron itself is not imported here: ``cpu_mode`` must patch ``torch.cuda`` before megatron
-imports from it. What the imports print is printed again by each rank. Known difference: the
+imports from it. What the imports print is printed again by each rank. Known differences: the
 ranks share the server's string-hash seed (``PYTHONHASHSEED``), where fresh processes each
-draw one.
+draw one; ``sys.excepthook`` is the server's (it trims the server's frames off a traceback);
+``ps`` and ``/proc/<pid>/cmdline`` show the server's command line, not the script's.
 The rank becomes a child of the server in the launcher's process group; the server relays its
 exit status, and kills it when the launcher's connection closes (the launcher died) or when
 the server itself dies.
