@@ -35,8 +35,8 @@ def pytest_configure(config):
     """Start the fork server: every rank of a local launch (megatron/md/localrun.py) whose
     environment agrees is forked from it, with torch imported (~4 s of CPU per rank saved).
     ``MEGATRON_MD_FORKSERVER=0`` starts every rank afresh."""
-    if os.environ.get("MEGATRON_MD_FORKSERVER") is not None:
-        return
+    if os.environ.get("MEGATRON_MD_FORKSERVER") is not None or sys.platform != "linux":
+        return  # (it reads /proc and sets PR_SET_PDEATHSIG: Linux only)
     tmp = Path(tempfile.mkdtemp(prefix="md-forkserver-"))
     sock = str(tmp / "sock")
     # the environment of most launches: localrun gives several ranks one thread each (as
@@ -52,7 +52,8 @@ def pytest_configure(config):
 def pytest_report_header(config):
     if "proc" in _SERVER:
         return f"fork server for local launches: {_SERVER['tmp'] / 'log'}"
-    return f"fork server: MEGATRON_MD_FORKSERVER={os.environ['MEGATRON_MD_FORKSERVER']}"
+    given = os.environ.get("MEGATRON_MD_FORKSERVER", "0")
+    return f"fork server: {'off' if given == '0' else given}"
 
 
 def pytest_terminal_summary(terminalreporter):
