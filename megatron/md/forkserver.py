@@ -329,9 +329,9 @@ def become(req: dict, fds: list[int], pre: Preloaded) -> str:
     """In a forked rank: take the launcher's streams, directory, environment (with what the
     imports set in it) and process group and a fresh interpreter's signal dispositions;
     returns the script to run."""
-    import ctypes
+    from megatron.md.localrun import die_with_parent
 
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with us
+    die_with_parent()  # (SIGKILL when the server dies)
     os.setpgid(0, os.getpgid(req["launcher"]))
     for sig, how in ((signal.SIGCHLD, signal.SIG_DFL), (signal.SIGTERM, signal.SIG_DFL),
                      (signal.SIGINT, signal.default_int_handler)):  # fmt: skip
@@ -362,11 +362,9 @@ def become(req: dict, fds: list[int], pre: Preloaded) -> str:
 def main(argv: list[str]) -> None:
     if len(argv) != 1:
         sys.exit("usage: python -m megatron.md.forkserver SOCKET")
-    import ctypes
+    from megatron.md.localrun import die_with_parent
 
-    ctypes.CDLL(None, use_errno=True).prctl(
-        1, signal.SIGTERM
-    )  # PR_SET_PDEATHSIG: the session's end
+    die_with_parent(signal.SIGTERM)  # the test session's end
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(argv[0])
     listener.listen(64)  # launches that come while the imports run wait for them

@@ -41,16 +41,17 @@ def _process(argv: list[str], env: dict[str, str]):
         forked = forkserver.spawn(env["MEGATRON_MD_FORKSERVER"], argv, env)
         if forked is not None:
             return forked
-    return subprocess.Popen(argv, env=env, preexec_fn=_die_with_launcher)
+    return subprocess.Popen(argv, env=env, preexec_fn=die_with_parent)
 
 
-def _die_with_launcher() -> None:
-    """In each process before it starts (Linux): SIGKILL when the launcher dies, so a launch
-    killed outright (a caller's timeout) leaves no rank running on."""
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """In each process before it starts (Linux): ``sig`` when its parent dies, so a launch
+    killed outright (a caller's timeout) leaves no rank running on (the fork server's ranks and
+    the server itself call it too)."""
     import ctypes
 
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: as torchrun, the ranks outlive it
         pass
 
