@@ -26,7 +26,7 @@ pytestmark = [
 # global generator; then rank 1 finishes and rank 0 ends as asked: an exception, sys.exit, a
 # signal, or normally
 PROBE = """
-import importlib, json, os, signal, sys, time
+import importlib, json, os, resource, signal, sys, time
 import numpy
 for name in %r:
     try:
@@ -42,7 +42,9 @@ with open(f"/proc/{os.getppid()}/cmdline") as f:
 facts = {"env": dict(os.environ), "argv": sys.argv, "path": sys.path, "cwd": os.getcwd(),
          "pgid": os.getpgid(0), "sigs": sigs, "wakeup_fd": signal.set_wakeup_fd(-1),
          "fds": fds[:-1], "main": [main.__name__, main.__file__], "ppid": os.getppid(),
-         "parent": parent, "numpy": int(numpy.random.randint(2**31)), "stdin": sys.stdin.read()}
+         "parent": parent, "numpy": int(numpy.random.randint(2**31)), "stdin": sys.stdin.read(),
+         "limits": {n: resource.getrlimit(getattr(resource, n)) for n in dir(resource)
+                    if n.startswith("RLIMIT_")}}
 r = os.environ["RANK"]
 with open(f"facts{r}.json", "w") as f:
     json.dump(facts, f)
@@ -114,6 +116,20 @@ def test_a_launcher_in_another_session_gets_fresh_ranks(tmp_path):
     assert out.returncode == 0, out.stderr
     assert [parent(f) for f in facts] == ["launcher"] * 2
     assert all(f["pgid"] == f["ppid"] for f in facts)  # the launcher leads its new group
+
+
+def test_a_launcher_with_other_resource_limits_gets_fresh_ranks(tmp_path):
+    """A rank inherits its launcher's limits (``ulimit -f``: the failed-save test runs under
+    one); a forked rank would have the server's."""
+    import resource
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (10 << 20, 10 << 20))
+
+    out, facts = launch(tmp_path, "done", "forked", preexec_fn=small_files)
+    assert out.returncode == 0, out.stderr
+    assert [parent(f) for f in facts] == ["launcher"] * 2
+    assert [f["limits"]["RLIMIT_FSIZE"] for f in facts] == [[10 << 20, 10 << 20]] * 2
 
 
 @pytest.mark.parametrize(

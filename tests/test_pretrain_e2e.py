@@ -354,21 +354,41 @@ def tree(d: Path) -> dict[str, tuple[int, int]]:
             for p in sorted(d.rglob("*")) if p.is_file()}  # fmt: skip
 
 
+def at_iteration_10(runs, tmp: Path, name: str) -> tuple[Path, dict, list[str], dict]:
+    """A run directory holding the AdamMD run's iteration 10, the tracker at 10; the tree of
+    that checkpoint (to prove it untouched), the command that trains it to 20 saving at 10 and
+    20, and its environment."""
+    import shutil
+
+    d = tmp / "run"
+    shutil.copytree(runs["adam_md"][1] / "iter_0000010", d / "iter_0000010")
+    (d / "latest_checkpointed_iteration.txt").write_text("10")
+    cmd, env = command(tmp, name, "--train-iters=20", f"--load={d}", f"--save={d}",
+                       "--save-interval=10", *RUNS["adam_md"])  # fmt: skip
+    return d, tree(d / "iter_0000010"), cmd, env
+
+
+def kept_10_and_resumes(runs, tmp: Path, d: Path, before: dict, name: str) -> None:
+    """The tracker still at 10, iteration 10 untouched, no complete 20; then --load resumes
+    from 10, repeats iterations 11-20 exactly and saves 20 over the incomplete directory."""
+    assert not (d / "iter_0000020" / ".metadata").exists()
+    assert (d / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+    assert tree(d / "iter_0000010") == before
+    part, _ = pretrain(tmp, name, "--train-iters=20", f"--load={d}", *RUNS["adam_md"], save=d)
+    full, resumed = train_rows(runs["adam_md"][0]), train_rows(part)
+    assert sorted(resumed) == list(range(11, 21))
+    assert [resumed[i]["lm loss"] for i in resumed] == [full[i]["lm loss"] for i in resumed]
+    assert (d / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
+
+
 def test_sigkill_mid_save_keeps_the_previous_checkpoint(runs, tmp_path):
     """Every process killed (SIGKILL) while iteration 20 is being saved: iteration 10 stays
     intact and the tracker at 10; --load resumes from 10 (never the partial 20), repeats
     iterations 11-20 exactly and then saves 20 over the partial directory."""
-    import shutil
     import signal
     import time
 
-    rows, save = runs["adam_md"]
-    d = tmp_path / "run"
-    shutil.copytree(save / "iter_0000010", d / "iter_0000010")
-    (d / "latest_checkpointed_iteration.txt").write_text("10")
-    before = tree(d / "iter_0000010")
-    cmd, env = command(tmp_path, "killed", "--train-iters=20", f"--load={d}", f"--save={d}",
-                       "--save-interval=10", *RUNS["adam_md"])  # fmt: skip
+    d, before, cmd, env = at_iteration_10(runs, tmp_path, "killed")
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.time() + 300
@@ -381,17 +401,36 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(runs, tmp_path):
         p.send_signal(signal.SIGKILL)
     proc.wait()
     time.sleep(1)  # nothing may survive to finish the save
-    assert not (d / "iter_0000020" / ".metadata").exists()
-    assert (d / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
-    assert tree(d / "iter_0000010") == before
-    part, _ = pretrain(tmp_path, "after-kill", "--train-iters=20", f"--load={d}", *RUNS["adam_md"],
-                       save=d)  # fmt: skip
-    full, resumed = train_rows(rows), train_rows(part)
-    assert sorted(resumed) == list(range(11, 21))
-    assert [resumed[i]["lm loss"] for i in resumed] == [full[i]["lm loss"] for i in resumed]
-    assert (d / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
+    kept_10_and_resumes(runs, tmp_path, d, before, "after-kill")
+    save = runs["adam_md"][1]
     a, b = read_checkpoint(save / "iter_0000020"), read_checkpoint(d / "iter_0000020")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_save_that_cannot_write_ends_in_one_line_and_keeps_the_previous(runs, tmp_path):
+    """A full disk, in effect: the ranks may not write a file over 10 MiB (``ulimit -f``; a
+    tiny shard is ~13 MB), so iteration 20's save fails on both ranks. The run stops with the
+    refusal status (not requeued) and one line naming the ranks, the files and the checkpoint
+    kept; iteration 10 and the tracker are untouched; without the limit the run resumes from
+    10, repeats 11-20 and saves 20 over the incomplete directory."""
+    import resource
+
+    d, before, cmd, env = at_iteration_10(runs, tmp_path, "full")
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (10 << 20, 10 << 20))
+
+    out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600, preexec_fn=small_files)  # fmt: skip
+    assert out.returncode == 2, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    head = f"pretrain_gpt.py: error: --save {d}: saving iteration 20 failed: "
+    assert last.startswith(head), last
+    assert "rank 0 could not write __0_0.distcp" in last and "rank 1 could not write" in last
+    assert "the latest checkpoint is still iteration 10" in last, last
+    assert "Traceback" not in out.stdout + out.stderr
+    assert not (d / "exited_on_signal").exists()
+    kept_10_and_resumes(runs, tmp_path, d, before, "after-full")
 
 
 def test_loading_md_checkpoint_without_md_is_refused(runs, tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from dataclasses import dataclass
 
 #: layers of the table: optimizer (what ``enable_md`` reads: library code a user may call
@@ -54,7 +55,13 @@ SEAMS: tuple[Seam, ...] = (
          "training", "checkpoint checks before megatron reads, non-finite and weights-only "
          "loads after, --init-from", _P + "wrap_load"),
     Seam("megatron.training.training", "save_checkpoint", "training/training.py:3086",
-         "training", "no non-finite state saved; checksums after each save", _P + "wrap_save"),
+         "training", "no non-finite state saved; checksums after each save; a failed write "
+         "said in one line", _P + "wrap_save"),
+    Seam("megatron.core.dist_checkpointing.strategies.filesystem_async",
+         "FileSystemWriterAsync.write_preloaded_data",
+         "dist_checkpointing/strategies/filesystem_async.py:364", "training",
+         "each rank's write errors kept (megatron passes on only their class)",
+         "megatron.md.train.savefail:record_writer_errors"),
     Seam("megatron.training.training", "training_log", "training/training.py:2576",
          "training", "our JSONL metrics and diagnostics", _P + "wrap_training_log"),
     Seam("megatron.training.training", "evaluate", "training/training.py", "training",
@@ -173,11 +180,12 @@ def apply(layer: str, context=None) -> None:
     """Replace every attribute of ``layer``'s rows (``Seam.replace``) with the replacement
     built from the original (a ``Class.method`` path replaces the method on the class).
     Idempotent: a replaced attribute is recognized (``__md_seam__``) and built again from the
-    original it wraps, never wrapped twice."""
+    original it wraps, never wrapped twice. A static method's replacement stays static."""
     for s in SEAMS:
         if s.layer != layer or s.replace is None:
             continue
         holder, name = owner(s)
+        static = isinstance(inspect.getattr_static(holder, name), staticmethod)
         current = getattr(holder, name)
         orig = getattr(current, "__md_seam__", current)
         fn_module, fn_name = s.replace.split(":")
@@ -189,7 +197,7 @@ def apply(layer: str, context=None) -> None:
         except AttributeError:  # a functools.partial: wrap it to carry the marker
             new = functools.update_wrapper(functools.partial(new), orig)
             new.__md_seam__ = orig
-        setattr(holder, name, new)
+        setattr(holder, name, staticmethod(new) if static else new)
 
 
 #: DistributedOptimizer instance attributes read by zero1.py and mains.py (set in __init__)

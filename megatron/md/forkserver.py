@@ -14,6 +14,8 @@ not hold:
 - the command is not ``<this python> SCRIPT.py ...`` (interpreter options, ``-m``, ``-c``);
 - the launcher runs in another session (``start_new_session``, SLURM): signals sent to its
   process group would miss a forked rank;
+- the launcher's resource limits (``ulimit``: file size, open files, ...) differ from the
+  server's, which a forked rank would have;
 - the rank's environment differs from the server's in a variable the imports read: every one
   read through ``os.environ`` while importing (recorded), and every one of ``IMPORT_PREFIXES``
   (read by C code: OpenMP, the allocator, the interpreter).
@@ -209,6 +211,8 @@ def refusal(req: dict, pre: Preloaded) -> str | None:
             return "the launcher runs in another session"
     except ProcessLookupError:
         return "the launcher is gone"
+    if limits := _other_limits(req["launcher"]):
+        return f"the launcher's resource limits differ: {limits}"
     if "*" in pre.read:
         return "the imports read the whole environment"
     prefixes = IMPORT_PREFIXES + tuple(r[:-1] for r in pre.read if r.endswith("*"))
@@ -217,6 +221,22 @@ def refusal(req: dict, pre: Preloaded) -> str | None:
     names |= {k for k in (*env, *pre.env) if k.startswith(prefixes)}
     differ = sorted(k for k in names if env.get(k) != pre.env.get(k))
     return f"environment differs in {differ}" if differ else None
+
+
+def _other_limits(pid: int) -> list[str]:
+    """The ``RLIMIT_*`` names whose (soft, hard) differ between process ``pid`` and this one
+    (all of them where ``pid``'s cannot be read)."""
+    import resource
+
+    out = []
+    for name in sorted(n for n in dir(resource) if n.startswith("RLIMIT_")):
+        which = getattr(resource, name)
+        try:
+            if resource.prlimit(pid, which) != resource.getrlimit(which):
+                out.append(name)
+        except OSError:
+            out.append(name)
+    return out
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:

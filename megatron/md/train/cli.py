@@ -188,6 +188,8 @@ def run(args, md, on_cpu: bool) -> None:
             data.forward_step,
             model_provider=model.model_provider,
         )
+    except errors.Refusal:  # (a failed save, say) never a clean, resumable stop
+        raise
     except SystemExit:  # megatron's early exits (signal, duration) end with sys.exit
         mark_signal_exit(args)
         raise

@@ -269,7 +269,7 @@ def wrap_load(orig, run: Run):
         from megatron.training.utils import print_rank_0
 
         from megatron.md.checkpoint import prepare_md_load
-        from megatron.md.train import ckpt_checks, nonfinite
+        from megatron.md.train import ckpt_checks, nonfinite, savefail
         from megatron.md.wrappers import begin_model_load, finish_model_load
 
         args = get_args()
@@ -284,6 +284,7 @@ def wrap_load(orig, run: Run):
             )
         if ckpt is not None:
             ckpt_checks.check_all(ckpt, args)
+            savefail.warn_if_no_room(args.save, ckpt.path, "the checkpoint this run resumes")
         md = run.md is not None and optimizer is not None
         if ckpt is not None and md and not (args.no_load_optim or args.finetune):
             try:
@@ -314,22 +315,32 @@ def wrap_load(orig, run: Run):
 
 def wrap_save(orig, run: Run):
     """No non-finite weights or MD state are saved (the latest checkpoint stays the last good
-    one); after a synchronous torch_dist save, this rank's checksums (digest.py)."""
+    one); a save whose writes failed ends the run in one line (savefail.py); after a
+    synchronous torch_dist save, this rank's checksums (digest.py)."""
 
     @functools.wraps(orig)
     def save(iteration, model, optimizer, *a, **kw):
         from megatron.training import get_args
 
-        from megatron.md.train import digest, nonfinite
+        from megatron.md.train import digest, nonfinite, savefail
 
         args = get_args()
         digest.wait()  # the last save's checksums are written before this save starts
         nonfinite.check_before_save(model, optimizer, iteration, args.save)
-        out = orig(iteration, model, optimizer, *a, **kw)
+        savefail.take()
+        try:
+            out = orig(iteration, model, optimizer, *a, **kw)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as e:  # torch's CheckpointException is a BaseException
+            savefail.handle(e, args.save, iteration)
+            raise
         path = os.path.join(args.save, f"iter_{iteration:07d}")
         sync = args.ckpt_format == "torch_dist" and not args.async_save
         if args.ckpt_checksums and sync and os.path.isfile(os.path.join(path, ".metadata")):
             digest.write_after_save(path, torch.distributed.get_rank())
+        if sync and iteration < args.train_iters:
+            savefail.warn_if_no_room(args.save, path, "this checkpoint")
         return out
 
     return save
