@@ -384,6 +384,21 @@ def test_save_or_load_pointing_at_a_file(capsys, tmp_path):
     assert f.read_text() == "precious\n"  # untouched
 
 
+def test_a_save_directory_that_cannot_be_written_is_refused_at_start(capsys, tmp_path):
+    """Megatron creates --save at the first save: a path it cannot create would end the run
+    there, after --save-interval iterations. /proc takes no new directory (Linux, root too);
+    a file inside the path. A writable path parses and nothing is left behind."""
+    err = fails(capsys, "--save=/proc/md-run/ckpt")
+    assert "--save /proc/md-run/ckpt: cannot write in /proc (" in err
+    (tmp_path / "afile").write_text("precious\n")
+    err = fails(capsys, f"--save={tmp_path}/afile/run")
+    assert f"{tmp_path}/afile is a file, not a directory" in err
+    args, _ = parse(f"--save={tmp_path}/new/run", "--save-interval=2")
+    assert args.save == f"{tmp_path}/new/run"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # no probe, no directory
+    assert (tmp_path / "afile").read_text() == "precious\n"
+
+
 def build_dataset(prefix, docs, dtype=None):
     import numpy as np
     import torch

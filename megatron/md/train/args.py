@@ -402,6 +402,27 @@ def check_not_a_file(flag: str, path: str | None) -> None:
         _fail(f"{flag} {path} is a file, not a checkpoint directory")
 
 
+def check_writable(flag: str, path: str | None) -> None:
+    """``path`` can be created and written in: megatron creates and writes it only at the first
+    save, after ``--save-interval`` iterations. Probed on rank 0 (which says the refusal; a
+    shared filesystem is the same for every rank) by making and removing a directory in it, or
+    in its nearest existing ancestor: nothing is left behind."""
+    if not path or int(os.environ.get("RANK", "0")) != 0:
+        return
+    import tempfile
+
+    where = os.path.abspath(path)
+    while not os.path.isdir(where):
+        if os.path.lexists(where):  # a file where a directory of the path would be
+            _fail(f"{flag} {path}: {where} is a file, not a directory")
+        where = os.path.dirname(where)
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".megatron-md-probe-", dir=where))
+    except OSError as e:
+        _fail(f"{flag} {path}: cannot write in {where} ({e.strerror}); megatron would find "
+              "out at the first save: give a directory this job can write")  # fmt: skip
+
+
 def check_tokenizer_dir(tok: str | None) -> None:
     if not tok or not os.path.isfile(os.path.join(tok, "tokenizer.json")):
         _fail(

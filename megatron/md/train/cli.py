@@ -120,6 +120,8 @@ def parse(argv: list[str], on_cpu: bool, check_data: bool = True):
         md_args.check_tokenizer_dir(tok)
     for flag in ("--save", "--load"):
         md_args.check_not_a_file(flag, flag_value(argv, flag))
+    if check_data:
+        md_args.check_writable("--save", flag_value(argv, "--save"))
     sys.argv = [sys.argv[0]] + expand_argv(argv, on_cpu)
     try:
         args = parse_and_validate_args(extra_args_provider=md_args.add_md_args)
