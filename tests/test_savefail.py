@@ -36,7 +36,8 @@ def test_with_no_earlier_checkpoint_the_line_says_so(tmp_path):
 
 def test_the_writer_seam_stays_a_static_method(monkeypatch):
     """megatron calls it through the class and, for its multi-storage client, reads its
-    signature (filesystem_async.py:304); applied twice, it wraps the original once."""
+    signature (``write_preloaded_data_multithread``); applied twice, it wraps the original
+    once."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import (
         FileSystemWriterAsync as W,
     )

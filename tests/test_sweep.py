@@ -184,6 +184,38 @@ def test_dry_run_prints_every_command_and_writes_nothing(tmp_path, capsys):
     assert sum("--lr-warmup-iters=500" in ln for ln in arms) == 2
 
 
+def test_a_second_submission_needs_resume_and_resume_keeps_the_other_entries(
+    tmp_path, capsys, monkeypatch
+):
+    """Submitting into a run root whose manifest lists runs, without --resume, is refused
+    before anything is validated or submitted (it would queue every run beside the first
+    jobs and replace their manifest); --resume --only one run keeps the other's entry."""
+    monkeypatch.setattr(sweep, "queued_jobs", dict)  # SLURM holds none of these jobs
+    names = [r.name for r in sweep.plan("smoke", None, str(tmp_path), 1, None)]
+    runs = [{"name": n, "job_id": str(41 + i), "flags": [], "meta": {},
+             "run_dir": str(tmp_path / n)} for i, n in enumerate(names)]  # fmt: skip
+    for r in runs:
+        Path(r["run_dir"]).mkdir()
+    (tmp_path / names[0] / "finished").write_text("6\n")
+    (tmp_path / names[1] / "latest_checkpointed_iteration.txt").write_text("3")
+    old = {"experiment": "smoke", "runs": runs}
+    (tmp_path / "manifest.json").write_text(json.dumps(old))
+    with pytest.raises(SystemExit) as e:
+        sweep.main(["smoke", "--mock-data", "--run-root", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path}/manifest.json already lists 2 submitted runs (1 finished, 1 stopped)" in err
+    assert "--resume submits only those neither finished nor queued" in err
+    assert json.loads((tmp_path / "manifest.json").read_text()) == old
+    assert not (tmp_path / "logs").exists()
+    sweep.main(["smoke", "--mock-data", "--run-root", str(tmp_path), "--resume", "--no-validate",
+                "--only", names[0]])  # fmt: skip
+    assert "0 submitted, 1 skipped" in capsys.readouterr().err
+    kept = json.loads((tmp_path / "manifest.json").read_text())["runs"]
+    assert sorted(e["name"] for e in kept) == sorted(names)
+    assert [e for e in kept if e["name"] == names[1]] == [runs[1]]
+
+
 def test_data_arguments_are_explicit(tmp_path, capsys, monkeypatch):
     """Three named cases: DATA_ARGS unset is refused (every job would start without data)
     unless --mock-data asks for mock data; data the login node cannot see is said, and the

@@ -23,8 +23,11 @@ submits unvalidated). The manifest (JSON: experiment, git commit, and per run it
 id, flags, metadata and run directory) is written after each submission, so a failing
 ``sbatch`` midway leaves every job already queued in it; the analysis tools read it back.
 ``--resume`` skips runs that finished (``<run>/finished``) or whose job is still queued or
-running. ``--dry-run`` prints what would be submitted and writes nothing. Jobs are requeued at
-their time limit (the launcher's REQUEUE=1; ``--no-requeue`` not).
+running, and keeps the manifest entries of runs ``--only`` leaves out; a run root whose
+manifest lists runs is refused without it (a second submission would queue every run again
+beside the first jobs, two jobs writing one run directory, and replace the manifest).
+``--dry-run`` prints what would be submitted and writes nothing. Jobs are requeued at their
+time limit (the launcher's REQUEUE=1; ``--no-requeue`` not).
 """
 
 from __future__ import annotations
@@ -290,6 +293,18 @@ def status(args) -> None:
     print("[sweep] " + line, file=sys.stderr)
 
 
+def submitted_before(prior: list[dict], path: Path) -> str:
+    """The refusal of a second submission without ``--resume``: it would queue every run again
+    beside the first jobs (two jobs training in one run directory) and replace the manifest
+    that holds their job ids."""
+    jobs = queued_jobs()
+    states = [run_state(e, jobs).split(" at iteration")[0] for e in prior]
+    counts = ", ".join(f"{states.count(s)} {s}" for s in dict.fromkeys(states))
+    return (f"{path} already lists {len(prior)} submitted runs ({counts}): --resume submits "
+            "only those neither finished nor queued (and keeps the manifest's other entries); "
+            "another --run-root starts afresh")  # fmt: skip
+
+
 def skip_state(prev: dict | None, jobs: dict[str, str]) -> str | None:
     """Why a run of an earlier submission is not submitted again (None: it is)."""
     if not prev:
@@ -421,17 +436,24 @@ def main(argv=None) -> None:
     runs = plan(args.experiment, args.lrs, run_root, args.ep, args.only, args.micro_batch_size)
     if not runs:
         ap.error(f"--only {args.only!r} matches no run of {args.experiment}")
+    manifest_path = args.manifest or Path(run_root) / "manifest.json"
+    prior = read_manifest(manifest_path)["runs"]
+    if prior and not args.resume:
+        again = submitted_before(prior, manifest_path)
+        if not args.dry_run:
+            ap.error(again)
+        print(f"[sweep] note: {again}", file=sys.stderr)
     data = data_args(args.mock_data, runs)
     if not args.no_validate:
         validate(runs, data)
-    manifest_path = args.manifest or Path(run_root) / "manifest.json"
-    old = {e["name"]: e for e in read_manifest(manifest_path)["runs"]} if args.resume else {}
+    old = {e["name"]: e for e in prior} if args.resume else {}
     jobs = queued_jobs() if args.resume else {}
     git = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
+    planned = {r.name for r in runs}  # runs --only left out keep their entries
     manifest = {"experiment": args.experiment, "created": time.time(), "git": git,
-                "runs": []}  # fmt: skip
+                "runs": [e for e in old.values() if e["name"] not in planned]}  # fmt: skip
     if not args.dry_run:
         (Path(run_root) / "logs").mkdir(parents=True, exist_ok=True)
     job_ids: dict[str, str | None] = {}

@@ -2,9 +2,9 @@
 line that says why and what is kept, instead of a traceback per rank that hides the cause.
 
 megatron-core 0.19.2's torch_dist writer catches each write error in its worker
-(``FileSystemWriterAsync.write_preloaded_data``, dist_checkpointing/strategies/
-filesystem_async.py:364), logs it and passes on only its class name ("error: <class
-'OSError'>"), so the ``CheckpointException`` every rank then raises no longer holds the errno.
+(``FileSystemWriterAsync.write_preloaded_data``; the row in ``compat.SEAMS``), logs it and
+passes on only its class name ("error: <class 'OSError'>"), so the ``CheckpointException``
+every rank then raises no longer holds the errno.
 ``record_writer_errors`` keeps each rank's write errors as they happen; ``handle`` (called by
 ``patches.wrap_save`` when megatron's save raises) gathers them — megatron raises the
 exception on every rank at the same point, after its own broadcast of the failure, so a
@@ -127,8 +127,9 @@ def handle(exc: BaseException, save: str, iteration: int) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     mine = take()
-    # every rank raises CheckpointException at the same point (state_dict_saver.py:258, after
-    # the failure's broadcast): only there may the ranks' errors be gathered
+    # every rank raises CheckpointException at the same point (megatron's
+    # save_state_dict_async_finalize, after the failure's broadcast; torch's planning
+    # collectives): only there may the ranks' errors be gathered
     if not isinstance(exc, CheckpointException):
         return
     per_rank = _gather(mine)
