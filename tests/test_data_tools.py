@@ -119,3 +119,35 @@ def test_preprocess_progress_counts_input_bytes(tmp_path, capsys):
     last = [ln for ln in err.splitlines() if ln.startswith("[preprocess]")][-1]
     mib = f"{src.stat().st_size / 2**20:,.1f} MiB"
     assert last.startswith(f"[preprocess] {mib}/{mib} (100 %)")
+
+
+def test_existing_outputs_are_refused_and_an_interrupted_run_leaves_them_whole(corpus, monkeypatch):
+    """A second preprocess (or tokenizer) into an existing output is refused and leaves it as it
+    was; --overwrite replaces it; a run interrupted midway leaves the earlier pair whole and no
+    partial file."""
+    import preprocess_data as pp
+
+    before = {ext: (corpus / f"c_text_document{ext}").read_bytes() for ext in (".bin", ".idx")}
+    args = ["--input", str(corpus / "docs.jsonl"), "--tokenizer-model", str(corpus / "tok"),
+            "--output-prefix", str(corpus / "c")]  # fmt: skip
+    with pytest.raises(SystemExit, match="c_text_document.bin and .*c_text_document.idx exist"):
+        pp.main(args)
+    with pytest.raises(SystemExit, match="holds a tokenizer"):
+        train_tokenizer.main(["--input", str(corpus / "docs.jsonl"), "--out", str(corpus / "tok")])
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    monkeypatch.setattr(IndexedDatasetBuilder, "finalize", interrupted)  # Ctrl-C near the end
+    with pytest.raises(KeyboardInterrupt):
+        pp.main([*args, "--overwrite"])
+    monkeypatch.undo()
+    after = {ext: (corpus / f"c_text_document{ext}").read_bytes() for ext in (".bin", ".idx")}
+    assert after == before
+    assert not list(corpus.glob("*.partial"))
+    pp.main([*args, "--overwrite", "--no-append-eod"])  # replaced: no end-of-document tokens
+    assert (corpus / "c_text_document.bin").stat().st_size < len(before[".bin"])
+    pp.main([*args, "--overwrite"])  # as the module's other tests expect it
+    assert (corpus / "c_text_document.bin").read_bytes() == before[".bin"]

@@ -90,7 +90,7 @@ def build(out: Path, vocab: int, wheel: Path | None = None, workers: int = 2) ->
         train_tokenizer.train([jsonl], vocab, tok)
     prefix = out / "sotu"
     if not Path(f"{prefix}_text_document.idx").exists():
-        preprocess_data.preprocess([jsonl], tok, str(prefix), workers=workers)
+        preprocess_data.preprocess([jsonl], tok, str(prefix), workers=workers, overwrite=True)
     return Path(f"{prefix}_text_document")
 
 
@@ -125,7 +125,7 @@ def build_prose(out: Path, vocab: int, workers: int = 2) -> Path:
     prefix = out / "prose"
     if not Path(f"{prefix}_text_document.idx").exists():
         preprocess_data.preprocess([out / "sotu.jsonl", plays], out / "tokenizer", str(prefix),
-                                   workers=workers)  # fmt: skip
+                                   workers=workers, overwrite=True)  # fmt: skip
     return Path(f"{prefix}_text_document")
 
 

@@ -6,6 +6,9 @@ with a local HF tokenizer folder (``tools/train_tokenizer.py``), in parallel, wi
     # -> data/c_text_document.bin/.idx ; use --data-path data/c_text_document
 
 Each document ends with the end-of-document token (``<|endoftext|>``) unless --no-append-eod.
+An existing output is refused unless --overwrite (a typo'd prefix would otherwise truncate a
+dataset that took hours). The files are written under ``.partial`` names and renamed once
+both are complete, so an interrupted run leaves no half-written ``.bin`` beside an ``.idx``.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import sys
 from pathlib import Path
 
@@ -61,8 +65,10 @@ def preprocess(
     workers: int = 2,
     eod: bool = True,
     json_key: str = "text",
+    overwrite: bool = False,
 ) -> tuple[str, int, int]:
-    """Write ``{prefix}_text_document.{bin,idx}``; returns (path prefix, documents, tokens)."""
+    """Write ``{prefix}_text_document.{bin,idx}``; returns (path prefix, documents, tokens).
+    Refused where either file exists, unless ``overwrite``."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     from tokenizers import Tokenizer
 
@@ -74,20 +80,32 @@ def preprocess(
         raise SystemExit(f"error: the tokenizer has no {EOD} token (or pass --no-append-eod)")
     vocab = tok.get_vocab_size()
     out = f"{prefix}_text_document"
+    there = [f"{out}{ext}" for ext in (".bin", ".idx") if Path(out + ext).exists()]
+    if there and not overwrite:
+        raise SystemExit(f"error: {' and '.join(there)} exist: give another --output-prefix, or "
+                         "--overwrite to replace them")  # fmt: skip
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    builder = IndexedDatasetBuilder(out + ".bin", dtype=np.uint16 if vocab < 65500 else np.int32)
-    n_docs = n_tok = 0
-    total = sum(f.stat().st_size for f in files)
-    bar = Progress("preprocess", total, every=10, unit_fmt=lambda b: f"{b / 2**20:,.1f} MiB")
-    with mp.Pool(workers, initializer=_init, initargs=(str(tokenizer_dir),)) as pool:
-        for ids, nbytes in pool.imap(_encode, _texts_and_bytes(files, json_key), chunksize=16):
-            if eod:
-                ids.append(eod_id)
-            builder.add_document(np.array(ids, dtype=np.int64), [len(ids)])
-            n_docs, n_tok = n_docs + 1, n_tok + len(ids)
-            bar.update(nbytes, note=f"{n_docs} documents, {n_tok:,} tokens")
-    bar.finish(note=f"{n_docs} documents, {n_tok:,} tokens")
-    builder.finalize(out + ".idx")
+    partial = {ext: f"{out}{ext}.partial" for ext in (".bin", ".idx")}
+    try:
+        dtype = np.uint16 if vocab < 65500 else np.int32
+        builder = IndexedDatasetBuilder(partial[".bin"], dtype=dtype)
+        n_docs = n_tok = 0
+        total = sum(f.stat().st_size for f in files)
+        bar = Progress("preprocess", total, every=10, unit_fmt=lambda b: f"{b / 2**20:,.1f} MiB")
+        with mp.Pool(workers, initializer=_init, initargs=(str(tokenizer_dir),)) as pool:
+            for ids, nbytes in pool.imap(_encode, _texts_and_bytes(files, json_key), chunksize=16):
+                if eod:
+                    ids.append(eod_id)
+                builder.add_document(np.array(ids, dtype=np.int64), [len(ids)])
+                n_docs, n_tok = n_docs + 1, n_tok + len(ids)
+                bar.update(nbytes, note=f"{n_docs} documents, {n_tok:,} tokens")
+        bar.finish(note=f"{n_docs} documents, {n_tok:,} tokens")
+        builder.finalize(partial[".idx"])
+        for ext, path in partial.items():  # .bin, then .idx: complete once the .idx appears
+            os.replace(path, out + ext)
+    finally:
+        for path in partial.values():
+            Path(path).unlink(missing_ok=True)
     print(f"wrote {n_docs} documents, {n_tok} tokens to {out}.bin/.idx", file=sys.stderr)
     return out, n_docs, n_tok
 
@@ -100,6 +118,7 @@ def main(argv=None) -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--json-key", default="text")
     ap.add_argument("--no-append-eod", action="store_true")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing output")
     args = ap.parse_args(argv)
     preprocess(
         input_files(args.input),
@@ -108,6 +127,7 @@ def main(argv=None) -> None:
         args.workers,
         not args.no_append_eod,
         args.json_key,
+        args.overwrite,
     )
 
 

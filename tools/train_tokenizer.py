@@ -69,9 +69,13 @@ def main(argv=None) -> None:
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--json-key", default="text", help="field holding the text in .jsonl")
     ap.add_argument("--out", type=Path, required=True, help="folder to write")
+    ap.add_argument("--overwrite", action="store_true", help="replace a tokenizer in --out")
     args = ap.parse_args(argv)
     if args.vocab_size < 257:
         raise SystemExit("error: --vocab-size must exceed 256 (the byte alphabet + <|endoftext|>)")
+    if (args.out / "tokenizer.json").exists() and not args.overwrite:
+        raise SystemExit(f"error: {args.out} holds a tokenizer (the datasets made with it need "
+                         "it): give another --out, or --overwrite to replace it")  # fmt: skip
     out = train(input_files(args.input), args.vocab_size, args.out, args.json_key)
     print(f"wrote a {args.vocab_size}-token byte-level BPE tokenizer to {out}", file=sys.stderr)
 
