@@ -146,6 +146,9 @@ def test_bad_local_task_is_named_before_anything_is_built(tmp_path):
         evaluate.parse_args(["--load", str(tmp_path), "--local-task", "x=missing.jsonl"])
     a = evaluate.parse_args(["--load", str(tmp_path), "--tasks", "paper"])
     assert a.tasks == ["mmlu", "hellaswag", "arc_challenge", "arc_easy", "winogrande"]
+    for out in (tmp_path, "/proc/md-evals/x.json"):  # a directory; a path nothing can create
+        with pytest.raises(SystemExit):
+            evaluate.parse_args(["--load", str(tmp_path), "--tasks", "paper", "--out", str(out)])
 
 
 def test_headline_is_the_papers_metric_per_task():

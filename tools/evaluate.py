@@ -72,6 +72,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.local[name] = str(Path(path).resolve())
     if not (a.tasks or a.local or a.valid_loss):
         p.error("nothing to do: give --tasks, --local-task or --valid-loss")
+    if a.out:  # written at the end: an evaluation is not to be lost to an unwritable path
+        from megatron.md.errors import Refusal
+        from megatron.md.train.args import check_writable
+
+        if os.path.isdir(a.out):
+            p.error(f"--out {a.out} is a directory: give the results file's path")
+        try:
+            check_writable("--out", os.path.dirname(os.path.abspath(a.out)))
+        except Refusal as e:
+            p.error(e.msg)
     return a
 
 
