@@ -44,7 +44,8 @@ facts = {"env": dict(os.environ), "argv": sys.argv, "path": sys.path, "cwd": os.
          "fds": fds[:-1], "main": [main.__name__, main.__file__], "ppid": os.getppid(),
          "parent": parent, "numpy": int(numpy.random.randint(2**31)), "stdin": sys.stdin.read(),
          "limits": {n: resource.getrlimit(getattr(resource, n)) for n in dir(resource)
-                    if n.startswith("RLIMIT_")}}
+                    if n.startswith("RLIMIT_")},
+         "umask": os.umask(0o22), "cpus": sorted(os.sched_getaffinity(0))}
 r = os.environ["RANK"]
 with open(f"facts{r}.json", "w") as f:
     json.dump(facts, f)
@@ -118,18 +119,31 @@ def test_a_launcher_in_another_session_gets_fresh_ranks(tmp_path):
     assert all(f["pgid"] == f["ppid"] for f in facts)  # the launcher leads its new group
 
 
-def test_a_launcher_with_other_resource_limits_gets_fresh_ranks(tmp_path):
-    """A rank inherits its launcher's limits (``ulimit -f``: the failed-save test runs under
-    one); a forked rank would have the server's."""
+def small_files():
     import resource
 
-    def small_files():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (10 << 20, 10 << 20))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (10 << 20, 10 << 20))
 
-    out, facts = launch(tmp_path, "done", "forked", preexec_fn=small_files)
+
+@pytest.mark.parametrize(
+    "preexec, fact, value",
+    [(small_files, "limits", {"RLIMIT_FSIZE": [10 << 20, 10 << 20]}),
+     (lambda: os.umask(0o077), "umask", 0o077),
+     (lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}), "cpus",
+      [min(os.sched_getaffinity(0))])],
+)  # fmt: skip
+def test_a_launcher_with_other_limits_umask_or_cpus_gets_fresh_ranks(
+    tmp_path, preexec, fact, value
+):
+    """A rank inherits its launcher's resource limits (``ulimit -f``: the failed-save test runs
+    under one), file-mode mask and CPU affinity; a forked rank would have the server's."""
+    if fact == "cpus" and len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: no other affinity to give the launcher")
+    out, facts = launch(tmp_path, "done", "forked", preexec_fn=preexec)
     assert out.returncode == 0, out.stderr
     assert [parent(f) for f in facts] == ["launcher"] * 2
-    assert [f["limits"]["RLIMIT_FSIZE"] for f in facts] == [[10 << 20, 10 << 20]] * 2
+    got = [{k: f[fact][k] for k in value} if isinstance(value, dict) else f[fact] for f in facts]
+    assert got == [value] * 2
 
 
 @pytest.mark.parametrize(

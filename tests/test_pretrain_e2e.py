@@ -368,12 +368,16 @@ def at_iteration_10(runs, tmp: Path, name: str) -> tuple[Path, dict, list[str], 
     return d, tree(d / "iter_0000010"), cmd, env
 
 
-def kept_10_and_resumes(runs, tmp: Path, d: Path, before: dict, name: str) -> None:
-    """The tracker still at 10, iteration 10 untouched, no complete 20; then --load resumes
-    from 10, repeats iterations 11-20 exactly and saves 20 over the incomplete directory."""
+def kept_10(d: Path, before: dict) -> None:
+    """The tracker still at 10, iteration 10 untouched, no complete 20."""
     assert not (d / "iter_0000020" / ".metadata").exists()
     assert (d / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
     assert tree(d / "iter_0000010") == before
+
+
+def resumes_from_10(runs, tmp: Path, d: Path, name: str) -> None:
+    """--load resumes from 10, repeats iterations 11-20 exactly and saves 20 over the
+    incomplete directory."""
     part, _ = pretrain(tmp, name, "--train-iters=20", f"--load={d}", *RUNS["adam_md"], save=d)
     full, resumed = train_rows(runs["adam_md"][0]), train_rows(part)
     assert sorted(resumed) == list(range(11, 21))
@@ -401,7 +405,8 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(runs, tmp_path):
         p.send_signal(signal.SIGKILL)
     proc.wait()
     time.sleep(1)  # nothing may survive to finish the save
-    kept_10_and_resumes(runs, tmp_path, d, before, "after-kill")
+    kept_10(d, before)
+    resumes_from_10(runs, tmp_path, d, "after-kill")
     save = runs["adam_md"][1]
     a, b = read_checkpoint(save / "iter_0000020"), read_checkpoint(d / "iter_0000020")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -411,8 +416,8 @@ def test_a_save_that_cannot_write_ends_in_one_line_and_keeps_the_previous(runs, 
     """A full disk, in effect: the ranks may not write a file over 10 MiB (``ulimit -f``; a
     tiny shard is ~13 MB), so iteration 20's save fails on both ranks. The run stops with the
     refusal status (not requeued) and one line naming the ranks, the files and the checkpoint
-    kept; iteration 10 and the tracker are untouched; without the limit the run resumes from
-    10, repeats 11-20 and saves 20 over the incomplete directory."""
+    kept; iteration 10 and the tracker are untouched (a resume from such a state and over
+    an incomplete directory: the SIGKILL test above)."""
     import resource
 
     d, before, cmd, env = at_iteration_10(runs, tmp_path, "full")
@@ -430,7 +435,7 @@ def test_a_save_that_cannot_write_ends_in_one_line_and_keeps_the_previous(runs, 
     assert "the latest checkpoint is still iteration 10" in last, last
     assert "Traceback" not in out.stdout + out.stderr
     assert not (d / "exited_on_signal").exists()
-    kept_10_and_resumes(runs, tmp_path, d, before, "after-full")
+    kept_10(d, before)  # and the resume from there: the SIGKILL test's
 
 
 def test_loading_md_checkpoint_without_md_is_refused(runs, tmp_path):

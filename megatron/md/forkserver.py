@@ -14,8 +14,9 @@ not hold:
 - the command is not ``<this python> SCRIPT.py ...`` (interpreter options, ``-m``, ``-c``);
 - the launcher runs in another session (``start_new_session``, SLURM): signals sent to its
   process group would miss a forked rank;
-- the launcher's resource limits (``ulimit``: file size, open files, ...) differ from the
-  server's, which a forked rank would have;
+- the launcher's resource limits (``ulimit``: file size, open files, ...), file-mode mask
+  (``umask``) or CPU affinity (``taskset``) differ from the server's, which a forked rank
+  would have;
 - the rank's environment differs from the server's in a variable the imports read: every one
   read through ``os.environ`` while importing (recorded), and every one of ``IMPORT_PREFIXES``
   (read by C code: OpenMP, the allocator, the interpreter).
@@ -213,6 +214,8 @@ def refusal(req: dict, pre: Preloaded) -> str | None:
         return "the launcher is gone"
     if limits := _other_limits(req["launcher"]):
         return f"the launcher's resource limits differ: {limits}"
+    if other := _other_process_state(req["launcher"]):
+        return f"the launcher's {other} differs"
     if "*" in pre.read:
         return "the imports read the whole environment"
     prefixes = IMPORT_PREFIXES + tuple(r[:-1] for r in pre.read if r.endswith("*"))
@@ -237,6 +240,23 @@ def _other_limits(pid: int) -> list[str]:
         except OSError:
             out.append(name)
     return out
+
+
+def _umask(pid: int) -> str | None:
+    with open(f"/proc/{pid}/status") as f:
+        return next((ln.split()[1] for ln in f if ln.startswith("Umask:")), None)
+
+
+def _other_process_state(pid: int) -> str | None:
+    """What else a child inherits that differs between process ``pid`` and this one."""
+    try:
+        if _umask(pid) != _umask(os.getpid()):
+            return "umask"
+        if os.sched_getaffinity(pid) != os.sched_getaffinity(0):
+            return "CPU affinity"
+    except OSError:
+        return "state (unreadable)"
+    return None
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
