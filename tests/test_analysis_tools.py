@@ -98,6 +98,35 @@ def fake_run(root: Path, name: str, lr: float, best: float, iters=40, stop=None,
     return d
 
 
+def test_a_run_killed_mid_write_and_requeued_reads_on(tmp_path):
+    """The requeued run's writer ends the partial line first (metrics.end_partial_line); the
+    reader skips a partial row before a restart's run row, on its own line or (files written
+    before the writer did that) on the same line, and still refuses garbage elsewhere."""
+    from runlog import LogError, read_log
+
+    from megatron.md.train import metrics
+
+    def rows(lo, hi, loss):
+        return "".join(json.dumps({"type": "train", "iteration": i, "lm loss": loss}) + "\n"
+                       for i in range(lo, hi))  # fmt: skip
+
+    run = json.dumps({"type": "run", "args": {}}) + "\n"
+    f = tmp_path / "metrics.jsonl"
+    for ended in (True, False):
+        f.write_text(run + rows(1, 4, 3.0) + '{"type": "train", "itera')
+        if ended:
+            metrics.end_partial_line(str(f))
+        f.write_text(f.read_text() + run + rows(3, 6, 2.0))  # the requeued run appends
+        assert [r["lm loss"] for _, r in sorted(read_log(f).train.items())] == [3.0] * 2 + [2.0] * 3
+    metrics.end_partial_line(str(f))  # a whole last line: nothing added
+    assert f.read_text().endswith("}\n") and not f.read_text().endswith("\n\n")
+    metrics.end_partial_line(str(tmp_path / "none.jsonl"))  # no file: nothing made
+    assert not (tmp_path / "none.jsonl").exists()
+    f.write_text(run + '{"type": "train", "itera\n' + rows(1, 3, 3.0))
+    with pytest.raises(LogError, match="metrics.jsonl:2: not a JSON line"):
+        read_log(f)
+
+
 def test_lr_sweep_finds_optimum_and_reports_broken_runs(tmp_path):
     lrs = [1e-3 * 2**k for k in range(6)]
     optimum = {("tiny", "adamw"): 4e-3, ("tiny", "muonmd"): 32e-3, ("dense-181M", "muonmd"): 8e-3}

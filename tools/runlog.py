@@ -4,7 +4,10 @@
 and launching ``pretrain_gpt.py`` on local processes for the tools that make their own runs.
 
 A resumed run appends to the same JSONL file, so iterations can repeat: the last row of an
-iteration wins (it is the one the surviving run continued from).
+iteration wins (it is the one the surviving run continued from). A run killed mid-write leaves
+a partial line: at the end of the file, or, once the requeued run appended to it, before its
+"run" row (on its own line since the writer ends a partial line first; on the same line in
+files written before that): the partial row is skipped, the restart's rows are read.
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 TAIL = 25  # the paper's tail loss: mean LM loss over the last 25 logged iterations
+
+
+#: how every run row of a metrics file starts (json.dumps of a dict whose first key is "type")
+RUN_ROW = '{"type": "run"'
 
 
 class LogError(ValueError):
@@ -60,28 +67,26 @@ def read_log(path: str | Path) -> RunLog:
         return _read_csv(path)
     log = RunLog(path)
     with path.open() as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                if n == _count_lines(path):  # a run killed mid-write leaves a partial last line
-                    break
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    for k, (n, line) in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            restart = line.find(RUN_ROW, 1)  # a partial row, then the requeued run's first
+            if restart > 0:
+                row = json.loads(line[restart:])
+            elif k + 1 == len(lines) or lines[k + 1][1].startswith(RUN_ROW):
+                continue  # a partial row: the run was killed while writing it
+            else:
                 raise LogError(f"{path}:{n}: not a JSON line") from None
-            kind = row.get("type") if isinstance(row, dict) else None
-            if kind == "run":
-                log.run = log.run or row
-            elif kind in ("train", "valid"):
-                if not isinstance(row.get("iteration"), int):
-                    raise LogError(f"{path}:{n}: {kind} row without an integer 'iteration'")
-                (log.train if kind == "train" else log.valid)[row["iteration"]] = row
+        kind = row.get("type") if isinstance(row, dict) else None
+        if kind == "run":
+            log.run = log.run or row
+        elif kind in ("train", "valid"):
+            if not isinstance(row.get("iteration"), int):
+                raise LogError(f"{path}:{n}: {kind} row without an integer 'iteration'")
+            (log.train if kind == "train" else log.valid)[row["iteration"]] = row
     return log
-
-
-def _count_lines(path: Path) -> int:
-    with path.open() as f:
-        return sum(1 for _ in f)
 
 
 def _read_csv(path: Path) -> RunLog:

@@ -14,6 +14,10 @@ which has the losses):
   separates a host-bound slowdown from a device-bound one;
 - ``{"type": "valid" | "test", "iteration", "lm loss"}`` after each evaluation.
 
+A resumed run appends to the file (its run row first); where the run before it was killed
+while writing a row, that partial line is ended first (``end_partial_line``), and the readers
+skip it (``tools/runlog.py``).
+
 The ``md`` entry: the diagnostics of ``diagnostics.py`` (relative update from fp32 weights,
 output change, activation RMS, sphere drift, gains per class and per layer), every
 ``--md-log-interval`` iterations, on every run (MD or not, so baselines compare).
@@ -81,6 +85,7 @@ def start_run(args, md) -> str:
     _S["host"] = HostCounters()
     if _writer():
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        end_partial_line(path)
         config = {k: v for k, v in sorted(vars(args).items()) if _jsonable(v)}
         _write(
             {
@@ -94,6 +99,20 @@ def start_run(args, md) -> str:
             }
         )
     return path
+
+
+def end_partial_line(path: str) -> None:
+    """A run killed while writing a row left it without its newline: end it, so this run's
+    rows start on lines of their own (the readers skip the partial row: tools/runlog.py)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            partial = f.read(1) != b"\n"
+    except OSError:  # no file yet, or an empty one
+        return
+    if partial:
+        with open(path, "a") as f:
+            f.write("\n")
 
 
 def _jsonable(v) -> bool:
