@@ -237,6 +237,19 @@ def test_data_arguments_are_explicit(tmp_path, capsys, monkeypatch):
     assert out.count("would submit") == 2 and ",REQUEUE=0" in out
 
 
+def test_validation_does_not_probe_its_placeholder_save(tmp_path, capsys, monkeypatch):
+    """The commands are parsed with a placeholder --save (the run directories are made by the
+    jobs): probing it would try to write in / on a login node, refused to any user but root."""
+    from megatron.md.train import args as md_args
+
+    def probed(flag, path):
+        raise AssertionError(f"{flag} {path} probed")
+
+    monkeypatch.setattr(md_args, "check_writable", probed)
+    sweep.main(["smoke", "--dry-run", "--run-root", str(tmp_path)])
+    assert capsys.readouterr().out.count("would submit") == 2
+
+
 def test_a_login_node_without_torch_is_named(tmp_path):
     """sweep.py under a Python without torch (here the system's) refuses to submit unvalidated
     commands, naming --no-validate; with it, the dry run goes through."""

@@ -224,7 +224,7 @@ def validate(runs: list[experiments.Run], data: list[str]) -> None:
             gv.unset_global_variables()
             try:
                 with contextlib.redirect_stdout(io.StringIO()):  # megatron prints every arg
-                    cli.parse(run.flags + site, on_cpu=True)
+                    cli.parse(run.flags + site, on_cpu=True, check_save=False)
             except SystemExit as e:
                 sys.exit(f"[sweep] {run.name}: its command does not validate: {e.code}\n"
                          "[sweep] nothing was submitted")  # fmt: skip

@@ -107,11 +107,11 @@ def finalize(args, argv: list[str]) -> None:
         )
 
 
-def parse(argv: list[str], on_cpu: bool, check_data: bool = True):
+def parse(argv: list[str], on_cpu: bool, check_data: bool = True, check_save: bool = True):
     """megatron's args (+ ours) and the MD config, validated; ``sys.argv`` becomes the expanded
     command line (megatron's fault-tolerance setup re-parses it). ``check_data=False`` checks
     the flags but not the data files (the sweep front-end on a login node that cannot see
-    them)."""
+    them); ``check_save=False`` does not probe ``--save`` (the front-end's placeholder)."""
     from megatron.training.arguments import parse_and_validate_args
 
     patches.prepare_parsers()
@@ -120,7 +120,7 @@ def parse(argv: list[str], on_cpu: bool, check_data: bool = True):
         md_args.check_tokenizer_dir(tok)
     for flag in ("--save", "--load"):
         md_args.check_not_a_file(flag, flag_value(argv, flag))
-    if check_data:
+    if check_data and check_save:
         md_args.check_writable("--save", flag_value(argv, "--save"))
     sys.argv = [sys.argv[0]] + expand_argv(argv, on_cpu)
     try:
