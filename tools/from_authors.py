@@ -37,7 +37,7 @@ def main(argv=None) -> list[str]:
         from megatron.md.train import args as md_args  # noqa: F401 (imports megatron)
         from megatron.md.train.cli import parse
 
-        parse(ours, on_cpu=True)
+        parse(ours, on_cpu=True, check_save=False)  # (their --save is on their cluster)
     print(shlex.join(["python", "pretrain_gpt.py", *ours]))
     return ours
 
