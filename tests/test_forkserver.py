@@ -119,31 +119,37 @@ def test_a_launcher_in_another_session_gets_fresh_ranks(tmp_path):
     assert all(f["pgid"] == f["ppid"] for f in facts)  # the launcher leads its new group
 
 
-def small_files():
+def test_a_launcher_with_other_resource_limits_gets_fresh_ranks(tmp_path):
+    """A rank inherits its launcher's resource limits (``ulimit -f``: the failed-save test runs
+    under one); a forked rank would have the server's."""
     import resource
 
-    resource.setrlimit(resource.RLIMIT_FSIZE, (10 << 20, 10 << 20))
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (10 << 20, 10 << 20))
+
+    out, facts = launch(tmp_path, "done", "forked", preexec_fn=small_files)
+    assert out.returncode == 0, out.stderr
+    assert [parent(f) for f in facts] == ["launcher"] * 2
+    assert [f["limits"]["RLIMIT_FSIZE"] for f in facts] == [[10 << 20, 10 << 20]] * 2
 
 
 @pytest.mark.parametrize(
-    "preexec, fact, value",
-    [(small_files, "limits", {"RLIMIT_FSIZE": [10 << 20, 10 << 20]}),
-     (lambda: os.umask(0o077), "umask", 0o077),
-     (lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}), "cpus",
-      [min(os.sched_getaffinity(0))])],
+    "preexec, differs",
+    [(lambda: os.umask(0o077), "umask"),
+     (lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}), "CPU affinity")],
 )  # fmt: skip
-def test_a_launcher_with_other_limits_umask_or_cpus_gets_fresh_ranks(
-    tmp_path, preexec, fact, value
-):
-    """A rank inherits its launcher's resource limits (``ulimit -f``: the failed-save test runs
-    under one), file-mode mask and CPU affinity; a forked rank would have the server's."""
-    if fact == "cpus" and len(os.sched_getaffinity(0)) < 2:
+def test_a_launcher_with_another_umask_or_affinity_is_refused(preexec, differs):
+    """What else a child inherits (a fresh rank gets its launcher's; the probe above compares
+    both between forked and fresh ranks): read from a process set up so, no launch needed."""
+    if differs == "CPU affinity" and len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one CPU: no other affinity to give the launcher")
-    out, facts = launch(tmp_path, "done", "forked", preexec_fn=preexec)
-    assert out.returncode == 0, out.stderr
-    assert [parent(f) for f in facts] == ["launcher"] * 2
-    got = [{k: f[fact][k] for k in value} if isinstance(value, dict) else f[fact] for f in facts]
-    assert got == [value] * 2
+    other = subprocess.Popen(["sleep", "30"], preexec_fn=preexec)
+    try:
+        assert forkserver._other_process_state(other.pid) == differs
+        assert forkserver._other_process_state(os.getpid()) is None
+    finally:
+        other.kill()
+        other.wait()
 
 
 @pytest.mark.parametrize(
