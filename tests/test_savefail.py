@@ -18,9 +18,9 @@ def test_the_line_names_ranks_files_free_space_and_the_checkpoint_kept(tmp_path)
     (tmp_path / "iter_0000020" / "__1_0.distcp").write_bytes(b"x" * (3 << 20))
     enospc = "OSError: [Errno 28] No space left on device"
     short = "RuntimeError: unexpected pos 704 vs 598: a short write"
-    per_rank = [[("__0_0.distcp", short)], [("__1_0.distcp", enospc)], [],
-                [("__3_0.distcp", enospc), ("__3_1.distcp", enospc)]]  # fmt: skip
-    line = savefail.describe(per_rank, str(tmp_path), 20)
+    failures = [(0, "__0_0.distcp", short), (1, "__1_0.distcp", enospc),
+                (3, "__3_0.distcp", enospc), (3, "__3_1.distcp", enospc)]  # fmt: skip
+    line = savefail.describe(failures, str(tmp_path), 20)
     assert line.startswith(f"--save {tmp_path}: saving iteration 20 failed: rank 1 could not "
                            f"write __1_0.distcp ({enospc}); rank 3 could not write")  # fmt: skip
     assert "; and 1 more;" in line  # four failures, the OS errors first, three named
@@ -30,7 +30,7 @@ def test_the_line_names_ranks_files_free_space_and_the_checkpoint_kept(tmp_path)
 
 
 def test_with_no_earlier_checkpoint_the_line_says_so(tmp_path):
-    line = savefail.describe([[("__0_0.distcp", "OSError: x")]], str(tmp_path), 10)
+    line = savefail.describe([(0, "__0_0.distcp", "OSError: x")], str(tmp_path), 10)
     assert "no earlier checkpoint is there" in line and "incomplete" not in line
 
 

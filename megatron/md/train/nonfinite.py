@@ -88,7 +88,7 @@ def describe(model_chunks, optimizer) -> list[str]:
     return out
 
 
-def _everyone(items: list[str], group=None) -> list[str]:
+def everyone(items: list, group=None) -> list:
     """``items`` of every rank of ``group``, in one list (alone: this rank's)."""
     import torch.distributed as dist
 
@@ -132,7 +132,7 @@ def check_before_save(model_chunks, optimizer, iteration: int, save: str) -> Non
 
     from megatron.md.train.ckpt_checks import TRACKER
 
-    what = _everyone(describe(model_chunks, optimizer))
+    what = everyone(describe(model_chunks, optimizer))
     tracker = os.path.join(save, TRACKER)
     latest = open(tracker).read().strip() if os.path.isfile(tracker) else None
     kept = (f"the latest checkpoint in {save} (iteration {latest}) is still the last good "
@@ -152,7 +152,7 @@ def check_loaded(model_chunks, optimizer, path: str, load: str) -> None:
     mine = describe(model_chunks, optimizer)
     if not _any(bool(mine), device):
         return
-    what = _everyone(mine)
+    what = everyone(mine)
     earlier = [i for i in iterations(load) if f"iter_{i:07d}" not in path]
     way = (f"resume an earlier one with --ckpt-step N (this directory holds "
            f"{', '.join(map(str, earlier[-5:]))})" if earlier else "no earlier checkpoint is "
@@ -177,7 +177,7 @@ def check_grad_norm(norm, grads_for_norm, group) -> None:
         if not bool(torch.isfinite(probe).all()):
             leaf = probe.md_probe_of
             mine += describe([], leaf) or [f"{type(leaf).__name__}: MD state"]
-    what = _everyone(mine, group)
+    what = everyone(mine, group)
     if what:
         errors.fail(
             f"MD state went non-finite in the last step ({_names(what)}); the run stops before "
@@ -220,7 +220,7 @@ def guard(opt) -> None:
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
         if bad.item() > 0:
-            what = _everyone(describe([], opt) if md_leaves(opt) else [])
+            what = everyone(describe([], opt) if md_leaves(opt) else [])
             if what:
                 errors.fail(
                     f"MD state is not finite ({_names(what)}), and so are the gradients: "

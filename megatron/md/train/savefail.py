@@ -4,16 +4,16 @@ line that says why and what is kept, instead of a traceback per rank that hides 
 megatron-core 0.19.2's torch_dist writer catches each write error in its worker
 (``FileSystemWriterAsync.write_preloaded_data``; the row in ``compat.SEAMS``), logs it and
 passes on only its class name ("error: <class 'OSError'>"), so the ``CheckpointException``
-every rank then raises no longer holds the errno.
-``record_writer_errors`` keeps each rank's write errors as they happen; ``handle`` (called by
-``patches.wrap_save`` when megatron's save raises) gathers them — megatron raises the
-exception on every rank at the same point, after its own broadcast of the failure, so a
-collective is safe there — and rank 0 says which rank could not write which file and why, the
-free space of ``--save``'s filesystem, and that the tracker still names the last complete
-checkpoint (megatron writes it only after a complete save). Every rank exits with the
-refusal status (2), which the SLURM launcher does not requeue: a requeue would train to the
-same save and fail there again. Nothing is deleted: the incomplete directory is named, and
-the next save of that iteration writes over it.
+every rank then raises no longer holds the errno. ``record_writer_errors`` keeps each rank's
+write errors as they happen; ``handle`` (called by ``patches.wrap_save`` when megatron's save
+raises) gathers them (``nonfinite.everyone``) — megatron raises the exception on every rank at
+the same point, after its own broadcast of the failure, so a collective is safe there — and
+rank 0 says which rank could not write which file and why, the free space of ``--save``'s
+filesystem, and that the tracker still names the last complete checkpoint (megatron writes it
+only after a complete save). Every rank exits with the refusal status (2), which the SLURM
+launcher does not requeue: a requeue would train to the same save and fail there again. Nothing
+is deleted: the incomplete directory is named, and the next save of that iteration writes over
+it.
 
 Before that happens: ``warn_if_no_room`` says, once a checkpoint's size is known (the one a
 run resumes from, or its last save), when ``--save``'s filesystem has less free space than one
@@ -66,16 +66,6 @@ def take() -> list[tuple[str, str]]:
     return out
 
 
-def _gather(items: list) -> list:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return [items]
-    got: list = [None] * dist.get_world_size()
-    dist.all_gather_object(got, items)
-    return got
-
-
 def _mib(n: int) -> str:
     return f"{n / 2**20:.0f} MiB" if n < 2**30 else f"{n / 2**30:.1f} GiB"
 
@@ -91,12 +81,12 @@ def _size(path: str) -> int:
     return total
 
 
-def describe(per_rank: list[list[tuple[str, str]]], save: str, iteration: int) -> str:
-    """The line rank 0 says: who could not write what, the free space, what is kept."""
+def describe(failures: list[tuple[int, str, str]], save: str, iteration: int) -> str:
+    """The line rank 0 says from every rank's (rank, file, error): who could not write what,
+    the free space, what is kept."""
     from megatron.md.train.ckpt_checks import TRACKER
 
-    failures = [(r, f, e) for r, items in enumerate(per_rank) for f, e in items]
-    failures.sort(key=lambda x: ("OSError" not in x[2] and "Errno" not in x[2], x[0]))
+    failures = sorted(failures, key=lambda x: ("OSError" not in x[2] and "Errno" not in x[2], x[0]))
     said = "; ".join(f"rank {r} could not write {f} ({e})" for r, f, e in failures[:3])
     more = f"; and {len(failures) - 3} more" if len(failures) > 3 else ""
     try:
@@ -132,9 +122,12 @@ def handle(exc: BaseException, save: str, iteration: int) -> None:
     # collectives): only there may the ranks' errors be gathered
     if not isinstance(exc, CheckpointException):
         return
-    per_rank = _gather(mine)
-    if any(per_rank):
-        errors.fail(describe(per_rank, save, iteration))
+    from megatron.md.train.nonfinite import everyone
+
+    rank = int(os.environ.get("RANK", "0"))
+    failures = everyone([(rank, name, err) for name, err in mine])
+    if failures:
+        errors.fail(describe(failures, save, iteration))
 
 
 def warn_if_no_room(save: str, checkpoint: str, when: str) -> str | None:
