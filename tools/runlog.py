@@ -66,27 +66,34 @@ def read_log(path: str | Path) -> RunLog:
     if path.suffix == ".csv":
         return _read_csv(path)
     log = RunLog(path)
+    partial = None  # the number of a partial line: skipped if a restart's run row follows
     with path.open() as f:
-        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
-    for k, (n, line) in enumerate(lines):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            restart = line.find(RUN_ROW, 1)  # a partial row, then the requeued run's first
-            if restart > 0:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                restart = line.find(RUN_ROW, 1)  # a partial row, then the requeued run's first
+                if restart < 0 and partial is None:
+                    partial = n
+                    continue
+                if restart < 0:
+                    break  # two partial lines in a row: the first is refused below
                 row = json.loads(line[restart:])
-            elif k + 1 == len(lines) or lines[k + 1][1].startswith(RUN_ROW):
-                continue  # a partial row: the run was killed while writing it
-            else:
-                raise LogError(f"{path}:{n}: not a JSON line") from None
-        kind = row.get("type") if isinstance(row, dict) else None
-        if kind == "run":
-            log.run = log.run or row
-        elif kind in ("train", "valid"):
-            if not isinstance(row.get("iteration"), int):
-                raise LogError(f"{path}:{n}: {kind} row without an integer 'iteration'")
-            (log.train if kind == "train" else log.valid)[row["iteration"]] = row
-    return log
+            kind = row.get("type") if isinstance(row, dict) else None
+            if partial is not None and kind != "run":
+                break
+            partial = None
+            if kind == "run":
+                log.run = log.run or row
+            elif kind in ("train", "valid"):
+                if not isinstance(row.get("iteration"), int):
+                    raise LogError(f"{path}:{n}: {kind} row without an integer 'iteration'")
+                (log.train if kind == "train" else log.valid)[row["iteration"]] = row
+        else:
+            return log  # (a partial last line: the run was killed while writing it)
+    raise LogError(f"{path}:{partial}: not a JSON line")
 
 
 def _read_csv(path: Path) -> RunLog:
