@@ -935,7 +935,8 @@ def test_resume_refusals_name_the_real_change(runs, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     cmd, env = command(tmp_path, "missing", "--train-iters=20", f"--load={empty}",
-                       "--exit-on-missing-checkpoint", *RUNS["adam_md"], nproc=1)  # fmt: skip
+                       f"--save={empty}", "--save-interval=10", "--exit-on-missing-checkpoint",
+                       *RUNS["adam_md"], nproc=1)  # fmt: skip
     out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert out.returncode != 0 and "holds no checkpoint" in out.stderr, out.stderr[-3000:]
     save = runs["adam_md"][1]

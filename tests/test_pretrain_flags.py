@@ -384,6 +384,45 @@ def test_save_or_load_pointing_at_a_file(capsys, tmp_path):
     assert f.read_text() == "precious\n"  # untouched
 
 
+def test_a_load_with_nothing_to_resume_is_refused_unless_it_is_the_save(capsys, tmp_path):
+    """megatron starts from random weights when --load holds no tracker: a first start when
+    --load is the run's own --save (the launcher's), a silent restart from scratch when it is
+    one iteration directory or a mistyped path. --ckpt-step and a tracker are found at the load."""
+    run, SI = tmp_path / "run", "--save-interval=10"
+    (run / "iter_0000010").mkdir(parents=True)
+    (run / "iter_0000010" / ".metadata").write_bytes(b"x")
+    err = fails(capsys, f"--load={run}/iter_0000010", f"--save={run}", SI)
+    assert f"is one saved iteration, not a run directory: give its run directory (--load {run} " \
+           "--ckpt-step 10)" in err  # fmt: skip
+    err = fails(capsys, f"--load={run}", f"--save={tmp_path}/new", SI)  # the tracker lost
+    assert f"--load {run}: it holds iter_0000010 but no latest_checkpointed_iteration.txt" in err
+    err = fails(capsys, f"--load={tmp_path}/rnu", f"--save={tmp_path}/new", SI)
+    assert f"--load {tmp_path}/rnu: no such directory; megatron would start from random" in err
+    new = tmp_path / "new"
+    parse(f"--load={new}", f"--save={new}/", SI)  # a first start, resumed in place later
+    parse(f"--load={run}", "--ckpt-step=10")  # (found, or refused, at the load)
+    (run / "latest_checkpointed_iteration.txt").write_text("10")
+    parse(f"--load={run}", f"--save={new}", SI)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing made
+
+
+def test_a_save_over_a_run_this_one_does_not_resume_is_refused(capsys, tmp_path):
+    """megatron saves iter_N and rewrites the tracker in --save whatever it holds: a new run
+    given an earlier run's directory would replace that run's checkpoints and tracker."""
+    old, other, SI = tmp_path / "old", tmp_path / "other", "--save-interval=10"
+    for run in (old, other):
+        (run / "iter_0000030").mkdir(parents=True)
+        (run / "iter_0000030" / ".metadata").write_bytes(b"x")
+        (run / "latest_checkpointed_iteration.txt").write_text("30")
+    err = fails(capsys, f"--save={old}", SI)
+    assert f"--save {old} holds another run's checkpoints (its tracker names 30) and this run " \
+           "has no --load: its saves would write over them" in err  # fmt: skip
+    err = fails(capsys, f"--save={old}", f"--load={other}", SI)
+    assert f"this run resumes --load {other}: its saves would write over them" in err
+    parse(f"--save={old}/", f"--load={old}", SI)  # resuming it
+    assert (old / "latest_checkpointed_iteration.txt").read_text() == "30"
+
+
 def test_a_save_directory_that_cannot_be_written_is_refused_at_start(capsys, tmp_path):
     """Megatron creates --save at the first save: a path it cannot create would end the run
     there, after --save-interval iterations. /proc takes no new directory (Linux, root too);

@@ -51,6 +51,52 @@ def iterations(load: str) -> list[int]:
     return sorted(int(m.group(1)) for n in names if (m := re.fullmatch(r"iter_(\d{7})", n)))
 
 
+def no_checkpoint_to_resume(load: str, save: str | None) -> str | None:
+    """Why ``--load`` (which holds no tracker) is a mistake, else None. megatron starts from
+    random weights when ``--load`` holds no tracker (training/checkpointing.py,
+    ``_load_base_checkpoint``: a warning on rank 0 only), which is a first start when
+    ``--load`` is the run's own ``--save``, and a silent restart from scratch otherwise: one
+    iteration directory given for its run, or a path that was mistyped."""
+    name = os.path.basename(os.path.normpath(load))
+    entries = os.listdir(load) if os.path.isdir(load) else []
+    if ".metadata" in entries or any(e.startswith("mp_rank_") for e in entries):
+        m = re.fullmatch(r"iter_(\d{7})", name)
+        step = f" --ckpt-step {int(m.group(1))}" if m else ""
+        return (f"--load {load} is one saved iteration, not a run directory: give its run "
+                f"directory (--load {os.path.dirname(os.path.normpath(load))}{step})")  # fmt: skip
+    if save and os.path.abspath(save) == os.path.abspath(load):
+        return None  # a run's first start, resuming in place later
+    saved = iterations(load)
+    why = (
+        f"it holds iter_{saved[-1]:07d} but no {TRACKER}: name one with --ckpt-step N"
+        if saved
+        else "it holds no checkpoint"
+        if os.path.isdir(load)
+        else "no such directory"
+    )
+    return (
+        f"--load {load}: {why}; megatron would start from random weights. To start a new "
+        "run give --load the same directory as --save (or no --load)"
+    )
+
+
+def save_over_another_run(save: str, load: str | None) -> str | None:
+    """Why ``--save`` would write over a run this one does not resume, else None: megatron
+    saves ``iter_N`` and rewrites the tracker in ``--save`` whatever it holds, so a new run
+    given an earlier run's directory replaces that run's checkpoints (an ``iter_N`` of the same
+    number) and its tracker (which then names the new run's iteration)."""
+    tracker = os.path.join(save, TRACKER)
+    if not os.path.isfile(tracker) or (load and os.path.abspath(load) == os.path.abspath(save)):
+        return None
+    latest = open(tracker).read().strip()
+    resumes = f"resumes --load {load}" if load else "has no --load"
+    return (
+        f"--save {save} holds another run's checkpoints (its tracker names {latest}) and "
+        f"this run {resumes}: its saves would write over them. Resume that run with --load "
+        f"{save}, or give this run a directory of its own"
+    )
+
+
 def locate(load: str, step: int | None = None, flag: str = "--load") -> Checkpoint | None:
     """The checkpoint ``load`` resumes from (``step``, else the tracker's); None: nothing to
     resume (no tracker). Refused: a tracker that names no iteration, a missing or incomplete
