@@ -6,7 +6,6 @@ three layouts MD integrates with (ZeRO-1, layer-wise, replicated). Not used by t
 from __future__ import annotations
 
 import math
-import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +30,9 @@ def tiny_gpt(seed: int, hidden: int, layers: int, seq: int, experts: int = 0):
     from megatron.core.transformer import TransformerConfig
 
     if not torch.distributed.is_initialized():  # megatron-core wants a process group
-        store = tempfile.NamedTemporaryFile(prefix="md_demo_pg_", delete=False).name
+        # an in-memory store: a file:// one left a file in /tmp behind every process
         torch.distributed.init_process_group(
-            "gloo", init_method=f"file://{store}", rank=0, world_size=1
+            "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
         )
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(1, 1)
