@@ -64,6 +64,44 @@ def test_cpu_mode_redirects_inside_the_backward_pass(entry):
         assert torch.equal(x.grad, torch.full((3,), 8.0))  # retained graph, grads accumulate
 
 
+WARMUP_ARGS = dict(bf16=False, fp16=False, ffn_hidden_size=96, tensor_model_parallel_size=1,
+                   seq_length=16, context_parallel_size=1, micro_batch_size=2, hidden_size=32,
+                   swiglu=True, sequence_parallel=False)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "layout,dynamo",
+    [
+        ({}, "on"),
+        (dict(bf16=True, swiglu=False, tensor_model_parallel_size=2, sequence_parallel=True), "on"),
+        ({}, "off"),
+    ],
+    ids=["fp32-swiglu", "bf16-gelu-tp2-sp", "dynamo-off"],
+)
+def test_the_cpu_jit_warmup_leaves_the_generator_as_megatrons_does(monkeypatch, layout, dynamo):
+    """CPU mode replaces megatron's JIT warm-up (four dynamo compiles, ~2 s a rank) by the draws
+    it makes (megatron/md/train/cpu_warmup.py): the generator ends in the same state, so the
+    weights initialized after it are megatron's. With dynamo off the warm-up itself runs."""
+    import megatron.training.global_vars as gv
+    from megatron.training.initialize import _warmup_jit_function
+    from megatron.training.training import set_jit_fusion_options
+
+    from megatron.md.train import cpu_warmup
+
+    monkeypatch.setattr(gv, "_GLOBAL_ARGS", argparse.Namespace(**{**WARMUP_ARGS, **layout}))
+    ours = cpu_warmup.draws_only(set_jit_fusion_options)
+    states = []
+    with torch._dynamo.config.patch(disable=dynamo == "off"):  # as TORCH_COMPILE_DISABLE=1
+        for warmup in (_warmup_jit_function, ours):
+            torch.manual_seed(11)
+            warmup(tp_size=2)
+            states.append(torch.get_rng_state())
+        assert cpu_warmup.is_compiled() == (dynamo == "on")
+    assert torch.equal(states[0], states[1])
+    torch.manual_seed(11)
+    assert not torch.equal(torch.get_rng_state(), states[0])  # (the warm-up draws)
+
+
 def _args(steps):
     return argparse.Namespace(steps=steps, hidden=32, layers=2, seq=32, batch=4, seed=3)
 
