@@ -44,10 +44,12 @@ import sys
 import tempfile
 
 #: what a run imports besides megatron (measured: ~85 % of a rank's import time)
+#: (transformers: megatron's tokenizer module imports its AutoTokenizer for any tokenizer type,
+#: NullTokenizer included, ~1 s a rank; its import calls no torch.cuda function)
 PRELOAD = ("torch", "numpy", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx",
            "torch.distributed.tensor", "torch.distributed.checkpoint", "torch.utils.tensorboard",
            "wandb", "emerging_optimizers", "triton", "sympy", "pydantic", "yaml",
-           "psutil")  # fmt: skip
+           "psutil", "transformers", "transformers.models.auto.tokenization_auto")  # fmt: skip
 #: variables read by C code at start-up or import, which the recording cannot see (Intel
 #: OpenMP's ``KMP_*`` too where it is loaded: torch's CPU wheels load GNU OpenMP, and inductor
 #: sets ``KMP_DUPLICATE_LIB_OK`` in the environment of a process that compiles)
