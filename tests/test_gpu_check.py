@@ -43,12 +43,21 @@ def test_the_pretraining_runs_of_the_plan_parse(tmp_path):
     assert len(runs) == 4
     for run in runs:  # the resumed runs too (on the H100 one lacked --save-interval, 2026-11-25)
         argv = [a.replace("{out}", str(tmp_path)) for a in run.args]
+        for name in run.fresh:  # a check run before into the same folder left its runs
+            if name.endswith(".jsonl"):
+                (tmp_path / name).write_text('{"type": "run"}\n')
+            else:
+                (tmp_path / name / "iter_0000024").mkdir(parents=True, exist_ok=True)
+                (tmp_path / name / "latest_checkpointed_iteration.txt").write_text("24")
+        gpu_check.clear_fresh(run, tmp_path)
         gv.unset_global_variables()
         args, md = cli.parse(argv, on_cpu=True)
         # 24 iterations: tools/long_run_check.py reads at least 20 losses
         assert md is not None and args.train_iters == 24 and args.save_interval == 12
         if args.load:  # the first run also saved at 24: resuming the latest trains nothing
             assert args.ckpt_step == 12  # (on the H200 it did, 2026-11-26)
+        else:  # the first run starts from scratch, its run directory cleared
+            assert run.fresh and not any((tmp_path / f).exists() for f in run.fresh)
 
 
 def test_verdicts_read_the_numbers():

@@ -420,6 +420,8 @@ def test_a_save_over_a_run_this_one_does_not_resume_is_refused(capsys, tmp_path)
     err = fails(capsys, f"--save={old}", f"--load={other}", SI)
     assert f"this run resumes --load {other}: its saves would write over them" in err
     parse(f"--save={old}/", f"--load={old}", SI)  # resuming it
+    (tmp_path / "link").symlink_to(old)
+    parse(f"--save={tmp_path}/link", f"--load={old}", SI)  # (one directory)
     assert (old / "latest_checkpointed_iteration.txt").read_text() == "30"
 
 

@@ -39,6 +39,7 @@ import datetime as dt
 import json
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -75,6 +76,10 @@ class Step:
     """What the report says of it besides its output."""
     resumes: str | None = None
     """A resumed run: its losses must repeat those of the run ``<resumes>-a.jsonl``."""
+    fresh: list[str] = field(default_factory=list)
+    """What it writes from scratch, under ``{out}``: removed before it runs (a second check
+    into the same folder; pretrain_gpt.py refuses a --save holding a run it does not resume,
+    and its metrics file is appended to)."""
 
 
 _LW_MUON = ["--optimizer", "muon", "--dist", "layerwise"]
@@ -185,7 +190,8 @@ def plan() -> list[Step]:
                  # 90 s: the first run (launch, compile, 24 iterations, two saves) took 60 s
                  # on the H100 (2026-11-26) and was cut off at its old 60 s cap
                  [*first, "--metrics-file={out}/%s-a.jsonl" % name], 90, torchrun=True,
-                 notes=[f"{name}: {2 * SAVED_AT} iterations, saved at {SAVED_AT}"]),
+                 notes=[f"{name}: {2 * SAVED_AT} iterations, saved at {SAVED_AT}"],
+                 fresh=[name, f"{name}-a.jsonl", f"{name}-b.jsonl"]),
             Step("resume", "pretrain_gpt.py",
                  # the first run saved at the end too: load the middle one, not the latest
                  [*first, "--load={out}/%s" % name, f"--ckpt-step={SAVED_AT}",
@@ -238,6 +244,16 @@ def stale_flags(steps: list[Step]) -> list[str]:
             if flag.startswith("--") and f'"{flag}"' not in src:
                 bad.append(f"{s.name}: {s.script} has no {flag}")
     return bad
+
+
+def clear_fresh(s: Step, out: Path) -> None:
+    """Remove what ``s`` writes from scratch (``Step.fresh``)."""
+    for name in s.fresh:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
 
 
 def _command(s: Step, out: Path) -> list[str]:
@@ -398,6 +414,7 @@ def main(argv=None) -> int:
             res["status"] = f"skipped: {left:.0f} s of the budget left, cap {s.cap_s} s"
         else:
             t0 = time.monotonic()
+            clear_fresh(s, out)
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=s.cap_s, cwd=out)
                 rc, text = p.returncode, p.stdout + p.stderr

@@ -51,6 +51,11 @@ def iterations(load: str) -> list[int]:
     return sorted(int(m.group(1)) for n in names if (m := re.fullmatch(r"iter_(\d{7})", n)))
 
 
+def same_dir(a: str, b: str) -> bool:
+    """``a`` and ``b`` name one directory (a trailing slash, a relative path, a symlink)."""
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
 def no_checkpoint_to_resume(load: str, save: str | None) -> str | None:
     """Why ``--load`` (which holds no tracker) is a mistake, else None. megatron starts from
     random weights when ``--load`` holds no tracker (training/checkpointing.py,
@@ -64,7 +69,7 @@ def no_checkpoint_to_resume(load: str, save: str | None) -> str | None:
         step = f" --ckpt-step {int(m.group(1))}" if m else ""
         return (f"--load {load} is one saved iteration, not a run directory: give its run "
                 f"directory (--load {os.path.dirname(os.path.normpath(load))}{step})")  # fmt: skip
-    if save and os.path.abspath(save) == os.path.abspath(load):
+    if save and same_dir(save, load):
         return None  # a run's first start, resuming in place later
     saved = iterations(load)
     why = (
@@ -86,7 +91,7 @@ def save_over_another_run(save: str, load: str | None) -> str | None:
     given an earlier run's directory replaces that run's checkpoints (an ``iter_N`` of the same
     number) and its tracker (which then names the new run's iteration)."""
     tracker = os.path.join(save, TRACKER)
-    if not os.path.isfile(tracker) or (load and os.path.abspath(load) == os.path.abspath(save)):
+    if not os.path.isfile(tracker) or (load and same_dir(load, save)):
         return None
     latest = open(tracker).read().strip()
     resumes = f"resumes --load {load}" if load else "has no --load"
