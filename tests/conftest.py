@@ -11,6 +11,8 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from megatron.md import cpu_mode
 
 cpu_mode.maybe_activate()
@@ -43,11 +45,34 @@ _field_docstrings_once()
 
 def pytest_collection_modifyitems(items):
     """The quick tier (``bash run.sh test -m quick``): every test without a multi-process launch."""
-    import pytest
-
     for item in items:
         if item.get_closest_marker("distributed") is None:
             item.add_marker(pytest.mark.quick)
+
+
+def _restore_environment(saved: dict) -> None:
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+_SESSION_ENV: dict = {}
+
+
+def pytest_collection_finish(session):
+    """What the test modules' imports set in ``os.environ`` stays out of the tests' launches:
+    lm_eval's import (tests/test_evaluate.py) sets ``HF_XET_HIGH_PERFORMANCE``, which
+    huggingface_hub reads at import, so every launch would differ from the fork server's
+    environment and start its ranks afresh."""
+    _restore_environment(_SESSION_ENV)
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """The same for what a test sets."""
+    saved = dict(os.environ)
+    yield
+    _restore_environment(saved)
 
 
 _SERVER: dict = {}
@@ -57,6 +82,7 @@ def pytest_configure(config):
     """Start the fork server: every rank of a local launch (megatron/md/localrun.py) whose
     environment agrees is forked from it, with torch imported (~4 s of CPU per rank saved).
     ``MEGATRON_MD_FORKSERVER=0`` starts every rank afresh."""
+    _SESSION_ENV.update(os.environ)
     if os.environ.get("MEGATRON_MD_FORKSERVER") is not None or sys.platform != "linux":
         return  # (it reads /proc and sets PR_SET_PDEATHSIG: Linux only)
     tmp = Path(tempfile.mkdtemp(prefix="md-forkserver-"))
@@ -69,6 +95,7 @@ def pytest_configure(config):
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
     _SERVER.update(proc=proc, tmp=tmp, log=log)
     os.environ["MEGATRON_MD_FORKSERVER"] = sock
+    _SESSION_ENV.update(os.environ)
 
 
 def pytest_report_header(config):
