@@ -386,19 +386,15 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
     if args.init_weights_only and args.init_fresh_moments:
         _fail("--init-fresh-moments keeps the optimizer state (moments zeroed); "
               "--init-weights-only drops it: give one")  # fmt: skip
-    if check_data and args.save:
+    if check_data:  # what --save holds, and what --load has to resume
         from megatron.md.train import ckpt_checks
 
-        err = ckpt_checks.save_over_another_run(args.save, args.load)
+        err = args.save and ckpt_checks.save_over_another_run(args.save, args.load)
+        resumes = args.load and not (args.init_from or args.ckpt_step is not None)
+        if not err and resumes and not os.path.isfile(os.path.join(args.load, ckpt_checks.TRACKER)):
+            err = ckpt_checks.no_checkpoint_to_resume(args.load, args.save)
         if err:
             _fail(err)
-    if check_data and args.load and not (args.init_from or args.ckpt_step is not None):
-        from megatron.md.train import ckpt_checks
-
-        if not os.path.isfile(os.path.join(args.load, ckpt_checks.TRACKER)):
-            err = ckpt_checks.no_checkpoint_to_resume(args.load, args.save)
-            if err:
-                _fail(err)
     if args.init_from:
         if not args.load:
             _fail("--init-from needs --load (this run's own directory, where it resumes)")

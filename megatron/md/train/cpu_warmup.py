@@ -4,7 +4,7 @@ Before the model is built, megatron's ``pretrain`` warms up its fused kernels
 (training/initialize.py, ``set_jit_fusion_options`` → ``_warmup_jit_function``): bias-SwiGLU (or
 bias-GeLU) and bias-dropout-add, torch.compile'd, called on random inputs in two autograd states
 each — four dynamo compiles, ~2 s of every CPU rank's start-up (measured 2026-11-27 on a 2-core
-VM, torch 2.15.0: "time to initialize megatron" 3.26 s → 1.37 s). A CPU run gains nothing from
+VM, torch 2.15.0: "time to initialize megatron" 3.26 s → 1.73 s). A CPU run gains nothing from
 them warm. But the warm-up draws from the random generator after the seed is set and before the
 weights are initialized, so skipping it would change every CPU run's initial weights. In CPU mode
 it is replaced by its draws alone: the inputs it makes (same order, shapes, dtypes, device), and
