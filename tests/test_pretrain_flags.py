@@ -403,6 +403,10 @@ def test_a_load_with_nothing_to_resume_is_refused_unless_it_is_the_save(capsys, 
     parse(f"--load={run}", "--ckpt-step=10")  # (found, or refused, at the load)
     (run / "latest_checkpointed_iteration.txt").write_text("10")
     parse(f"--load={run}", f"--save={new}", SI)
+    import megatron.training.global_vars as gv  # the authors' paths, on their cluster:
+
+    gv.unset_global_variables()  # (tools/from_authors.py --check) not looked at
+    pg.parse([*BASE, "--load=/their/run", "--save=/their/other", SI], True, check_save=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing made
 
 

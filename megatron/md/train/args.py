@@ -386,15 +386,6 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
     if args.init_weights_only and args.init_fresh_moments:
         _fail("--init-fresh-moments keeps the optimizer state (moments zeroed); "
               "--init-weights-only drops it: give one")  # fmt: skip
-    if check_data:  # what --save holds, and what --load has to resume
-        from megatron.md.train import ckpt_checks
-
-        err = args.save and ckpt_checks.save_over_another_run(args.save, args.load)
-        resumes = args.load and not (args.init_from or args.ckpt_step is not None)
-        if not err and resumes and not os.path.isfile(os.path.join(args.load, ckpt_checks.TRACKER)):
-            err = ckpt_checks.no_checkpoint_to_resume(args.load, args.save)
-        if err:
-            _fail(err)
     if args.init_from:
         if not args.load:
             _fail("--init-from needs --load (this run's own directory, where it resumes)")
@@ -430,6 +421,19 @@ def check_writable(flag: str, path: str | None) -> None:
     except OSError as e:
         _fail(f"{flag} {path}: cannot write in {where} ({e.strerror}); megatron would find "
               "out at the first save: give a directory this job can write")  # fmt: skip
+
+
+def check_run_dirs(args) -> None:
+    """What ``--save`` holds (another run's checkpoints) and what ``--load`` has to resume (a
+    tracker, unless it is this run's first start): ckpt_checks says why either is refused."""
+    from megatron.md.train import ckpt_checks
+
+    err = args.save and ckpt_checks.save_over_another_run(args.save, args.load)
+    resumes = args.load and not (args.init_from or args.ckpt_step is not None)
+    if not err and resumes and not os.path.isfile(os.path.join(args.load, ckpt_checks.TRACKER)):
+        err = ckpt_checks.no_checkpoint_to_resume(args.load, args.save)
+    if err:
+        _fail(err)
 
 
 def check_tokenizer_dir(tok: str | None) -> None:

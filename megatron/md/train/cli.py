@@ -111,7 +111,8 @@ def parse(argv: list[str], on_cpu: bool, check_data: bool = True, check_save: bo
     """megatron's args (+ ours) and the MD config, validated; ``sys.argv`` becomes the expanded
     command line (megatron's fault-tolerance setup re-parses it). ``check_data=False`` checks
     the flags but not the data files (the sweep front-end on a login node that cannot see
-    them); ``check_save=False`` does not probe ``--save`` (the front-end's placeholder)."""
+    them); ``check_save=False`` does not look at ``--save`` and ``--load`` (the front-end's
+    placeholder; the authors' paths on their cluster)."""
     from megatron.training.arguments import parse_and_validate_args
 
     patches.prepare_parsers()
@@ -137,6 +138,8 @@ def parse(argv: list[str], on_cpu: bool, check_data: bool = True, check_save: bo
             "drop it on a CPU"
         )
     md = md_args.validate(args, check_data=check_data)
+    if check_data and check_save:
+        md_args.check_run_dirs(args)
     if on_cpu and args.md_cuda_graph:
         errors.fail("--md-cuda-graph needs CUDA (it captures the MD step in a CUDA graph): drop "
                     "it on a CPU")  # fmt: skip
