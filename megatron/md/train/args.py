@@ -430,7 +430,7 @@ def check_run_dirs(args) -> None:
 
     err = args.save and ckpt_checks.save_over_another_run(args.save, args.load)
     resumes = args.load and not (args.init_from or args.ckpt_step is not None)
-    if not err and resumes and not os.path.isfile(os.path.join(args.load, ckpt_checks.TRACKER)):
+    if not err and resumes:
         err = ckpt_checks.no_checkpoint_to_resume(args.load, args.save)
     if err:
         _fail(err)

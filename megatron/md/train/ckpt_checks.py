@@ -56,15 +56,25 @@ def same_dir(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
+def saved_format(path: str) -> str | None:
+    """The format of the saved iteration ``path`` (torch_dist: ``.metadata``; torch: megatron's
+    ``mp_rank_*`` files); None: not a complete one (or no directory)."""
+    entries = os.listdir(path) if os.path.isdir(path) else []
+    if ".metadata" in entries:
+        return "torch_dist"
+    return "torch" if any(e.startswith("mp_rank_") for e in entries) else None
+
+
 def no_checkpoint_to_resume(load: str, save: str | None) -> str | None:
-    """Why ``--load`` (which holds no tracker) is a mistake, else None. megatron starts from
-    random weights when ``--load`` holds no tracker (training/checkpointing.py,
-    ``_load_base_checkpoint``: a warning on rank 0 only), which is a first start when
-    ``--load`` is the run's own ``--save``, and a silent restart from scratch otherwise: one
-    iteration directory given for its run, or a path that was mistyped."""
+    """Why resuming ``--load`` is a mistake, else None. megatron starts from random weights
+    when ``--load`` holds no tracker (training/checkpointing.py, ``_load_base_checkpoint``: a
+    warning on rank 0 only), which is a first start when ``--load`` is the run's own
+    ``--save``, and a silent restart from scratch otherwise: one iteration directory given for
+    its run, or a path that was mistyped."""
+    if os.path.isfile(os.path.join(load, TRACKER)):
+        return None
     name = os.path.basename(os.path.normpath(load))
-    entries = os.listdir(load) if os.path.isdir(load) else []
-    if ".metadata" in entries or any(e.startswith("mp_rank_") for e in entries):
+    if saved_format(load):
         m = re.fullmatch(r"iter_(\d{7})", name)
         step = f" --ckpt-step {int(m.group(1))}" if m else ""
         return (f"--load {load} is one saved iteration, not a run directory: give its run "
@@ -120,11 +130,8 @@ def locate(load: str, step: int | None = None, flag: str = "--load") -> Checkpoi
         except ValueError:
             errors.fail(f"{flag} {load}: {tracker} holds {text!r}, not an iteration")
     path = os.path.join(load, name)
-    entries = os.listdir(path) if os.path.isdir(path) else []
-    if ".metadata" in entries:
-        return Checkpoint(path, "torch_dist")
-    if any(e.startswith("mp_rank_") for e in entries):
-        return Checkpoint(path, "torch")
+    if fmt := saved_format(path):
+        return Checkpoint(path, fmt)
     errors.fail(
         f"{flag} {load}: {path} is missing or not a complete checkpoint (neither torch_dist's "
         ".metadata nor torch's mp_rank_* files); nothing was read or changed"
