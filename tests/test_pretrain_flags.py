@@ -557,6 +557,34 @@ def test_paper_architecture_is_explicit_and_announced():
                          "(--md-cuda-graph)")  # fmt: skip
 
 
+def test_torchrun_killing_the_ranks_after_a_signal_is_named(monkeypatch):
+    """torchrun kills its ranks 30 s after passing on a SIGTERM unless told to wait longer
+    (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, torch >= 2.12; launch.sbatch sets it): a run that saves on
+    a signal is warned at start-up where the wait is not set or cannot be."""
+    import dataclasses
+    import types
+
+    from torch.distributed.launcher import api
+
+    from megatron.md.train import startup
+
+    args = types.SimpleNamespace(exit_signal_handler=True)
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert startup.stop_grace(args) is None  # not torchrun's rank
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "7")
+    warning = startup.stop_grace(args)
+    assert "kills the ranks 30 s after a stop signal" in warning
+    assert warning.endswith("set TORCH_ELASTIC_SHUTDOWN_TIMEOUT (seconds; launch.sbatch sets 1800)")
+    assert startup.stop_grace(types.SimpleNamespace(exit_signal_handler=False)) is None
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "1800")
+    assert startup.stop_grace(args) is None
+    # a torch before 2.12 (stand-in: its LaunchConfig had no shutdown_timeout): nothing to set
+    old = dataclasses.make_dataclass("LaunchConfig", [("min_nodes", int), ("max_nodes", int)])
+    monkeypatch.setattr(api, "LaunchConfig", old)
+    assert "torchrun has no setting for it (torch >= 2.12" in startup.stop_grace(args)
+
+
 def test_decoupled_lr_is_refused_with_the_flags_to_use(capsys):
     out = fails(capsys, "--decoupled-lr=1e-3")
     assert "--embedding-lr and --output-lr" in out

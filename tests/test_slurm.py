@@ -73,6 +73,18 @@ def train_rows(metrics: Path) -> list[dict]:
     return [json.loads(ln) for ln in metrics.open() if '"train"' in ln]
 
 
+def term_after(env, job_id: str, run: Path, log: Path, rows: int) -> tuple[dict, str]:
+    """`scancel --signal=TERM` once the run has logged ``rows`` iterations; the job's final
+    state and log."""
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not metrics.exists() or len(train_rows(metrics)) < rows:
+        assert time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=TERM", job_id], env=env, check=True)
+    return wait_done(env, job_id, 180), log.read_text()
+
+
 def test_sweep_submits_each_run_once(slurm, tmp_path):
     """sweep.py on SLURM: both smoke runs complete (checkpoint, metrics, finished marker, the
     manifest written); submitting the same experiment again with --resume while they are queued
@@ -132,16 +144,10 @@ def test_scancel_term_saves_and_exits_zero(slurm, tmp_path):
                     f"--output={tmp_path / 'sig.out'}",
                     str(EX / "launch.sbatch"), *TINY, "--train-iters=100000")  # fmt: skip
     metrics = tmp_path / "sig" / "metrics.jsonl"
-    deadline = time.time() + 300
     # 12 iterations: the time-limit test's calibration below needs the steady step, not the
     # first iterations' (a median of iterations 3-5 once read 0.17 s for a 0.095 s step, and
     # the calibrated job then finished before its time limit)
-    while not metrics.exists() or len(train_rows(metrics)) < 12:
-        assert time.time() < deadline, (tmp_path / "sig.out").read_text()[-3000:]
-        time.sleep(1)
-    subprocess.run(["scancel", "--signal=TERM", job_id], env=env, check=True)
-    info = wait_done(env, job_id, 180)
-    text = (tmp_path / "sig.out").read_text()
+    info, text = term_after(env, job_id, tmp_path / "sig", tmp_path / "sig.out", 12)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-3000:])
     run = tmp_path / "sig"
     saved = int((run / "latest_checkpointed_iteration.txt").read_text())
@@ -200,3 +206,54 @@ def test_time_limit_stops_cleanly_and_the_requeued_job_finishes(slurm, tmp_path)
     assert [r["iteration"] for r in rows if r["type"] == "train"] == list(range(1, iters + 1))
     assert text.count("[launch] git ") == attempts  # every attempt in one log
     assert text.count("run not finished (exit 0): requeueing") == attempts - 1  # clean stops
+
+
+@pytest.fixture(scope="module")
+def slurm2(tmp_path_factory):
+    """Two nodes (slurm_local.sh --nodes 2: this machine as node1 and node2 through Linux
+    namespaces, each its own host name and hosts file, node2 its own network joined by a veth
+    pair), one rank on each: every address the job uses crosses that network."""
+    d = tmp_path_factory.mktemp("slurm2")
+    out = subprocess.run(["bash", str(EX / "slurm_local.sh"), "start", str(d), "--nodes", "2"],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    if out.returncode == 3:
+        pytest.skip(out.stderr.strip())
+    assert out.returncode == 0, out.stderr
+    env = {**os.environ, "SLURM_CONF": str(d / "slurm.conf"), "PYTHON": sys.executable,
+           "GPUS_PER_NODE": "0", "NPROC_PER_NODE": "1", "PRECISION_ARGS": "",
+           "OMP_NUM_THREADS": "1", "MEGATRON_MD_CPU_MODE": "1"}  # fmt: skip
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_JOB_ID", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        env.pop(k, None)
+    yield env
+    subprocess.run(["scancel", "--user=root"], env=env, capture_output=True)
+    subprocess.run(["bash", str(EX / "slurm_local.sh"), "stop", str(d)], capture_output=True)
+
+
+def test_two_nodes_stop_on_a_signal_and_resume(slurm2, tmp_path):
+    """A 2-node job (ZeRO-1 across the nodes, the rendezvous at node1): `scancel --signal=TERM`
+    reaches both nodes' torchrun and ranks, the run saves and the job ends COMPLETED 0:0; the
+    same job submitted again resumes on both nodes and finishes, no iteration twice or missing.
+    torchrun's wait for its ranks after the signal is the launcher's (no start-up warning that
+    it kills them after 30 s)."""
+    env = {**slurm2, "RUN_ROOT": str(tmp_path), "SAVE_INTERVAL": "100000"}
+    iters = 150
+    argv = ["--nodes=2", "--job-name=two", "--time=10", f"--output={tmp_path / 'two.out'}",
+            str(EX / "launch.sbatch"), *TINY, f"--train-iters={iters}"]  # fmt: skip
+    run = tmp_path / "two"
+    info, text = term_after(env, sbatch(env, *argv), run, tmp_path / "two.out", 3)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-3000:])
+    assert info["NodeList"] == "node[1-2]" and info["NumNodes"] == "2", info
+    assert "nodes=2 processes/node=1 master=node1" in text
+    assert "torchrun kills the ranks" not in text and "several nodes" not in text, text[:4000]
+    saved = int((run / "latest_checkpointed_iteration.txt").read_text())
+    assert 3 <= saved < iters and (run / "exited_on_signal").read_text().strip() == str(saved)
+    assert sorted(p.name for p in (run / f"iter_{saved:07d}").glob("*.distcp")) == [
+        "__0_0.distcp", "__1_0.distcp"]  # fmt: skip
+    second = sbatch(env, *argv)
+    info = wait_done(env, second, 300)
+    text = (tmp_path / "two.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-3000:])
+    assert info["NodeList"] == "node[1-2]" and (run / "finished").is_file()
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").open()]
+    assert sum(r["type"] == "run" for r in rows) == 2
+    assert [r["iteration"] for r in rows if r["type"] == "train"] == list(range(1, iters + 1))

