@@ -438,6 +438,28 @@ def test_a_save_that_cannot_write_ends_in_one_line_and_keeps_the_previous(runs, 
     kept_10(d, before)  # and the resume from there: the SIGKILL test's
 
 
+def test_a_crash_ends_the_rank_with_its_error(tmp_path):
+    """A rank whose training raises (here a write past the file-size limit, as a full quota
+    does, in the metrics file at iteration ~9) exits with status 1 and the error, with
+    ``--exit-signal-handler`` (the SLURM launcher's) and megatron's DataLoader workers: before,
+    the interpreter's exit waited forever on workers that note SIGTERM instead of dying, and the
+    rank ignored SIGTERM too (killed by the timeout here)."""
+    import resource
+
+    cmd, env = command(tmp_path, "crash", *RUNS["adam_md"], "--train-iters=200",
+                       "--exit-signal-handler", "--num-workers=2", nproc=1)  # fmt: skip
+
+    def small_files():  # the run row (~30 KB) fits, a few iterations' rows more do not
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120, preexec_fn=small_files)  # fmt: skip
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.rstrip().endswith("OSError: [Errno 27] File too large"), out.stderr[-3000:]
+    rows = [ln for ln in (tmp_path / "crash.jsonl").read_text().splitlines() if '"train"' in ln]
+    assert 3 <= len(rows) < 200
+
+
 def test_loading_md_checkpoint_without_md_is_refused(runs, tmp_path):
     """A real run refuses before reading anything, and the checkpoint is untouched."""
     save = runs["adam_md"][1]

@@ -18,7 +18,7 @@ import traceback
 from megatron.md import errors
 from megatron.md.launch import flag_value
 from megatron.md.train import args as md_args
-from megatron.md.train import patches, presets, startup
+from megatron.md.train import patches, presets, shutdown, startup
 from megatron.md.train.recipes import MD_RECIPE
 
 
@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
         startup.check_stack(args)
         if rank() == 0:
             print(startup.banner(args, md), flush=True)
-        run(args, md, on_cpu)
+        with shutdown.children_killed_on_crash():
+            run(args, md, on_cpu)
 
 
 def run(args, md, on_cpu: bool) -> None:

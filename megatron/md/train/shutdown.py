@@ -6,12 +6,13 @@ by the collector several times) costs 1.9-2.3 s per process from the end of trai
 process's end (2-core VM, tiny preset, torch 2.15.0 CPU; 0.45-0.5 s with this), on every run and
 for nothing: what a run writes is written by then. The test suite starts dozens of runs.
 Only a run that returned normally exits this way; an error or an early exit (signal, duration,
-``sys.exit``) takes the interpreter's own path.
+``sys.exit``) takes the interpreter's own path, an error after ``children_killed_on_crash``.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import os
 import sys
@@ -38,3 +39,39 @@ def exit_now() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+@contextlib.contextmanager
+def children_killed_on_crash():
+    """An exception (not ``SystemExit``) leaving the run kills the process's multiprocessing
+    children (megatron's DataLoader workers) before the interpreter's exit, and goes on.
+
+    Without it a crashed rank never ended: the interpreter keeps an uncaught exception's frames
+    (``sys.last_exc``), so the DataLoader iterators in them are not shut down, and its exit
+    handler (multiprocessing/util.py, ``_exit_function``) terminates its daemonic children with
+    SIGTERM and joins them; with ``--exit-signal-handler`` (the SLURM launcher's) the workers
+    were forked after megatron installed its SIGTERM handler, which only notes the signal, so
+    the join waited forever, and the rank, whose own SIGTERM is noted the same way, ignored
+    torchrun's and SLURM's stop signals too: a crashed job held its allocation until SIGKILL
+    (the time limit, or torchrun's 30 s after another rank failed). Measured on CPU,
+    2026-11-27: a write past the file-size limit (a quota) at iteration 10 left the rank
+    hanging until killed at 60 s. A ``SystemExit`` (a refusal, megatron's signal or duration
+    stop) drops its frames before that handler runs, and its workers end as usual. The
+    workers are still what keep a signal save fed: they note a stop signal as their parent
+    does and go on serving batches."""
+    try:
+        yield
+    except SystemExit:
+        raise
+    except BaseException:
+        import multiprocessing
+        import signal
+
+        # torch's DataLoader raises in this thread on a worker's death (its SIGCHLD handler):
+        # the error being raised is the one to report
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for child in multiprocessing.active_children():
+            child.kill()
+        for child in multiprocessing.active_children():
+            child.join(10)
+        raise
