@@ -48,17 +48,13 @@ def children_killed_on_crash():
 
     Without it a crashed rank never ended: the interpreter keeps an uncaught exception's frames
     (``sys.last_exc``), so the DataLoader iterators in them are not shut down, and its exit
-    handler (multiprocessing/util.py, ``_exit_function``) terminates its daemonic children with
-    SIGTERM and joins them; with ``--exit-signal-handler`` (the SLURM launcher's) the workers
-    were forked after megatron installed its SIGTERM handler, which only notes the signal, so
-    the join waited forever, and the rank, whose own SIGTERM is noted the same way, ignored
-    torchrun's and SLURM's stop signals too: a crashed job held its allocation until SIGKILL
-    (the time limit, or torchrun's 30 s after another rank failed). Measured on CPU,
-    2026-11-27: a write past the file-size limit (a quota) at iteration 10 left the rank
-    hanging until killed at 60 s. A ``SystemExit`` (a refusal, megatron's signal or duration
-    stop) drops its frames before that handler runs, and its workers end as usual. The
-    workers are still what keep a signal save fed: they note a stop signal as their parent
-    does and go on serving batches."""
+    handler (multiprocessing/util.py, ``_exit_function``) SIGTERMs the workers and joins them.
+    Under ``--exit-signal-handler`` (the SLURM launcher's) they were forked after megatron's
+    SIGTERM handler, which only notes the signal: the join waited forever, and the rank, noting
+    its own SIGTERMs the same way, held its allocation until SIGKILL (CPU, 2026-11-27: a write
+    past the file-size limit at iteration 9, the rank still there when killed at 60 s). A
+    ``SystemExit`` (a refusal, megatron's signal or duration stop) drops its frames first, and
+    its workers end as usual. Noting SIGTERM is what keeps a signal save fed with batches."""
     try:
         yield
     except SystemExit:
