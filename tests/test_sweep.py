@@ -432,4 +432,29 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     logged = [json.loads(x)["iteration"] for x in metrics.open() if '"train"' in x]
     assert saved >= logged[-1] >= 3 and (run / f"iter_{saved:07d}" / ".metadata").is_file()
     assert (run / "exited_on_signal").read_text().strip() == str(saved)
+    assert (run / "stopped").read_text().strip() == str(saved)
     assert not (run / "finished").exists() and "stopped by a signal" in out
+
+
+def test_torchrun_ended_by_a_signal_after_a_clean_stop_is_a_clean_stop(tmp_path):
+    """torchrun ended by a signal after its ranks stopped cleanly (a duration stop, then
+    SLURM's warning, which may come up to a minute early: seen once in the SLURM time-limit
+    test, 3 s after the stop) exits 143; the ranks' ``stopped`` marker makes it the clean,
+    resumable stop it is. The race cannot be timed on real processes: a stand-in for the
+    Python that runs torchrun plays its outcome, a fresh marker or none, then status 143."""
+    standin = tmp_path / "python"
+    standin.write_text('#!/usr/bin/env bash\n'
+                       'save=$(printf "%s\\n" "$@" | grep -A1 -x -- --save | tail -n 1)\n'
+                       '[ -z "$MARK" ] || echo 7 > "$save/stopped"\n'
+                       'exit 143\n')  # fmt: skip
+    standin.chmod(0o755)
+    cmd, env = launcher(tmp_path, "--train-iters=4")
+    env["PYTHON"] = str(standin)
+    env.pop("MARK", None)
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**env, "MARK": "1"},
+                         cwd=tmp_path, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "the run stopped after saving iteration 7; torchrun then ended with status 143" in (
+        out.stdout)  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert out.returncode == 143, out.stdout + out.stderr  # an earlier launch's marker: not one

@@ -196,23 +196,35 @@ def run(args, md, on_cpu: bool) -> None:
         )
     except errors.Refusal:  # (a failed save, say) never a clean, resumable stop
         raise
-    except SystemExit:  # megatron's early exits (signal, duration) end with sys.exit
-        mark_signal_exit(args)
+    except SystemExit as e:  # megatron's early exits (signal, duration) end with sys.exit
+        mark_stop(args, e.code)
         raise
     mark_finished(args)
 
 
-def mark_signal_exit(args) -> None:
-    """``<save>/exited_on_signal`` (the saved iteration) when ``--exit-signal-handler`` stopped
-    the run: the launcher turns torchrun's signal exit status into 0 (a clean, resumable stop)."""
-    if not (args.save and args.exit_signal_handler) or rank() != 0:
+def mark_stop(args, code) -> None:
+    """A clean early stop (megatron's ``sys.exit`` with status 0 after its save: a signal, the
+    duration) leaves the saved iteration in ``<save>/stopped``, and in ``<save>/exited_on_signal``
+    too when ``--exit-signal-handler`` noted a signal. The launcher reads them where torchrun's
+    status is not 0: torchrun ends non-zero on the signal it passed on, or is ended by a signal
+    after the ranks stopped (SLURM's warning, sent up to a minute early, once landed 3 s after
+    a duration stop and failed the job); either way the checkpoint is whole and the run
+    resumable."""
+    if not args.save or code not in (0, None) or rank() != 0:
         return
-    from megatron.training.global_vars import get_signal_handler
+    tracker = os.path.join(args.save, "latest_checkpointed_iteration.txt")
+    if not os.path.exists(tracker):
+        return
+    saved = open(tracker).read().strip() + "\n"
+    names = ["stopped"]
+    if args.exit_signal_handler:
+        from megatron.training.global_vars import get_signal_handler
 
-    if getattr(get_signal_handler(), "_signal_received", False):  # local: no collective here
-        tracker = os.path.join(args.save, "latest_checkpointed_iteration.txt")
-        with open(os.path.join(args.save, "exited_on_signal"), "w") as f:
-            f.write(open(tracker).read().strip() + "\n")
+        if getattr(get_signal_handler(), "_signal_received", False):  # local: no collective
+            names.append("exited_on_signal")
+    for name in names:
+        with open(os.path.join(args.save, name), "w") as f:
+            f.write(saved)
 
 
 def mark_finished(args) -> None:
