@@ -3,6 +3,7 @@
 test runs as root; skipped, with the reason, only where SLURM cannot be installed). Jobs run
 pretrain_gpt.py on 2 CPU processes through ``launch.sbatch`` exactly as on a cluster."""
 
+import contextlib
 import json
 import os
 import statistics
@@ -22,10 +23,11 @@ TINY = ["--preset=tiny", "--mock-data", "--tokenizer-type=NullTokenizer", "--voc
         "--optimizer=adam", "--md-decoupling"]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    d = tmp_path_factory.mktemp("slurm")
-    out = subprocess.run(["bash", str(EX / "slurm_local.sh"), "start", str(d)],
+@contextlib.contextmanager
+def cluster(d: Path, *start: str, nproc: int):
+    """slurm_local.sh's SLURM in ``d`` (``start``: its extra arguments), the environment of a
+    CPU job with ``nproc`` ranks per node on it, and the SLURM stopped after."""
+    out = subprocess.run(["bash", str(EX / "slurm_local.sh"), "start", str(d), *start],
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     if out.returncode == 3:
         pytest.skip(out.stderr.strip())
@@ -35,16 +37,25 @@ def slurm(tmp_path_factory):
         "SLURM_CONF": str(d / "slurm.conf"),
         "PYTHON": sys.executable,
         "GPUS_PER_NODE": "0",
-        "NPROC_PER_NODE": "2",
+        "NPROC_PER_NODE": str(nproc),
         "PRECISION_ARGS": "",
         "OMP_NUM_THREADS": "1",
         "MEGATRON_MD_CPU_MODE": "1",
     }  # a CPU job on purpose
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_JOB_ID"):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_JOB_ID", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
         env.pop(k, None)
-    yield env, d
-    subprocess.run(["scancel", "--user=root"], env=env, capture_output=True)
-    subprocess.run(["bash", str(EX / "slurm_local.sh"), "stop", str(d)], capture_output=True)
+    try:
+        yield env
+    finally:
+        subprocess.run(["scancel", "--user=root"], env=env, capture_output=True)
+        subprocess.run(["bash", str(EX / "slurm_local.sh"), "stop", str(d)], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    d = tmp_path_factory.mktemp("slurm")
+    with cluster(d, nproc=2) as env:
+        yield env, d
 
 
 def sbatch(env, *args) -> str:
@@ -213,20 +224,8 @@ def slurm2(tmp_path_factory):
     """Two nodes (slurm_local.sh --nodes 2: this machine as node1 and node2 through Linux
     namespaces, each its own host name and hosts file, node2 its own network joined by a veth
     pair), one rank on each: every address the job uses crosses that network."""
-    d = tmp_path_factory.mktemp("slurm2")
-    out = subprocess.run(["bash", str(EX / "slurm_local.sh"), "start", str(d), "--nodes", "2"],
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
-    if out.returncode == 3:
-        pytest.skip(out.stderr.strip())
-    assert out.returncode == 0, out.stderr
-    env = {**os.environ, "SLURM_CONF": str(d / "slurm.conf"), "PYTHON": sys.executable,
-           "GPUS_PER_NODE": "0", "NPROC_PER_NODE": "1", "PRECISION_ARGS": "",
-           "OMP_NUM_THREADS": "1", "MEGATRON_MD_CPU_MODE": "1"}  # fmt: skip
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_JOB_ID", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
-        env.pop(k, None)
-    yield env
-    subprocess.run(["scancel", "--user=root"], env=env, capture_output=True)
-    subprocess.run(["bash", str(EX / "slurm_local.sh"), "stop", str(d)], capture_output=True)
+    with cluster(tmp_path_factory.mktemp("slurm2"), "--nodes", "2", nproc=1) as env:
+        yield env
 
 
 def test_two_nodes_stop_on_a_signal_and_resume(slurm2, tmp_path):
