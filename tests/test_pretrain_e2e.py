@@ -438,6 +438,32 @@ def test_a_save_that_cannot_write_ends_in_one_line_and_keeps_the_previous(runs, 
     kept_10(d, before)  # and the resume from there: the SIGKILL test's
 
 
+def test_a_run_whose_save_directory_is_in_use_stops_before_training(runs, tmp_path):
+    """A second run in a --save another run is saving in (a job submitted twice) would write
+    over its checkpoints: it stops at start-up in one line naming the holder (rank 0 of the
+    other run holds ``<save>/.run.lock``, megatron/md/train/runlock.py; here a process that
+    took it), and the directory is as it was."""
+    d, before, cmd, env = at_iteration_10(runs, tmp_path, "second")
+    hold = "import sys, time; from megatron.md.train import runlock; runlock.hold(sys.argv[1]); "
+    holder = subprocess.Popen([sys.executable, "-c", hold + "print('held', flush=True); "
+                               "time.sleep(600)", str(d)], stdout=subprocess.PIPE, text=True,
+                              env={**env, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "held\n"
+        out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True,
+                             timeout=300)  # fmt: skip
+    finally:
+        holder.kill()
+        holder.wait()
+    assert out.returncode == 2, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"pretrain_gpt.py: error: --save {d} is in use by another run "
+                           f"(pid {holder.pid} on "), last  # fmt: skip
+    assert "Traceback" not in out.stdout + out.stderr
+    assert not (tmp_path / "second.jsonl").exists()  # no metrics: nothing started
+    kept_10(d, before)
+
+
 def test_a_crash_ends_the_rank_with_its_error(tmp_path):
     """A rank whose training raises (here a write past the file-size limit, as a full quota
     does, in the metrics file at iteration ~9) exits with status 1 and the error, with

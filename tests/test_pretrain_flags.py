@@ -559,8 +559,9 @@ def test_paper_architecture_is_explicit_and_announced():
 
 def test_torchrun_killing_the_ranks_after_a_signal_is_named(monkeypatch):
     """torchrun kills its ranks 30 s after passing on a SIGTERM unless told to wait longer
-    (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, torch >= 2.12; launch.sbatch sets it): a run that saves on
-    a signal is warned at start-up where the wait is not set or cannot be."""
+    (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, torch >= 2.12, or megatron.md.torchrun on any torch;
+    launch.sbatch sets it and starts that): a run that saves on a signal is warned at start-up
+    where the wait is not set or cannot be."""
     import dataclasses
     import types
 
@@ -582,7 +583,11 @@ def test_torchrun_killing_the_ranks_after_a_signal_is_named(monkeypatch):
     # a torch before 2.12 (stand-in: its LaunchConfig had no shutdown_timeout): nothing to set
     old = dataclasses.make_dataclass("LaunchConfig", [("min_nodes", int), ("max_nodes", int)])
     monkeypatch.setattr(api, "LaunchConfig", old)
-    assert "torchrun has no setting for it (torch >= 2.12" in startup.stop_grace(args)
+    assert "torchrun has no setting for it: start python -m megatron.md.torchrun" in (
+        startup.stop_grace(args)
+    )
+    monkeypatch.setenv("MEGATRON_MD_TORCHRUN_GRACE", "1800")  # megatron.md.torchrun gave it
+    assert startup.stop_grace(args) is None
 
 
 def test_decoupled_lr_is_refused_with_the_flags_to_use(capsys):

@@ -436,6 +436,41 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     assert not (run / "finished").exists() and "stopped by a signal" in out
 
 
+def test_one_launch_at_a_time_in_a_run_directory(tmp_path):
+    """A second launch in a run directory in use stops before touching it (it would remove the
+    first's markers; the ranks' own lock, test_runlock.py, keeps the checkpoints); the lock is
+    the launcher's alone: the run it starts does not inherit it (no stale lock from a rank's
+    leftover child). A stand-in for the Python that runs torchrun says what it saw."""
+    import time
+
+    standin = tmp_path / "python"
+    standin.write_text('#!/usr/bin/env bash\n'
+                       '[ -e /proc/$$/fd/9 ] && echo "fd 9 open" || echo "fd 9 closed"\n'
+                       'cat "$RUN_ROOT/tiny/.launch.lock"\n')  # fmt: skip
+    standin.chmod(0o755)
+    cmd, env = launcher(tmp_path, "--train-iters=4")
+    env["PYTHON"] = str(standin)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert out.returncode == 0 and "fd 9 closed" in out.stdout, out.stdout + out.stderr
+    assert "job none on " in out.stdout  # the holder, as a refusal names it
+
+    lock = tmp_path / "tiny" / ".launch.lock"
+    holder = subprocess.Popen(["flock", str(lock), "sleep", "60"])
+    try:
+        while subprocess.run(["flock", "-n", str(lock), "true"]).returncode == 0:
+            time.sleep(0.05)
+        (tmp_path / "tiny" / "stopped").write_text("7")
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path,
+                             timeout=60)  # fmt: skip
+    finally:
+        holder.kill()
+        holder.wait()
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"error: {tmp_path / 'tiny'} is in use by another launch (job none on " in out.stderr
+    assert "fd 9" not in out.stdout  # nothing started
+    assert (tmp_path / "tiny" / "stopped").read_text() == "7"  # nothing removed
+
+
 def test_torchrun_ended_by_a_signal_after_a_clean_stop_is_a_clean_stop(tmp_path):
     """torchrun ended by a signal after its ranks stopped cleanly (a duration stop, then
     SLURM's warning, which may come up to a minute early: seen once in the SLURM time-limit

@@ -18,7 +18,7 @@ import traceback
 from megatron.md import errors
 from megatron.md.launch import flag_value
 from megatron.md.train import args as md_args
-from megatron.md.train import patches, presets, shutdown, startup
+from megatron.md.train import patches, presets, runlock, shutdown, startup
 from megatron.md.train.recipes import MD_RECIPE
 
 
@@ -170,8 +170,12 @@ def main(argv: list[str] | None = None) -> None:
         on_cpu = cpu_mode.is_active()
         args, md = parse(argv, on_cpu)
         startup.check_stack(args)
+        # before any expensive work, or any write (the last rank's metrics row)
+        unlocked = runlock.hold(args.save, rank(), int(os.environ.get("WORLD_SIZE", "1")))
         if rank() == 0:
             print(startup.banner(args, md), flush=True)
+            if unlocked:
+                print("[megatron-md] warning: " + unlocked, flush=True)
         with shutdown.children_killed_on_crash():
             run(args, md, on_cpu)
 

@@ -102,22 +102,26 @@ def stop_grace(args) -> str | None:
     ranks 30 s after a stop signal (SIGTERM: preemption, ``scancel``, SLURM's early warning)
     whatever their signal save still needs; measured on CPU, 2026-11-27: ranks killed 31.6 s
     after the signal, nothing saved, where 600 s let the same run save at 40 s. None where the
-    wait is set (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, read from torch 2.12 on; launch.sbatch sets
-    it) or the run is not torchrun's (no ``TORCHELASTIC_RUN_ID``)."""
-    import dataclasses
+    wait is set (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, read from torch 2.12 on and by
+    ``megatron.md.torchrun`` on any torch; launch.sbatch sets it and starts that) or the run is
+    not torchrun's (no ``TORCHELASTIC_RUN_ID``)."""
     import os
 
     if not args.exit_signal_handler or "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
+    from megatron.md.torchrun import GRACE_ENV, reads_timeout
+
+    if os.environ.get(GRACE_ENV):  # megatron.md.torchrun gave an older torchrun the wait
+        return None
     import torch
-    from torch.distributed.launcher.api import LaunchConfig
 
     lost = (f"torchrun kills the ranks {TORCHRUN_KILL_S} s after a stop signal (preemption, "
             "scancel): a signal save that takes longer is lost (the stop before the time "
             "limit, --exit-duration-in-mins, is not affected); ")  # fmt: skip
-    if not any(f.name == "shutdown_timeout" for f in dataclasses.fields(LaunchConfig)):
-        return lost + (f"torch {torch.__version__}'s torchrun has no setting for it (torch "
-                       ">= 2.12: TORCH_ELASTIC_SHUTDOWN_TIMEOUT)")  # fmt: skip
+    if not reads_timeout():
+        return lost + (f"torch {torch.__version__}'s torchrun has no setting for it: start "
+                       "python -m megatron.md.torchrun with TORCH_ELASTIC_SHUTDOWN_TIMEOUT set "
+                       "(launch.sbatch does)")  # fmt: skip
     try:  # torchrun's own --shutdown-timeout, on its command line (the ranks' parent)
         with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
             parent = f.read().split(b"\0")
