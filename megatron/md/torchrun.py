@@ -12,7 +12,8 @@ through its two names in torch/distributed/elastic/multiprocessing/api.py:
 ``SignalException``) and ``PContext.close(death_sig, timeout=30)`` (the agent's shutdown calls
 it with the default). Where they are not as read, the launch stops before starting anything.
 The ranks see ``MEGATRON_MD_TORCHRUN_GRACE`` (the seconds given), so the start-up banner does
-not warn of the 30 s (``train.startup.stop_grace``). Checked on torch 2.9.1 and 2.15.0.
+not warn of the 30 s (``train.startup.stop_grace``). Run on torch 2.9.1, 2.11.0 and 2.15.0
+(2026-11-27, CPU); the two names read in 2.10.0's source as well.
 """
 
 from __future__ import annotations
