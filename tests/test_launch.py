@@ -109,6 +109,36 @@ def test_no_rank_outlives_a_killed_launcher(tmp_path, via):
     assert not alive and len(gone) == 2
 
 
+@pytest.mark.distributed  # imports megatron-core (~5 s)
+def test_the_checkpoint_writers_manager_dies_with_its_rank():
+    """CPU mode's fork Manager serving torch_dist's write results (patches.fork_results_queue)
+    goes with a rank killed outright (an out-of-memory kill): left behind, the forked server
+    keeps the rank's copy-on-write memory until killed by hand (seen after a SIGKILLed rank)."""
+    import psutil
+
+    code = """
+import time
+from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+from megatron.md.train import patches
+get = patches.fork_results_queue(fa.get_write_results_queue)
+q = get()
+q.put(7)
+assert q.get() == 7 and get() is q and fa._results_queue is q
+print("up", flush=True)
+time.sleep(600)
+"""
+    rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout.readline() == "up\n"
+        servers = psutil.Process(rank.pid).children()
+        assert len(servers) == 1
+    finally:
+        rank.kill()
+        rank.wait()
+    gone, alive = psutil.wait_procs(servers, timeout=10)
+    assert not alive and len(gone) == 1
+
+
 @pytest.mark.distributed  # imports megatron.training (~5 s)
 def test_a_finished_run_exits_at_once_with_its_output_written(tmp_path):
     """shutdown.exit_now: status 0, threads that are not daemons waited for (a thread pool's

@@ -87,10 +87,24 @@ def allow_no_cuda(orig, run=None):
 
 def fork_results_queue(orig, run=None):
     """torch_dist saves start a *spawn* Manager, which re-imports the training script (~10 s
-    per run on a laptop); a fork Manager serves the same queue (whatever mode is asked)."""
+    per run on a laptop); a fork Manager serves the same queue (whatever mode is asked),
+    started here to die with its rank: a forked server that outlives a killed rank (an
+    out-of-memory kill) holds the rank's memory, its copy-on-write pages, until killed by hand.
+    megatron keeps the queue in the module's ``_results_queue`` (a row of ``compat.SEAMS``)."""
+    import multiprocessing
+    import sys
+    from multiprocessing.managers import SyncManager
+
+    from megatron.md.localrun import die_with_parent
+
+    module = sys.modules[orig.__module__]
 
     @functools.wraps(orig)
     def get_write_results_queue(mp_mode: str = "spawn"):
+        if module._results_queue is None:
+            manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+            manager.start(initializer=die_with_parent)
+            module._results_queue = manager.Queue()  # the proxy keeps its manager alive
         return orig(mp_mode="fork")
 
     return get_write_results_queue
