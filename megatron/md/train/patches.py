@@ -93,6 +93,7 @@ def fork_results_queue(orig, run=None):
     megatron keeps the queue in the module's ``_results_queue`` (a row of ``compat.SEAMS``)."""
     import multiprocessing
     import sys
+    import threading
     from multiprocessing.managers import SyncManager
 
     from megatron.md.localrun import die_with_parent
@@ -103,7 +104,9 @@ def fork_results_queue(orig, run=None):
     def get_write_results_queue(mp_mode: str = "spawn"):
         if module._results_queue is None:
             manager = SyncManager(ctx=multiprocessing.get_context("fork"))
-            manager.start(initializer=die_with_parent)
+            # the signal follows the forking thread's end: only the main thread's is the rank's
+            main = threading.current_thread() is threading.main_thread()
+            manager.start(initializer=die_with_parent if main else None)
             module._results_queue = manager.Queue()  # the proxy keeps its manager alive
         return orig(mp_mode="fork")
 
