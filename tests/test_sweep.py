@@ -441,8 +441,6 @@ def test_one_launch_at_a_time_in_a_run_directory(tmp_path):
     first's markers; the ranks' own lock, test_runlock.py, keeps the checkpoints); the lock is
     the launcher's alone: the run it starts does not inherit it (no stale lock from a rank's
     leftover child). A stand-in for the Python that runs torchrun says what it saw."""
-    import time
-
     standin = tmp_path / "python"
     standin.write_text('#!/usr/bin/env bash\n'
                        '[ -e /proc/$$/fd/9 ] && echo "fd 9 open" || echo "fd 9 closed"\n'
@@ -454,11 +452,14 @@ def test_one_launch_at_a_time_in_a_run_directory(tmp_path):
     assert out.returncode == 0 and "fd 9 closed" in out.stdout, out.stdout + out.stderr
     assert "job none on " in out.stdout  # the holder, as a refusal names it
 
-    lock = tmp_path / "tiny" / ".launch.lock"
-    holder = subprocess.Popen(["flock", str(lock), "sleep", "60"])
+    hold = (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+        "print('held', flush=True); time.sleep(60)"
+    )  # as the other launch's shell, flock(1)
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / "tiny" / ".launch.lock")],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        while subprocess.run(["flock", "-n", str(lock), "true"]).returncode == 0:
-            time.sleep(0.05)
+        assert holder.stdout.readline() == "held\n"
         (tmp_path / "tiny" / "stopped").write_text("7")
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path,
                              timeout=60)  # fmt: skip
