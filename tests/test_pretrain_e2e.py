@@ -443,10 +443,11 @@ def test_a_run_whose_save_directory_is_in_use_stops_before_training(runs, tmp_pa
     over its checkpoints: it stops at start-up in one line naming the holder (rank 0 of the
     other run holds ``<save>/.run.lock``, megatron/md/train/runlock.py; here a process that
     took it), and the directory is as it was."""
+    from test_runlock import HOLD
+
     d, before, cmd, env = at_iteration_10(runs, tmp_path, "second")
-    hold = "import sys, time; from megatron.md.train import runlock; runlock.hold(sys.argv[1]); "
-    holder = subprocess.Popen([sys.executable, "-c", hold + "print('held', flush=True); "
-                               "time.sleep(600)", str(d)], stdout=subprocess.PIPE, text=True,
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(d), "sleep", "0", "1"],
+                              stdout=subprocess.PIPE, text=True,
                               env={**env, "PYTHONPATH": str(ROOT)})  # fmt: skip
     try:
         assert holder.stdout.readline() == "held\n"

@@ -19,6 +19,7 @@ from megatron.md import errors
 from megatron.md.launch import flag_value
 from megatron.md.train import args as md_args
 from megatron.md.train import patches, presets, runlock, shutdown, startup
+from megatron.md.train.ckpt_checks import TRACKER
 from megatron.md.train.recipes import MD_RECIPE
 
 
@@ -216,7 +217,7 @@ def mark_stop(args, code) -> None:
     resumable."""
     if not args.save or code not in (0, None) or rank() != 0:
         return
-    tracker = os.path.join(args.save, "latest_checkpointed_iteration.txt")
+    tracker = os.path.join(args.save, TRACKER)
     if not os.path.exists(tracker):
         return
     saved = open(tracker).read().strip() + "\n"
@@ -236,7 +237,7 @@ def mark_finished(args) -> None:
     requeue logic reads it; a run stopped early by time or signal has none)."""
     if not args.save or rank() != 0:
         return
-    tracker = os.path.join(args.save, "latest_checkpointed_iteration.txt")
+    tracker = os.path.join(args.save, TRACKER)
     try:
         done = int(open(tracker).read().strip()) >= args.train_iters
     except (OSError, ValueError):
