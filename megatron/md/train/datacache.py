@@ -1,0 +1,91 @@
+"""Dataset index caches written whole: a file in the cache is either absent or complete.
+
+megatron-core caches a dataset's indices (GPTDataset: document, sample and shuffle index;
+BlendedDataset: dataset and sample index) as ``.npy`` files named by a hash of the dataset's
+settings, by default beside the data (``<prefix>/cache/GPTDataset_indices``), so every run on
+that data with the same sequence length, seed and sample count shares them. Its rank 0 writes
+them in place with ``numpy.save`` (``gpt_dataset.py:603``, ``blended_dataset.py:201``), which
+first truncates the file. The runs of a sweep, started together on a new cache, all miss it and
+all build: the last writer truncates the files the others' ranks have already mapped, and
+those die of SIGBUS at their next read (measured: a reader holding the 81 MB sample index is
+killed while a second build writes it; ``tests/test_datacache.py``), or a run starting
+meanwhile reads a cut file.
+
+Here rank 0 builds a missed cache in a private directory inside the cache directory and renames
+each file into place (``os.replace``: atomic in one directory), the description last (megatron
+counts a hit only when every file is there). A mapped file is never rewritten: a later build
+replaces the name, and a reader keeps the file it mapped. Concurrent builds do the same work,
+as they did. A build killed outright leaves its ``.<name>-building-*`` directory behind.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import shutil
+import tempfile
+
+import torch
+
+DESCRIPTION = "description.txt"
+
+
+def cache_dir(ds) -> str | None:
+    """Where megatron caches ``ds``'s indices: the config's ``path_to_cache``, or for a
+    GPTDataset on real data ``<prefix>/cache/<class>_indices`` (gpt_dataset.py:470)."""
+    path = ds.config.path_to_cache
+    if path is None and not ds.config.mock and hasattr(ds, "dataset"):  # not BlendedDataset
+        path = os.path.join(ds.dataset.path_prefix, "cache", f"{type(ds).__name__}_indices")
+    return path
+
+
+def stem(ds) -> str:
+    """The cache files' common name start (gpt_dataset.py:477, blended_dataset.py:133)."""
+    split = ds.split if hasattr(ds, "split") else ds.index_split  # BlendedDataset / GPTDataset
+    return f"{ds.unique_description_hash}-{type(ds).__name__}-{split.name}-"
+
+
+def builds_here() -> bool:
+    """megatron's rank that builds on a miss (rank 0, or a lone process)."""
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def atomic_build(orig, run=None):
+    """Wrap an index builder (``GPTDataset._build_document_sample_shuffle_indices``,
+    ``BlendedDataset._build_indices``): a miss on the building rank is built into a private
+    directory and renamed into the cache; a hit, another rank, or no cache: megatron's own."""
+
+    @functools.wraps(orig)
+    def build(self):
+        cfg = self.config
+        final = cache_dir(self)
+        if final is None or cfg.defer_npy_index_mmap or cfg.fast_cache_load or not builds_here():
+            return orig(self)
+        name = stem(self)
+        if os.path.isfile(os.path.join(final, name + DESCRIPTION)):
+            return orig(self)  # a hit (megatron checks the other files)
+        os.makedirs(final, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{name}building-", dir=final)
+        try:
+            self.config = copy.copy(cfg)  # this instance's: train/valid/test share cfg
+            self.config.path_to_cache = tmp
+            try:
+                out = orig(self)
+            finally:
+                self.config = cfg
+            written = sorted(os.listdir(tmp))
+            if name + DESCRIPTION not in written:
+                raise RuntimeError(
+                    f"megatron-md's seam into megatron-core's dataset cache no longer fits: "
+                    f"{type(self).__name__} wrote {written} to its cache, not {name}{DESCRIPTION} "
+                    "(megatron/md/train/datacache.py, written against 0.19.2)"
+                )
+            written.remove(name + DESCRIPTION)
+            for f in [*written, name + DESCRIPTION]:  # the description last: then a hit
+                os.replace(os.path.join(tmp, f), os.path.join(final, f))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return out
+
+    return build

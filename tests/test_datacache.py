@@ -1,0 +1,186 @@
+"""megatron-core's dataset index cache written whole (megatron/md/train/datacache.py): runs
+sharing a cache (a sweep on one dataset) must not crash each other while one builds it."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.md import compat
+from megatron.md.train import datacache, patches
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: a GPTDataset of ``prefix`` cached in ``cache`` (5M samples of 8 tokens: a 40 MB sample
+#: index, written in ~0.1 s, long enough for a reader to meet a cut file)
+BUILD = textwrap.dedent(r"""
+    import sys
+    from megatron.md import cpu_mode
+    cpu_mode.maybe_activate()
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder)
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    def build(prefixes, cache, samples, weights=None):
+        cfg = GPTDatasetConfig(
+            random_seed=1, sequence_length=8, blend=(prefixes, weights), split="100,0,0",
+            path_to_cache=cache, tokenizer=NullTokenizer(1000), reset_position_ids=False,
+            reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False)
+        return BlendedMegatronDatasetBuilder(
+            GPTDataset, [samples, 0, 0], lambda: True, cfg).build()[0]
+""")
+
+
+def corpus(path: Path, seed: int = 0) -> str:
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    b = IndexedDatasetBuilder(f"{path}.bin", dtype=np.uint16)
+    rng = np.random.default_rng(seed)
+    for _ in range(400):
+        b.add_item(torch.from_numpy(rng.integers(0, 1000, 500).astype(np.int64)))
+        b.end_document()
+    b.finalize(f"{path}.idx")
+    return str(path)
+
+
+def _build_here(prefixes, cache, samples, weights=None):
+    ns: dict = {}
+    exec(BUILD, ns)
+    return ns["build"](prefixes, cache, samples, weights)
+
+
+@pytest.fixture
+def seam():
+    """The training layer's seams applied in this process (as ``pretrain_gpt.py`` does),
+    megatron's own builders back afterwards."""
+    rows = [s for s in compat.SEAMS if s.replace == "megatron.md.train.datacache:atomic_build"]
+    saved = [(compat.owner(s), getattr(*compat.owner(s))) for s in rows]
+    for s in rows:
+        holder, name = compat.owner(s)
+        orig = getattr(holder, name)
+        setattr(holder, name, datacache.atomic_build(getattr(orig, "__md_seam__", orig)))
+    yield
+    for (holder, name), orig in saved:
+        setattr(holder, name, orig)
+    assert len(rows) == 2 and patches  # GPTDataset's and BlendedDataset's
+
+
+def test_a_second_build_does_not_kill_a_run_reading_the_cache(tmp_path):
+    """A run maps the cached sample index and reads it (its data loader); another run that
+    missed the cache when it started builds it again meanwhile. megatron's own in-place
+    ``numpy.save`` truncates the mapped file and kills the reader with SIGBUS (checked by hand:
+    this test without the seam, 2026-11-27); written whole, the new files replace the names
+    and the reader reads on."""
+    prefix = corpus(tmp_path / "corpus")
+    cache = tmp_path / "cache"
+    script = tmp_path / "build.py"
+    script.write_text(
+        BUILD
+        + textwrap.dedent(r"""
+        import glob, os, time
+        import numpy as np
+        from megatron.md import compat
+        from megatron.md.train import patches
+        compat.apply("training", patches.Run(None, True))
+        prefix, cache, mode = sys.argv[1:4]
+        if mode == "build":
+            build([prefix], cache, 5_000_000)
+        else:  # read: map the sample index and read it, over and over, for 8 s
+            (path,) = glob.glob(os.path.join(cache, "*-sample_index.npy"))
+            index = np.load(path, mmap_mode="r")
+            print("mapped", flush=True)
+            end, sweeps = time.time() + 8, 0
+            while time.time() < end:
+                sweeps += int(np.asarray(index[::512]).sum() > 0)
+            print("read", sweeps, flush=True)
+    """)
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+    def run(mode):
+        cmd = [sys.executable, str(script), prefix, str(cache), mode]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+
+    first = run("build")
+    assert first.wait(timeout=300) == 0
+    (desc,) = cache.glob("*-description.txt")
+    index = next(cache.glob("*-sample_index.npy"))
+    inode, size = index.stat().st_ino, index.stat().st_size
+    assert size > 30e6
+    reader = run("read")
+    assert reader.stdout.readline().strip() == "mapped"
+    desc.unlink()  # the second run checked the cache before the first had written it
+    second = run("build")
+    assert second.wait(timeout=300) == 0
+    out = reader.communicate(timeout=60)[0]
+    assert reader.returncode == 0, f"the reader died: {signal.Signals(-reader.returncode).name}"
+    assert out.startswith("read ") and int(out.split()[1]) > 0
+    assert index.stat().st_ino != inode and index.stat().st_size == size  # replaced, not cut
+    assert sorted(p.name for p in cache.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_missed_cache_is_built_whole_and_loads_as_megatron_builds_it(tmp_path, seam):
+    """With the seam, a miss builds the same indices megatron builds (train split of a
+    two-dataset blend: GPTDataset's and BlendedDataset's caches), every file lands in the cache
+    and no private directory is left; the next build loads them (a hit: the files untouched)."""
+    a, b = corpus(tmp_path / "a", 0), corpus(tmp_path / "b", 1)
+    ours = tmp_path / "ours"
+    built = _build_here([a, b], str(ours), 4000, [0.3, 0.7])
+    names = sorted(p.name.split("-", 1)[1] for p in ours.iterdir())
+    assert names == sorted(
+        [f"BlendedDataset-train-{f}" for f in
+         ("description.txt", "dataset_index.npy", "dataset_sample_index.npy")]
+        + [f"GPTDataset-train-{f}" for f in
+           ("description.txt", "document_index.npy", "sample_index.npy", "shuffle_index.npy")] * 2
+    )  # fmt: skip
+    stamps = {p.name: p.stat().st_mtime_ns for p in ours.iterdir()}
+    again = _build_here([a, b], str(ours), 4000, [0.3, 0.7])
+    assert {p.name: p.stat().st_mtime_ns for p in ours.iterdir()} == stamps  # loaded
+    theirs = tmp_path / "theirs"
+    for s in compat.SEAMS:  # megatron's own builders (the fixture puts them back)
+        if s.replace == "megatron.md.train.datacache:atomic_build":
+            holder, name = compat.owner(s)
+            setattr(holder, name, getattr(holder, name).__wrapped__)
+    plain = _build_here([a, b], str(theirs), 4000, [0.3, 0.7])
+    for p in theirs.iterdir():
+        q = ours / p.name
+        if p.suffix == ".npy":
+            assert np.array_equal(np.load(p), np.load(q)), p.name
+        else:
+            assert p.read_text() == q.read_text()
+    for i in (0, 1, 1234, 3999):
+        assert torch.equal(torch.as_tensor(built[i]["tokens"]), torch.as_tensor(plain[i]["tokens"]))
+        assert torch.equal(torch.as_tensor(again[i]["tokens"]), torch.as_tensor(plain[i]["tokens"]))
+
+
+def test_a_builder_that_names_its_files_otherwise_stops_the_run(tmp_path):
+    """If megatron-core names its cache files differently, the seam cannot know a hit from a
+    miss: the first build says so, naming the file it expected, and leaves nothing behind."""
+    prefix = corpus(tmp_path / "corpus")
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    orig = GPTDataset._build_document_sample_shuffle_indices
+    plain = getattr(orig, "__md_seam__", orig)
+
+    def renamed(self):
+        out = plain(self)
+        for p in Path(self.config.path_to_cache).iterdir():
+            p.rename(p.with_name("v2-" + p.name))
+        return out
+
+    GPTDataset._build_document_sample_shuffle_indices = datacache.atomic_build(renamed)
+    try:
+        with pytest.raises(Exception) as e:
+            _build_here([prefix], str(tmp_path / "cache"), 1000)
+    finally:
+        GPTDataset._build_document_sample_shuffle_indices = orig
+    assert "seam into megatron-core's dataset cache no longer fits" in str(e.value)
+    assert "-GPTDataset-train-description.txt" in str(e.value)
+    assert list((tmp_path / "cache").iterdir()) == []
