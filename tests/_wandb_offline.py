@@ -31,9 +31,11 @@ def records(path: Path) -> list:
     return out
 
 
-def read_run(save_dir: Path) -> dict:
-    """{"history": [{key: value}], "config": {key: value}} of the one offline run there."""
-    (path,) = sorted(Path(save_dir).glob("wandb/offline-run-*/run-*.wandb"))
+def read_run(save_dir: Path, path: Path | None = None) -> dict:
+    """{"history": [{key: value}], "config": {key: value}} of the one offline run there (or of
+    the run file ``path``)."""
+    if path is None:
+        (path,) = sorted(Path(save_dir).glob("wandb/offline-run-*/run-*.wandb"))
     history, config = [], {}
     for rec in records(path):
         kind = rec.WhichOneof("record_type")

@@ -787,6 +787,41 @@ def test_wandb_offline_run_has_the_metrics_and_config(tmp_path):
     assert run["config"]["md_decoupling"] is True
 
 
+def test_a_resumed_run_continues_its_wandb_run(tmp_path):
+    """A run stopped after its save at 2 and launched again (a requeue) logs into the same
+    wandb run (megatron opens a new one at every launch): each launch writes an offline folder
+    with the run's id, the second's history goes on from iteration 3, the saves are noted in
+    ``<save>/wandb_runs.json``, and the banner says which run goes on."""
+    from _wandb_offline import read_run
+
+    d, save = tmp_path / "wb", tmp_path / "ck"
+    flags = ["--train-iters=4", "--preset=tiny", "--optimizer=adam", "--md-decoupling",
+             "--lr=1e-2", "--wandb-project=md-test", f"--wandb-save-dir={d}", f"--save={save}",
+             f"--load={save}", "--save-interval=2"]  # fmt: skip
+    outs = []
+    for name, extra in (("first", ["--exit-interval=2"]), ("again", [])):
+        cmd, env = command(tmp_path, name, *flags, *extra)
+        env = {**env, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+        out = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path
+        )
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        outs.append(out.stdout)
+    folders = sorted(d.glob("wandb/offline-run-*"))
+    ids = [f.name.rsplit("-", 1)[1] for f in folders]
+    assert len(ids) == 2 and ids[0] == ids[1], ids
+    rid = ids[0]
+    assert json.loads((save / "wandb_runs.json").read_text()) == {
+        "saves": {"2": rid, "4": rid}, "last": {rid: 4}}  # fmt: skip
+    assert "[megatron-md] a new wandb run (this run resumes no checkpoint of its --save)" in outs[0]
+    assert f"[megatron-md] continuing wandb run {rid} (it saved iteration 2)" in outs[1]
+    steps = []
+    for f in folders:
+        (path,) = f.glob("run-*.wandb")
+        steps.append([h["_step"] for h in read_run(d, path)["history"] if "lm loss" in h])
+    assert steps == [[1, 2], [3, 4]], steps
+
+
 def test_plain_install_brings_tensorboard():
     """What a plain `pip install .` installs includes tensorboard (wandb logging needs it) and
     never torch (a container keeps its own; venvs add the `torch` extra)."""

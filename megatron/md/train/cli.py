@@ -18,7 +18,7 @@ import traceback
 from megatron.md import errors
 from megatron.md.launch import flag_value
 from megatron.md.train import args as md_args
-from megatron.md.train import patches, presets, runlock, shutdown, startup
+from megatron.md.train import patches, presets, runlock, shutdown, startup, wandbrun
 from megatron.md.train.ckpt_checks import TRACKER
 from megatron.md.train.recipes import MD_RECIPE
 
@@ -169,12 +169,15 @@ def main(argv: list[str] | None = None) -> None:
     single_process_env()
     with errors.one_line():
         on_cpu = cpu_mode.is_active()
+        wandb_line = wandbrun.prepare(argv)  # (megatron's parse opens the wandb run)
         args, md = parse(argv, on_cpu)
         startup.check_stack(args)
         # before any expensive work, or any write (the last rank's metrics row)
         unlocked = runlock.hold(args.save, rank(), int(os.environ.get("WORLD_SIZE", "1")))
         if rank() == 0:
             print(startup.banner(args, md), flush=True)
+            if wandb_line:
+                print("[megatron-md] " + wandb_line, flush=True)
             if unlocked:
                 print("[megatron-md] warning: " + unlocked, flush=True)
         with shutdown.children_killed_on_crash():

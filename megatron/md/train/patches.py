@@ -333,13 +333,14 @@ def wrap_load(orig, run: Run):
 def wrap_save(orig, run: Run):
     """No non-finite weights or MD state are saved (the latest checkpoint stays the last good
     one); a save whose writes failed ends the run in one line (savefail.py); after a
-    synchronous torch_dist save, this rank's checksums (digest.py)."""
+    synchronous torch_dist save, this rank's checksums (digest.py); the wandb run that saved it
+    (wandbrun.py)."""
 
     @functools.wraps(orig)
     def save(iteration, model, optimizer, *a, **kw):
         from megatron.training import get_args
 
-        from megatron.md.train import digest, nonfinite, savefail
+        from megatron.md.train import digest, nonfinite, savefail, wandbrun
 
         args = get_args()
         digest.wait()  # the last save's checksums are written before this save starts
@@ -358,6 +359,7 @@ def wrap_save(orig, run: Run):
             digest.write_after_save(path, torch.distributed.get_rank())
         if sync and iteration < args.train_iters:
             savefail.warn_if_no_room(args.save, path, "this checkpoint")
+        wandbrun.record(args.save, iteration)  # the rank that writes wandb: which run saved it
         return out
 
     return save

@@ -1,0 +1,102 @@
+"""One wandb run per training run, across requeues and resumes.
+
+megatron calls ``wandb.init`` with a name and no id (``training/global_vars.py``,
+``_set_wandb_writer``), so every launch of a run — each requeue after a preemption or a time
+limit — opened a new wandb run: a three-day run was a dozen runs of one name, each a piece of
+the curves. Here each save notes which wandb run reached it (``<save>/wandb_runs.json``,
+written by the last rank, megatron's wandb writer), and a run that resumes its own ``--save``
+continues that wandb run (wandb's ``WANDB_RUN_ID`` and ``WANDB_RESUME=allow``, read by
+``wandb.init``), its steps going on from the checkpoint's iteration.
+
+A new wandb run is what megatron opens otherwise: a first start, ``--load`` of another
+directory (``--init-from``), ``--finetune``, and a rewind — ``--ckpt-step N`` of a checkpoint
+its wandb run went on from (its later iterations are logged there already; wandb keeps a run's
+steps increasing and would drop the new branch's up to them). After a crash the iterations
+since the last save are logged again; wandb keeps them as first logged. ``WANDB_RUN_ID`` set by
+the user is left alone. Offline (``WANDB_MODE=offline``) each launch writes an ``offline-run-*``
+folder with the same id, and ``wandb sync`` of them uploads one run, in order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from megatron.md.launch import flag_value
+from megatron.md.train.ckpt_checks import TRACKER, same_dir
+
+FILE = "wandb_runs.json"
+
+
+def resumed_iteration(argv: list[str]) -> int | None:
+    """The iteration a command line loads from its own ``--save`` (None: it resumes none)."""
+    save, load = flag_value(argv, "--save"), flag_value(argv, "--load")
+    if not (save and load and same_dir(load, save)) or "--finetune" in argv:
+        return None
+    step = flag_value(argv, "--ckpt-step")
+    try:
+        return int(step if step is not None else open(os.path.join(save, TRACKER)).read())
+    except (OSError, ValueError):  # no tracker: a first start ("release": not a run's own)
+        return None
+
+
+def read(save: str) -> dict:
+    """``{"saves": {iteration: run id}, "last": {run id: its last saved iteration}}``."""
+    try:
+        with open(os.path.join(save, FILE)) as f:
+            got = json.load(f)
+        return {"saves": dict(got["saves"]), "last": dict(got["last"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {"saves": {}, "last": {}}
+
+
+def choose(argv: list[str]) -> tuple[str | None, str]:
+    """(the wandb run to continue, or None for a new one; a line for the banner)."""
+    it = resumed_iteration(argv)
+    if it is None:
+        return None, "a new wandb run (this run resumes no checkpoint of its --save)"
+    runs = read(flag_value(argv, "--save"))
+    rid = runs["saves"].get(str(it))
+    if rid is None:
+        return None, f"a new wandb run (iteration {it} was saved without a wandb run noted)"
+    last = runs["last"].get(rid, it)
+    if last > it:
+        return None, (
+            f"a new wandb run: iteration {it} is a rewind of wandb run {rid}, which went on to "
+            f"save iteration {last} (its later history stays there)"
+        )
+    return rid, f"continuing wandb run {rid} (it saved iteration {it})"
+
+
+def prepare(argv: list[str]) -> str | None:
+    """Point ``wandb.init`` at the run to continue, before megatron parses its flags (its
+    parse opens the wandb run: ``set_global_variables``, training/global_vars.py); every rank
+    sets the variables, megatron's last rank reads them. The banner's line, or None without
+    ``--wandb-project``."""
+    if not flag_value(argv, "--wandb-project"):
+        return None
+    if os.environ.get("WANDB_RUN_ID"):
+        return f"wandb run {os.environ['WANDB_RUN_ID']} (WANDB_RUN_ID, set outside)"
+    rid, line = choose(argv)
+    if rid is not None:
+        os.environ["WANDB_RUN_ID"] = rid
+        os.environ.setdefault("WANDB_RESUME", "allow")
+    return line
+
+
+def record(save: str, iteration: int) -> None:
+    """After a save, on the rank that writes wandb (megatron's last rank; none elsewhere):
+    note that this wandb run reached ``iteration``."""
+    from megatron.training.global_vars import get_wandb_writer
+
+    writer = get_wandb_writer()
+    run = getattr(writer, "run", None)
+    if run is None or not save:
+        return
+    runs = read(save)
+    runs["saves"][str(iteration)] = run.id
+    runs["last"][run.id] = iteration
+    path = os.path.join(save, FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump(runs, f, indent=1)
+    os.replace(path + ".tmp", path)
