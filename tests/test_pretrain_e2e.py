@@ -820,6 +820,22 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path):
         (path,) = f.glob("run-*.wandb")
         steps.append([h["_step"] for h in read_run(d, path)["history"] if "lm loss" in h])
     assert steps == [[1, 2], [3, 4]], steps
+    from test_runlock import HOLD  # a launch refused at start-up opens no wandb run: here one
+
+    # whose --save is in use (it would continue the live run's id)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(save), "sleep", "0", "1"],
+                              stdout=subprocess.PIPE, text=True,
+                              env={**env, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "held\n"
+        out = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    assert out.returncode == 2 and "is in use by another run" in out.stderr, out.stderr[-2000:]
+    assert sorted(d.glob("wandb/offline-run-*")) == folders
 
 
 def test_plain_install_brings_tensorboard():

@@ -102,8 +102,11 @@ SEAMS: tuple[Seam, ...] = (
     Seam("megatron.core.datasets.blended_dataset", "BlendedDataset._build_indices",
          "core/datasets/blended_dataset.py:111", "training",
          "the same for a blend's indices", "megatron.md.train.datacache:atomic_build"),
-    Seam("megatron.training.global_vars", "get_wandb_writer", "training/global_vars.py:230",
+    Seam("megatron.training.global_vars", "get_wandb_writer", "training/global_vars.py:48",
          "training", "MD diagnostics and config into wandb"),
+    Seam("megatron.training.global_vars", "_set_wandb_writer", "training/global_vars.py:230",
+         "parser", "the wandb run opened after the start-up checks, not while parsing; a "
+         "resumed run's own continued", "megatron.md.train.wandbrun:opened_later"),
     Seam("megatron.training.arguments", "add_megatron_arguments", "training/arguments.py:121",
          "parser", "our --muon-scale-mode choices in every parser; help with a bare %",
          _P + "wrap_parser"),

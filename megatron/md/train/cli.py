@@ -169,17 +169,18 @@ def main(argv: list[str] | None = None) -> None:
     single_process_env()
     with errors.one_line():
         on_cpu = cpu_mode.is_active()
-        wandb_line = wandbrun.prepare(argv)  # (megatron's parse opens the wandb run)
         args, md = parse(argv, on_cpu)
         startup.check_stack(args)
         # before any expensive work, or any write (the last rank's metrics row)
         unlocked = runlock.hold(args.save, rank(), int(os.environ.get("WORLD_SIZE", "1")))
+        wandb_line = wandbrun.prepare(argv)
         if rank() == 0:
             print(startup.banner(args, md), flush=True)
             if wandb_line:
                 print("[megatron-md] " + wandb_line, flush=True)
             if unlocked:
                 print("[megatron-md] warning: " + unlocked, flush=True)
+        wandbrun.open_run(args)  # (megatron opens it while parsing: compat's parser row)
         with shutdown.children_killed_on_crash():
             run(args, md, on_cpu)
 

@@ -37,8 +37,8 @@ def apply(md: MDConfig | None, on_cpu: bool) -> None:
 
 
 def prepare_parsers() -> None:
-    """Before parsing: the parser row (in every megatron parser: fault-tolerance set-up
-    re-parses argv without our provider)."""
+    """Before parsing: the parser rows (our flags in every megatron parser: fault-tolerance
+    set-up re-parses argv without our provider; the wandb run not opened while parsing)."""
     compat.apply("parser")
 
 

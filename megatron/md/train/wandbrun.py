@@ -6,7 +6,10 @@ limit — opened a new wandb run: a three-day run was a dozen runs of one name, 
 the curves. Here each save notes which wandb run reached it (``<save>/wandb_runs.json``,
 written by the last rank, megatron's wandb writer), and a run that resumes its own ``--save``
 continues that wandb run (wandb's ``WANDB_RUN_ID`` and ``WANDB_RESUME=allow``, read by
-``wandb.init``), its steps going on from the checkpoint's iteration.
+``wandb.init``), its steps going on from the checkpoint's iteration. megatron opens the wandb
+run while it parses the flags (``set_global_variables``); here it is opened after the start-up
+checks instead (``open_run``), so a launch refused there — a second run in a ``--save`` in use,
+whose id would be the live run's — never touches a wandb run.
 
 A new wandb run is what megatron opens otherwise: a first start, ``--load`` of another
 directory (``--init-from``), ``--finetune``, and a rewind — ``--ckpt-step N`` of a checkpoint
@@ -69,9 +72,8 @@ def choose(argv: list[str]) -> tuple[str | None, str]:
 
 
 def prepare(argv: list[str]) -> str | None:
-    """Point ``wandb.init`` at the run to continue, before megatron parses its flags (its
-    parse opens the wandb run: ``set_global_variables``, training/global_vars.py); every rank
-    sets the variables, megatron's last rank reads them. The banner's line, or None without
+    """Point ``wandb.init`` at the run to continue (every rank sets the variables; megatron's
+    last rank reads them in ``open_run``). The banner's line, or None without
     ``--wandb-project``."""
     if not flag_value(argv, "--wandb-project"):
         return None
@@ -82,6 +84,24 @@ def prepare(argv: list[str]) -> str | None:
         os.environ["WANDB_RUN_ID"] = rid
         os.environ.setdefault("WANDB_RESUME", "allow")
     return line
+
+
+def opened_later(orig, run=None):
+    """megatron's ``_set_wandb_writer`` while it parses: nothing (``open_run`` calls it)."""
+
+    def later(args):
+        return None
+
+    return later
+
+
+def open_run(args) -> None:
+    """megatron's own ``_set_wandb_writer`` (it opens the run on the last rank only), after the
+    start-up checks and ``prepare``."""
+    from megatron.training import global_vars
+
+    setter = global_vars._set_wandb_writer
+    getattr(setter, "__md_seam__", setter)(args)
 
 
 def record(save: str, iteration: int) -> None:
