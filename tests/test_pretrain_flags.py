@@ -731,3 +731,29 @@ def test_normuon_is_megatrons_adaptive_muon_and_what_it_cannot_do_is_refused(cap
     assert "normuon under tensor parallelism" in fails(
         capsys, "--optimizer=normuon", "--tensor-model-parallel-size=2"
     )
+
+
+def test_parsing_opens_no_wandb_run_and_writes_no_tensorboard_file(tmp_path, monkeypatch):
+    """megatron opens its TensorBoard and wandb writers while parsing; a parse that only checks
+    flags (``tools/from_authors.py --check`` with the authors' --wandb-project and paths, the
+    sweep front-end) opened a wandb run and wrote under their --save. The writers are opened by
+    ``pretrain_gpt.py`` after its start-up checks (``wandbrun.open_writers``)."""
+    import megatron.training.global_vars as gv
+
+    from megatron.md.train import wandbrun
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    save = tmp_path / "their_save"
+    args, _ = parse("--wandb-project=p", f"--save={save}", "--save-interval=2",
+                    f"--wandb-save-dir={tmp_path / 'wb'}")  # fmt: skip
+    assert gv.get_tensorboard_writer() is None and gv.get_wandb_writer() is None
+    assert list(tmp_path.iterdir()) == []
+    wandbrun.open_writers(args)
+    try:
+        assert gv.get_tensorboard_writer() is not None and gv.get_wandb_writer() is not None
+        assert len(list((save / "tensorboard").glob("events.out.tfevents.*"))) == 1
+        assert len(list((tmp_path / "wb" / "wandb").glob("offline-run-*"))) == 1
+    finally:
+        gv.get_wandb_writer().finish()
+        gv.get_tensorboard_writer().close()

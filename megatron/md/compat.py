@@ -104,6 +104,10 @@ SEAMS: tuple[Seam, ...] = (
          "the same for a blend's indices", "megatron.md.train.datacache:atomic_build"),
     Seam("megatron.training.global_vars", "get_wandb_writer", "training/global_vars.py:48",
          "training", "MD diagnostics and config into wandb"),
+    Seam("megatron.training.global_vars", "_set_tensorboard_writer",
+         "training/global_vars.py:210", "parser",
+         "the TensorBoard writer opened after the start-up checks, not while parsing",
+         "megatron.md.train.wandbrun:opened_later"),
     Seam("megatron.training.global_vars", "_set_wandb_writer", "training/global_vars.py:230",
          "parser", "the wandb run opened after the start-up checks, not while parsing; a "
          "resumed run's own continued", "megatron.md.train.wandbrun:opened_later"),

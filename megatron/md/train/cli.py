@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
                 print("[megatron-md] " + wandb_line, flush=True)
             if unlocked:
                 print("[megatron-md] warning: " + unlocked, flush=True)
-        wandbrun.open_run(args)  # (megatron opens it while parsing: compat's parser row)
+        wandbrun.open_writers(args)  # (megatron opens them while parsing: compat's parser rows)
         with shutdown.children_killed_on_crash():
             run(args, md, on_cpu)
 

@@ -7,9 +7,11 @@ the curves. Here each save notes which wandb run reached it (``<save>/wandb_runs
 written by the last rank, megatron's wandb writer), and a run that resumes its own ``--save``
 continues that wandb run (wandb's ``WANDB_RUN_ID`` and ``WANDB_RESUME=allow``, read by
 ``wandb.init``), its steps going on from the checkpoint's iteration. megatron opens the wandb
-run while it parses the flags (``set_global_variables``); here it is opened after the start-up
-checks instead (``open_run``), so a launch refused there — a second run in a ``--save`` in use,
-whose id would be the live run's — never touches a wandb run.
+run (and the TensorBoard writer) while it parses the flags (``set_global_variables``); here
+they are opened after the start-up checks instead (``open_writers``), so a launch refused there
+— a second run in a ``--save`` in use, whose id would be the live run's — and a parse that only
+checks flags (``tools/from_authors.py --check``, the sweep front-end) open no wandb run and
+write nothing.
 
 A new wandb run is what megatron opens otherwise: a first start, ``--load`` of another
 directory (``--init-from``), ``--finetune``, and a rewind — ``--ckpt-step N`` of a checkpoint
@@ -73,7 +75,7 @@ def choose(argv: list[str]) -> tuple[str | None, str]:
 
 def prepare(argv: list[str]) -> str | None:
     """Point ``wandb.init`` at the run to continue (every rank sets the variables; megatron's
-    last rank reads them in ``open_run``). The banner's line, or None without
+    last rank reads them in ``open_writers``). The banner's line, or None without
     ``--wandb-project``."""
     if not flag_value(argv, "--wandb-project"):
         return None
@@ -87,7 +89,8 @@ def prepare(argv: list[str]) -> str | None:
 
 
 def opened_later(orig, run=None):
-    """megatron's ``_set_wandb_writer`` while it parses: nothing (``open_run`` calls it)."""
+    """megatron's ``_set_tensorboard_writer`` / ``_set_wandb_writer`` while it parses: nothing
+    (``open_writers`` calls them)."""
 
     def later(args):
         return None
@@ -95,13 +98,14 @@ def opened_later(orig, run=None):
     return later
 
 
-def open_run(args) -> None:
-    """megatron's own ``_set_wandb_writer`` (it opens the run on the last rank only), after the
-    start-up checks and ``prepare``."""
+def open_writers(args) -> None:
+    """megatron's own TensorBoard and wandb writers (opened on the last rank only, in
+    megatron's order: wandb's history rides on the TensorBoard writer), after the start-up
+    checks and ``prepare``."""
     from megatron.training import global_vars
 
-    setter = global_vars._set_wandb_writer
-    getattr(setter, "__md_seam__", setter)(args)
+    for setter in (global_vars._set_tensorboard_writer, global_vars._set_wandb_writer):
+        getattr(setter, "__md_seam__", setter)(args)
 
 
 def record(save: str, iteration: int) -> None:
