@@ -12,29 +12,27 @@ import pytest
 import torch
 
 from megatron.md import compat
-from megatron.md.train import datacache, patches
+from megatron.md.train import datacache
 
-ROOT = Path(__file__).resolve().parents[1]
+ROWS = [s for s in compat.SEAMS if s.replace == "megatron.md.train.datacache:atomic_build"]
 
-#: a GPTDataset of ``prefix`` cached in ``cache`` (5M samples of 8 tokens: a 40 MB sample
-#: index, written in ~0.1 s, long enough for a reader to meet a cut file)
-BUILD = textwrap.dedent(r"""
-    import sys
-    from megatron.md import cpu_mode
-    cpu_mode.maybe_activate()
+
+def build(prefixes, cache, samples, weights=None):
+    """The train split of a GPTDataset blend of ``prefixes``, cached in ``cache``, as megatron's
+    builder makes it (5M samples of 8 tokens: a 40 MB sample index, written in ~0.1 s, long
+    enough for a reader to meet a cut file)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder)
+        BlendedMegatronDatasetBuilder,
+    )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
-    def build(prefixes, cache, samples, weights=None):
-        cfg = GPTDatasetConfig(
-            random_seed=1, sequence_length=8, blend=(prefixes, weights), split="100,0,0",
-            path_to_cache=cache, tokenizer=NullTokenizer(1000), reset_position_ids=False,
-            reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False)
-        return BlendedMegatronDatasetBuilder(
-            GPTDataset, [samples, 0, 0], lambda: True, cfg).build()[0]
-""")
+    cfg = GPTDatasetConfig(
+        random_seed=1, sequence_length=8, blend=(prefixes, weights), split="100,0,0",
+        path_to_cache=cache, tokenizer=NullTokenizer(1000), reset_position_ids=False,
+        reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+    )  # fmt: skip
+    return BlendedMegatronDatasetBuilder(GPTDataset, [samples, 0, 0], lambda: True, cfg).build()[0]
 
 
 #: a run's data loader: the cached sample index mapped and read, over and over, until told to
@@ -63,26 +61,17 @@ def corpus(path: Path, seed: int = 0) -> str:
     return str(path)
 
 
-def _build_here(prefixes, cache, samples, weights=None):
-    ns: dict = {}
-    exec(BUILD, ns)
-    return ns["build"](prefixes, cache, samples, weights)
-
-
 @pytest.fixture
 def seam():
-    """The training layer's seams applied in this process (as ``pretrain_gpt.py`` does),
-    megatron's own builders back afterwards."""
-    rows = [s for s in compat.SEAMS if s.replace == "megatron.md.train.datacache:atomic_build"]
-    saved = [(compat.owner(s), getattr(*compat.owner(s))) for s in rows]
-    for s in rows:
-        holder, name = compat.owner(s)
-        orig = getattr(holder, name)
+    """The cache seams applied in this process (as ``pretrain_gpt.py`` applies them), megatron's
+    own builders back afterwards."""
+    assert len(ROWS) == 2  # GPTDataset's and BlendedDataset's
+    saved = [(compat.owner(s), getattr(*compat.owner(s))) for s in ROWS]
+    for (holder, name), orig in saved:
         setattr(holder, name, datacache.atomic_build(getattr(orig, "__md_seam__", orig)))
     yield
     for (holder, name), orig in saved:
         setattr(holder, name, orig)
-    assert len(rows) == 2 and patches  # GPTDataset's and BlendedDataset's
 
 
 def test_a_second_build_does_not_kill_a_run_reading_the_cache(tmp_path, seam):
@@ -93,7 +82,7 @@ def test_a_second_build_does_not_kill_a_run_reading_the_cache(tmp_path, seam):
     and the reader reads on."""
     prefix = corpus(tmp_path / "corpus")
     cache = tmp_path / "cache"
-    _build_here([prefix], str(cache), 5_000_000)  # the first run
+    build([prefix], str(cache), 5_000_000)  # the first run
     (desc,) = cache.glob("*-description.txt")
     index = next(cache.glob("*-sample_index.npy"))
     inode, size = index.stat().st_ino, index.stat().st_size
@@ -104,7 +93,7 @@ def test_a_second_build_does_not_kill_a_run_reading_the_cache(tmp_path, seam):
     try:
         assert reader.stdout.readline().strip() == "mapped"
         desc.unlink()  # the second run checked the cache before the first had written it
-        _build_here([prefix], str(cache), 5_000_000)  # the second run
+        build([prefix], str(cache), 5_000_000)  # the second run
     finally:
         stop.touch()
     out = reader.communicate(timeout=60)[0]
@@ -120,7 +109,7 @@ def test_a_missed_cache_is_built_whole_and_loads_as_megatron_builds_it(tmp_path,
     and no private directory is left; the next build loads them (a hit: the files untouched)."""
     a, b = corpus(tmp_path / "a", 0), corpus(tmp_path / "b", 1)
     ours = tmp_path / "ours"
-    built = _build_here([a, b], str(ours), 4000, [0.3, 0.7])
+    built = build([a, b], str(ours), 4000, [0.3, 0.7])
     names = sorted(p.name.split("-", 1)[1] for p in ours.iterdir())
     assert names == sorted(
         [f"BlendedDataset-train-{f}" for f in
@@ -129,14 +118,13 @@ def test_a_missed_cache_is_built_whole_and_loads_as_megatron_builds_it(tmp_path,
            ("description.txt", "document_index.npy", "sample_index.npy", "shuffle_index.npy")] * 2
     )  # fmt: skip
     stamps = {p.name: p.stat().st_mtime_ns for p in ours.iterdir()}
-    again = _build_here([a, b], str(ours), 4000, [0.3, 0.7])
+    again = build([a, b], str(ours), 4000, [0.3, 0.7])
     assert {p.name: p.stat().st_mtime_ns for p in ours.iterdir()} == stamps  # loaded
     theirs = tmp_path / "theirs"
-    for s in compat.SEAMS:  # megatron's own builders (the fixture puts them back)
-        if s.replace == "megatron.md.train.datacache:atomic_build":
-            holder, name = compat.owner(s)
-            setattr(holder, name, getattr(holder, name).__wrapped__)
-    plain = _build_here([a, b], str(theirs), 4000, [0.3, 0.7])
+    for s in ROWS:  # megatron's own builders (the fixture puts them back)
+        holder, name = compat.owner(s)
+        setattr(holder, name, getattr(holder, name).__wrapped__)
+    plain = build([a, b], str(theirs), 4000, [0.3, 0.7])
     for p in theirs.iterdir():
         q = ours / p.name
         if p.suffix == ".npy":
@@ -166,7 +154,7 @@ def test_a_builder_that_names_its_files_otherwise_stops_the_run(tmp_path):
     GPTDataset._build_document_sample_shuffle_indices = datacache.atomic_build(renamed)
     try:
         with pytest.raises(Exception) as e:
-            _build_here([prefix], str(tmp_path / "cache"), 1000)
+            build([prefix], str(tmp_path / "cache"), 1000)
     finally:
         GPTDataset._build_document_sample_shuffle_indices = orig
     assert "seam into megatron-core's dataset cache no longer fits" in str(e.value)

@@ -7,7 +7,7 @@ that data with the same sequence length, seed and sample count shares them. Its 
 them in place with ``numpy.save`` (``gpt_dataset.py:603``, ``blended_dataset.py:201``), which
 first truncates the file. The runs of a sweep, started together on a new cache, all miss it and
 all build: the last writer truncates the files the others' ranks have already mapped, and
-those die of SIGBUS at their next read (measured: a reader holding the 81 MB sample index is
+those die of SIGBUS at their next read (measured: a reader holding a 40 MB sample index is
 killed while a second build writes it; ``tests/test_datacache.py``), or a run starting
 meanwhile reads a cut file.
 
