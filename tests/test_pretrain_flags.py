@@ -754,6 +754,18 @@ def test_parsing_opens_no_wandb_run_and_writes_no_tensorboard_file(tmp_path, mon
         assert gv.get_tensorboard_writer() is not None and gv.get_wandb_writer() is not None
         assert len(list((save / "tensorboard").glob("events.out.tfevents.*"))) == 1
         assert len(list((tmp_path / "wb" / "wandb").glob("offline-run-*"))) == 1
+        # a continued run's config holds its earlier launch's values (wandb_run.py,
+        # _set_run_obj); megatron's later update of one without allow_val_change (pretrain,
+        # slurm_job_name) raised where the value changed: settled first, it does not
+        config = gv.get_wandb_writer().config
+        config._update({"slurm_job_name": "earlier-job"}, allow_val_change=True)
+        import wandb
+
+        with pytest.raises(wandb.sdk.lib.config_util.ConfigError):
+            config.update({"slurm_job_name": "N/A"})
+        monkeypatch.delenv("SLURM_JOB_NAME", raising=False)
+        wandbrun.settle_config()
+        config.update({"slurm_job_name": "N/A"})  # megatron's line
     finally:
         gv.get_wandb_writer().finish()
         gv.get_tensorboard_writer().close()

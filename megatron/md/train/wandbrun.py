@@ -106,6 +106,20 @@ def open_writers(args) -> None:
 
     for setter in (global_vars._set_tensorboard_writer, global_vars._set_wandb_writer):
         getattr(setter, "__md_seam__", setter)(args)
+    settle_config()
+
+
+def settle_config() -> None:
+    """The config value megatron sets later without ``allow_val_change``
+    (``config.update({'slurm_job_name': ...})`` in ``pretrain``), set first with it: a
+    continued run's config holds the earlier launch's value, and wandb raises ``ConfigError`` on
+    a changed one (a run started by hand, then requeued under SLURM)."""
+    from megatron.training.global_vars import get_wandb_writer
+
+    writer = get_wandb_writer()
+    if writer is not None and getattr(writer, "run", None) is not None:
+        job = os.getenv("SLURM_JOB_NAME", "N/A")
+        writer.config.update({"slurm_job_name": job}, allow_val_change=True)
 
 
 def record(save: str, iteration: int) -> None:
