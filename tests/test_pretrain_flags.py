@@ -769,3 +769,23 @@ def test_parsing_opens_no_wandb_run_and_writes_no_tensorboard_file(tmp_path, mon
     finally:
         gv.get_wandb_writer().finish()
         gv.get_tensorboard_writer().close()
+
+
+def test_a_dataset_cache_that_cannot_be_created_is_named(capsys, tmp_path):
+    """megatron writes the dataset indices into --data-cache-path (default: beside the data)
+    when they are not cached yet, after building the model and loading the checkpoint; a
+    directory that cannot be created stops at start-up, naming it (here a file in its path:
+    root ignores permissions). A creatable one passes and is not created."""
+    base = [a for a in BASE if a != "--mock-data"]
+    good = build_dataset(tmp_path / "c", [[1, 2, 3, 4] * 50, [5, 6, 7] * 40])
+    (tmp_path / "afile").write_text("")
+    msg = fails(capsys, f"--data-path={good}", f"--data-cache-path={tmp_path}/afile/cache",
+                base=base)  # fmt: skip
+    assert (f"--data-cache-path {tmp_path}/afile/cache cannot be created ({tmp_path}/afile is "
+            "not a directory)") in msg, msg  # fmt: skip
+    args, _ = parse(f"--data-path={good}", f"--data-cache-path={tmp_path}/new/cache", base=base)
+    assert not (tmp_path / "new").exists()
+    Path(str(good)).write_text("")  # a file where the default cache's directory goes
+    msg = fails(capsys, f"--data-path={good}", base=base)
+    assert (f"--data-path's cache, beside the data, {good}/cache/GPTDataset_indices cannot be "
+            f"created ({good} is not a directory)") in msg, msg  # fmt: skip

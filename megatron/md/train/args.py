@@ -10,7 +10,7 @@ import os
 
 from megatron.md import compatibility, errors
 from megatron.md.config import BARE, CHOICES, FROM_MEGATRON_FLAGS, MUON_SCALES, MDConfig
-from megatron.md.train import datacheck
+from megatron.md.train import datacache, datacheck
 
 #: --muon-scale-mode values megatron-core's Muon knows; the rest are ours (see patches.py).
 UPSTREAM_MUON_SCALES = ("spectral", "unit_rms_norm", "shape_scaling")
@@ -365,6 +365,9 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
         err = datacheck.check_data(data_prefixes(args.data_path or []), args)
         if err:
             _fail(f"--data-path: {err}")
+        err = datacache.unbuildable(data_prefixes(args.data_path or []), args.data_cache_path)
+        if err:
+            _fail(err)
     if args.lr_warmup_iters and args.train_iters and args.lr_warmup_iters >= args.train_iters:
         _fail(
             f"--lr-warmup-iters={args.lr_warmup_iters} is not shorter than the run "
