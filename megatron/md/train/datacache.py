@@ -36,8 +36,13 @@ def cache_dir(ds) -> str | None:
     GPTDataset on real data ``<prefix>/cache/<class>_indices`` (gpt_dataset.py:470)."""
     path = ds.config.path_to_cache
     if path is None and not ds.config.mock and hasattr(ds, "dataset"):  # not BlendedDataset
-        path = os.path.join(ds.dataset.path_prefix, "cache", f"{type(ds).__name__}_indices")
+        path = default_dir(ds.dataset.path_prefix, type(ds).__name__)
     return path
+
+
+def default_dir(prefix: str, cls: str = "GPTDataset") -> str:
+    """megatron's cache directory of a dataset ``prefix`` without ``--data-cache-path``."""
+    return os.path.join(prefix, "cache", f"{cls}_indices")
 
 
 def unbuildable(prefixes: list[str], cache_path: str | None) -> str | None:
@@ -46,8 +51,7 @@ def unbuildable(prefixes: list[str], cache_path: str | None) -> str | None:
     start-up, writing nothing: megatron builds the datasets after the model and the checkpoint
     load, and its write error came then. An existing directory passes (its files may be all a
     run needs)."""
-    dirs = [cache_path] if cache_path else [
-        os.path.join(p, "cache", "GPTDataset_indices") for p in prefixes]  # fmt: skip
+    dirs = [cache_path] if cache_path else [default_dir(p) for p in prefixes]
     for d in dirs:
         up = os.path.abspath(d)
         while not os.path.lexists(up):
