@@ -365,9 +365,7 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
         err = datacheck.check_data(data_prefixes(args.data_path or []), args)
         if err:
             _fail(f"--data-path: {err}")
-        err = datacache.unbuildable(data_prefixes(args.data_path or []), args.data_cache_path)
-        if err:
-            _fail(err)
+        check_data_cache(data_prefixes(args.data_path or []), args.data_cache_path)
     if args.lr_warmup_iters and args.train_iters and args.lr_warmup_iters >= args.train_iters:
         _fail(
             f"--lr-warmup-iters={args.lr_warmup_iters} is not shorter than the run "
@@ -405,25 +403,52 @@ def check_not_a_file(flag: str, path: str | None) -> None:
         _fail(f"{flag} {path} is a file, not a checkpoint directory")
 
 
-def check_writable(flag: str, path: str | None) -> None:
-    """``path`` can be created and written in: megatron creates and writes it only at the first
-    save, after ``--save-interval`` iterations. Probed on rank 0 (which says the refusal; a
-    shared filesystem is the same for every rank) by making and removing a directory in it, or
-    in its nearest existing ancestor: nothing is left behind."""
-    if not path or int(os.environ.get("RANK", "0")) != 0:
-        return
+def unwritable(path: str) -> tuple[str, str | None] | None:
+    """Why ``path`` cannot be created and written in: (its nearest existing ancestor, None where
+    that is a file, else the probe's error), or None. Probed by making and removing a directory
+    in that ancestor: nothing is left behind."""
     import tempfile
 
     where = os.path.abspath(path)
     while not os.path.isdir(where):
         if os.path.lexists(where):  # a file where a directory of the path would be
-            _fail(f"{flag} {path}: {where} is a file, not a directory")
+            return where, None
         where = os.path.dirname(where)
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".megatron-md-probe-", dir=where))
     except OSError as e:
-        _fail(f"{flag} {path}: cannot write in {where} ({e.strerror}); megatron would find "
+        return where, e.strerror
+    return None
+
+
+def check_writable(flag: str, path: str | None) -> None:
+    """``path`` can be created and written in: megatron creates and writes it only at the first
+    save, after ``--save-interval`` iterations. Probed on rank 0 (which says the refusal; a
+    shared filesystem is the same for every rank)."""
+    if not path or int(os.environ.get("RANK", "0")) != 0:
+        return
+    bad = unwritable(path)
+    if bad and bad[1] is None:
+        _fail(f"{flag} {path}: {bad[0]} is a file, not a directory")
+    if bad:
+        _fail(f"{flag} {path}: cannot write in {bad[0]} ({bad[1]}); megatron would find "
               "out at the first save: give a directory this job can write")  # fmt: skip
+
+
+def check_data_cache(prefixes: list[str], cache_path: str | None) -> None:
+    """The directory megatron writes the dataset indices into when they are not cached yet
+    (``--data-cache-path``, default beside the data: ``datacache.default_dir``) can be made, or
+    exists (its files may be all a run needs). megatron builds the datasets after the model and
+    the checkpoint load; its write error came then."""
+    dirs = [cache_path] if cache_path else [datacache.default_dir(p) for p in prefixes]
+    for d in dirs:
+        bad = None if os.path.isdir(d) else unwritable(d)
+        if bad:
+            why = "is not a directory" if bad[1] is None else "is not writable"
+            flag = "--data-cache-path" if cache_path else "--data-path's cache, beside the data,"
+            _fail(f"{flag} {d} cannot be created ({bad[0]} {why}), and megatron writes the "
+                  "dataset indices there when they are not cached yet: give "
+                  "--data-cache-path a writable directory")  # fmt: skip
 
 
 def check_run_dirs(args) -> None:

@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
         startup.check_stack(args)
         # before any expensive work, or any write (the last rank's metrics row)
         unlocked = runlock.hold(args.save, rank(), int(os.environ.get("WORLD_SIZE", "1")))
-        wandb_line = wandbrun.prepare(argv)
+        wandb_line = wandbrun.prepare(args)
         if rank() == 0:
             print(startup.banner(args, md), flush=True)
             if wandb_line:

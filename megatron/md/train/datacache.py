@@ -45,28 +45,6 @@ def default_dir(prefix: str, cls: str = "GPTDataset") -> str:
     return os.path.join(prefix, "cache", f"{cls}_indices")
 
 
-def unbuildable(prefixes: list[str], cache_path: str | None) -> str | None:
-    """Why megatron could not write the indices of ``prefixes`` (their cache directory does
-    not exist and cannot be created: a read-only data directory), else None. Checked at
-    start-up, writing nothing: megatron builds the datasets after the model and the checkpoint
-    load, and its write error came then. An existing directory passes (its files may be all a
-    run needs)."""
-    dirs = [cache_path] if cache_path else [default_dir(p) for p in prefixes]
-    for d in dirs:
-        up = os.path.abspath(d)
-        while not os.path.lexists(up):
-            up = os.path.dirname(up)
-        if up == os.path.abspath(d) and os.path.isdir(up):
-            continue
-        if not os.path.isdir(up) or not os.access(up, os.W_OK | os.X_OK):
-            why = "is not a directory" if not os.path.isdir(up) else "is not writable"
-            flag = "--data-cache-path" if cache_path else "--data-path's cache, beside the data,"
-            return (f"{flag} {d} cannot be created ({up} {why}), and megatron writes the "
-                    "dataset indices there when they are not cached yet: give "
-                    "--data-cache-path a writable directory")  # fmt: skip
-    return None
-
-
 def stem(ds) -> str:
     """The cache files' common name start (gpt_dataset.py:477, blended_dataset.py:133)."""
     split = ds.split if hasattr(ds, "split") else ds.index_split  # BlendedDataset / GPTDataset

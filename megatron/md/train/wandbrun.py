@@ -27,20 +27,19 @@ from __future__ import annotations
 import json
 import os
 
-from megatron.md.launch import flag_value
 from megatron.md.train.ckpt_checks import TRACKER, same_dir
 
 FILE = "wandb_runs.json"
 
 
-def resumed_iteration(argv: list[str]) -> int | None:
-    """The iteration a command line loads from its own ``--save`` (None: it resumes none)."""
-    save, load = flag_value(argv, "--save"), flag_value(argv, "--load")
-    if not (save and load and same_dir(load, save)) or "--finetune" in argv:
+def resumed_iteration(args) -> int | None:
+    """The iteration a run loads from its own ``--save`` (None: it resumes none)."""
+    if not (args.save and args.load and same_dir(args.load, args.save)) or args.finetune:
         return None
-    step = flag_value(argv, "--ckpt-step")
     try:
-        return int(step if step is not None else open(os.path.join(save, TRACKER)).read())
+        if args.ckpt_step is not None:
+            return int(args.ckpt_step)
+        return int(open(os.path.join(args.save, TRACKER)).read())
     except (OSError, ValueError):  # no tracker: a first start ("release": not a run's own)
         return None
 
@@ -55,12 +54,12 @@ def read(save: str) -> dict:
         return {"saves": {}, "last": {}}
 
 
-def choose(argv: list[str]) -> tuple[str | None, str]:
+def choose(args) -> tuple[str | None, str]:
     """(the wandb run to continue, or None for a new one; a line for the banner)."""
-    it = resumed_iteration(argv)
+    it = resumed_iteration(args)
     if it is None:
         return None, "a new wandb run (this run resumes no checkpoint of its --save)"
-    runs = read(flag_value(argv, "--save"))
+    runs = read(args.save)
     rid = runs["saves"].get(str(it))
     if rid is None:
         return None, f"a new wandb run (iteration {it} was saved without a wandb run noted)"
@@ -73,15 +72,15 @@ def choose(argv: list[str]) -> tuple[str | None, str]:
     return rid, f"continuing wandb run {rid} (it saved iteration {it})"
 
 
-def prepare(argv: list[str]) -> str | None:
+def prepare(args) -> str | None:
     """Point ``wandb.init`` at the run to continue (every rank sets the variables; megatron's
     last rank reads them in ``open_writers``). The banner's line, or None without
     ``--wandb-project``."""
-    if not flag_value(argv, "--wandb-project"):
+    if not args.wandb_project:
         return None
     if os.environ.get("WANDB_RUN_ID"):
         return f"wandb run {os.environ['WANDB_RUN_ID']} (WANDB_RUN_ID, set outside)"
-    rid, line = choose(argv)
+    rid, line = choose(args)
     if rid is not None:
         os.environ["WANDB_RUN_ID"] = rid
         os.environ.setdefault("WANDB_RESUME", "allow")
