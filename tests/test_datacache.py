@@ -2,6 +2,7 @@
 sharing a cache (a sweep on one dataset) must not crash each other while one builds it."""
 
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -61,17 +62,39 @@ def corpus(path: Path, seed: int = 0) -> str:
     return str(path)
 
 
-@pytest.fixture
-def seam():
-    """The cache seams applied in this process (as ``pretrain_gpt.py`` applies them), megatron's
-    own builders back afterwards."""
+def apply_seams() -> list:
+    """The cache seams applied in this process (as ``pretrain_gpt.py`` applies them); returns
+    megatron's own builders to put back."""
     assert len(ROWS) == 2  # GPTDataset's and BlendedDataset's
     saved = [(compat.owner(s), getattr(*compat.owner(s))) for s in ROWS]
     for (holder, name), orig in saved:
         setattr(holder, name, datacache.atomic_build(getattr(orig, "__md_seam__", orig)))
+    return saved
+
+
+@pytest.fixture
+def seam():
+    """The cache seams applied, megatron's own builders back afterwards."""
+    saved = apply_seams()
     yield
     for (holder, name), orig in saved:
         setattr(holder, name, orig)
+
+
+#: a run's rank 0 building the cache, held inside megatron's first ``numpy.save`` of an index
+#: (argv: this folder, the data prefix, the cache)
+HELD = textwrap.dedent(r"""
+    import os, sys, time
+    sys.path.insert(0, sys.argv[1])
+    import numpy as np
+    import test_datacache as t
+    t.apply_seams()
+    def held(*args, **kwargs):
+        os.write(1, b"building\n")
+        time.sleep(600)
+    np.save = held
+    t.build([sys.argv[2]], sys.argv[3], 1000)
+""")
 
 
 def test_a_second_build_does_not_kill_a_run_reading_the_cache(tmp_path, seam):
@@ -160,3 +183,34 @@ def test_a_builder_that_names_its_files_otherwise_stops_the_run(tmp_path):
     assert "seam into megatron-core's dataset cache no longer fits" in str(e.value)
     assert "-GPTDataset-train-description.txt" in str(e.value)
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_a_killed_build_s_leftovers_are_removed_by_the_next_build(tmp_path, seam):
+    """A build killed outright (kill -9 of rank 0 while megatron writes the indices) leaves its
+    private directory behind; the next build in that cache removes it, and leaves alone a build
+    still running in another process and one of another host."""
+    prefix = corpus(tmp_path / "corpus")
+    cache = tmp_path / "cache"
+    argv = [sys.executable, "-c", HELD, str(Path(__file__).parent), prefix, str(cache)]
+    runs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        for r in runs:
+            assert r.stdout.readline().strip() == "building"
+        killed, live = runs
+        killed.kill()
+        killed.wait()
+        left = sorted(p.name for p in cache.iterdir())
+        assert [n.rsplit("-", 1)[1] for n in left] == sorted([str(killed.pid), str(live.pid)])
+        assert all(n.startswith(".") and "-GPTDataset-train-building-" in n for n in left)
+        here = datacache.builder().rsplit("-", 1)[0]
+        elsewhere = f".x-{here.replace(socket.gethostname(), 'another-host')}-{killed.pid}"
+        (cache / elsewhere).mkdir()
+        build([prefix], str(cache), 1000)
+        assert sorted(p.name for p in cache.iterdir() if p.name.startswith(".")) == sorted(
+            [elsewhere, *(n for n in left if n.endswith(f"-{live.pid}"))]
+        )
+        assert len(list(cache.glob("*-description.txt"))) == 1  # built
+    finally:
+        for r in runs:
+            r.kill()
+            r.wait()

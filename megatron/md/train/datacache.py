@@ -15,7 +15,9 @@ Here rank 0 builds a missed cache in a private directory inside the cache direct
 each file into place (``os.replace``: atomic in one directory), the description last (megatron
 counts a hit only when every file is there). A mapped file is never rewritten: a later build
 replaces the name, and a reader keeps the file it mapped. Concurrent builds do the same work,
-as they did. A build killed outright leaves its ``.<name>-building-*`` directory behind.
+as they did. A build killed outright leaves its private directory behind (a sample index can be
+gigabytes): its name says which process built it (host, boot, PID namespace, pid), and the next
+build in that cache directory on the same host removes those whose process is gone.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import copy
 import functools
 import os
 import shutil
-import tempfile
+import socket
 
 import torch
 
@@ -51,6 +53,44 @@ def stem(ds) -> str:
     return f"{ds.unique_description_hash}-{type(ds).__name__}-{split.name}-"
 
 
+def builder() -> str:
+    """This process as a build directory names it: host, boot, PID namespace and pid (a pid
+    alone means nothing on another host, after a reboot, or in another container)."""
+
+    def read(f, link=False):
+        try:
+            return os.readlink(f) if link else open(f).read()
+        except OSError:
+            return ""
+
+    boot = read("/proc/sys/kernel/random/boot_id").strip()[:8]
+    ns = "".join(c for c in read("/proc/self/ns/pid", link=True) if c.isdigit())
+    return f"building-{socket.gethostname()}-{boot}-{ns}-{os.getpid()}"
+
+
+def remove_stale(final: str, me: str) -> None:
+    """Remove the build directories in ``final`` that a process of this host, boot and PID
+    namespace left when it was killed; another's are left alone."""
+    mine = me.rsplit("-", 1)[0] + "-"
+    for entry in os.listdir(final):
+        pid = entry.rsplit("-", 1)[-1]
+        if entry.startswith(".") and entry.endswith(mine + pid) and pid.isdigit() and gone(pid):
+            shutil.rmtree(os.path.join(final, entry), ignore_errors=True)
+
+
+def gone(pid: str) -> bool:
+    """Whether no process runs as ``pid`` but this one (a process builds one index at a time)."""
+    if int(pid) == os.getpid():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process
+        pass
+    return False
+
+
 def builds_here() -> bool:
     """megatron's rank that builds on a miss (rank 0, or a lone process)."""
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
@@ -71,7 +111,10 @@ def atomic_build(orig, run=None):
         if os.path.isfile(os.path.join(final, name + DESCRIPTION)):
             return orig(self)  # a hit (megatron checks the other files)
         os.makedirs(final, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{name}building-", dir=final)
+        me = builder()
+        remove_stale(final, me)
+        tmp = os.path.join(final, f".{name}{me}")
+        os.mkdir(tmp)
         try:
             self.config = copy.copy(cfg)  # this instance's: train/valid/test share cfg
             self.config.path_to_cache = tmp
