@@ -252,16 +252,18 @@ def wrap_optimizer_config(orig, run=None):
 def wrap_optimizer(orig, run: Run):
     """``enable_md`` on the optimizer megatron built, or the resume fix of megatron's own
     DistributedOptimizer (wrappers.fix_plain_resume); the NaN-step guard where megatron's own
-    check is off; our metrics."""
+    check is off; our metrics. First, on every rank (megatron calls it once, after the model is
+    built and before anything is loaded or saved): ``--save`` is one directory for every node."""
 
     @functools.wraps(orig)
     def get_optimizer(config, model_chunks, *a, **kw):
         from megatron.training import get_args
 
         from megatron.md.enable import enable_md
-        from megatron.md.train import metrics, nonfinite
+        from megatron.md.train import metrics, nonfinite, sharedsave
         from megatron.md.wrappers import fix_plain_resume
 
+        sharedsave.check(get_args().save)
         opt = orig(config, model_chunks, *a, **kw)
         if run.md is not None:
             enable_md(opt, model_chunks, run.md)
