@@ -180,11 +180,13 @@ def test_time_limit_stops_cleanly_and_the_requeued_job_finishes(slurm, tmp_path)
     before the end (the script's 300 s would come at once in a 2-minute job)."""
     env, d = slurm
     step = float(d.joinpath("step_s").read_text()) if d.joinpath("step_s").exists() else 0.1
-    # ~75 s of training at the step measured on the scancel job: the first attempt trains for
-    # under 50 s (its minute counts from megatron's start, ~10 s of start-up), so even at a 30 %
-    # faster step at least one requeue happens; at a slower one MAX_REQUEUES leaves room for
-    # more attempts. Timing-bound: on a machine busy with other work it can fail (CI is quiet)
-    iters = int(75 / step)
+    # ~100 s of training at the step measured on the scancel job: an attempt trains for ~58 s
+    # (its minute counts from megatron's start, ~9 s before the first iteration; measured in a
+    # CI run, 2026-11-27), so at least one requeue happens unless the step runs 1.7x faster
+    # than measured (75 s, the earlier size, ended in the first attempt once: a step 1.35x
+    # faster); at a slower one MAX_REQUEUES leaves room for more attempts. Timing-bound: on a
+    # machine busy with other work it can fail (CI is quiet)
+    iters = int(100 / step)
     env = {**env, "RUN_ROOT": str(tmp_path), "REQUEUE": "1", "MAX_REQUEUES": "4",
            "EXIT_MARGIN_MIN": "1", "SAVE_INTERVAL": "100000"}  # fmt: skip
     log = tmp_path / "tl.out"
