@@ -1,6 +1,9 @@
 """megatron-core's dataset index cache written whole (megatron/md/train/datacache.py): runs
 sharing a cache (a sweep on one dataset) must not crash each other while one builds it."""
 
+import json
+import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -50,13 +53,13 @@ READ = textwrap.dedent(r"""
 """)
 
 
-def corpus(path: Path, seed: int = 0) -> str:
+def corpus(path: Path, seed: int = 0, length: int = 500) -> str:
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     b = IndexedDatasetBuilder(f"{path}.bin", dtype=np.uint16)
     rng = np.random.default_rng(seed)
     for _ in range(400):
-        b.add_item(torch.from_numpy(rng.integers(0, 1000, 500).astype(np.int64)))
+        b.add_item(torch.from_numpy(rng.integers(0, 1000, length).astype(np.int64)))
         b.end_document()
     b.finalize(f"{path}.idx")
     return str(path)
@@ -134,11 +137,13 @@ def test_a_missed_cache_is_built_whole_and_loads_as_megatron_builds_it(tmp_path,
     ours = tmp_path / "ours"
     built = build([a, b], str(ours), 4000, [0.3, 0.7])
     names = sorted(p.name.split("-", 1)[1] for p in ours.iterdir())
+    # megatron's files, and what each was built from (the seam's note)
     assert names == sorted(
         [f"BlendedDataset-train-{f}" for f in
-         ("description.txt", "dataset_index.npy", "dataset_sample_index.npy")]
+         ("description.txt", "dataset_index.npy", "dataset_sample_index.npy", "md_source.json")]
         + [f"GPTDataset-train-{f}" for f in
-           ("description.txt", "document_index.npy", "sample_index.npy", "shuffle_index.npy")] * 2
+           ("description.txt", "document_index.npy", "sample_index.npy", "shuffle_index.npy",
+            "md_source.json")] * 2
     )  # fmt: skip
     stamps = {p.name: p.stat().st_mtime_ns for p in ours.iterdir()}
     again = build([a, b], str(ours), 4000, [0.3, 0.7])
@@ -214,3 +219,75 @@ def test_a_killed_build_s_leftovers_are_removed_by_the_next_build(tmp_path, seam
         for r in runs:
             r.kill()
             r.wait()
+
+
+#: a run's rank 0 whose cache misses, in a mount namespace where the cache is read-only
+#: (argv: this folder, the data prefix, the cache)
+READ_ONLY = textwrap.dedent(r"""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import test_datacache as t
+    from megatron.md import errors
+    t.apply_seams()
+    with errors.one_line():
+        t.build([sys.argv[2]], sys.argv[3], 1000)
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="a read-only mount needs root and util-linux's unshare")  # fmt: skip
+def test_a_miss_in_a_cache_that_cannot_be_written_is_named(tmp_path):
+    """A cache directory that exists (it holds other runs' indices) but is read-only: a run whose
+    indices are not there stops in one line naming the directory and --data-cache-path, not with
+    megatron's traceback from inside its dataset build."""
+    prefix = corpus(tmp_path / "corpus")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    ro = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
+    here = str(Path(__file__).parent)
+    argv = ["unshare", "-m", "sh", "-c", ro, str(cache),
+            sys.executable, "-c", READ_ONLY, here, prefix, str(cache)]  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert last.startswith(
+        f"pretrain_gpt.py: error: dataset cache {cache}: GPTDataset's indices for this run ("
+    ), out.stderr[-3000:]
+    assert "Read-only file system" in last and "--data-cache-path" in last
+    assert "Traceback" not in out.stderr
+    assert list(cache.iterdir()) == []
+
+
+def tokens(ds, picks=(0, 1, 17, 500, 999)) -> list:
+    return [np.asarray(ds[i]["tokens"]).tolist() for i in picks]
+
+
+def test_a_cache_of_a_corpus_preprocessed_again_is_built_again(tmp_path, seam, capsys):
+    """The corpus preprocessed again under the same prefix (here 300-token documents where there
+    were 500): megatron's own builder takes the old cache (its name holds the settings, not the
+    data) and reads the new files through the old indices; with the seam the cache is built
+    again, said once, samples as a fresh cache gives them, and the next build loads it."""
+    prefix = corpus(tmp_path / "corpus")
+    cache = tmp_path / "cache"
+    build([prefix], str(cache), 1000)
+    corpus(tmp_path / "corpus", seed=1, length=300)  # the same prefix, preprocessed again
+    fresh = tokens(build([prefix], str(tmp_path / "fresh"), 1000))
+    for s in ROWS:  # megatron's own builders on the old cache: no rebuild
+        holder, name = compat.owner(s)
+        setattr(holder, name, getattr(holder, name).__wrapped__)
+    stamps = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+    assert tokens(build([prefix], str(cache), 1000)) != fresh
+    assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == stamps
+    apply_seams()
+    capsys.readouterr()
+    assert tokens(build([prefix], str(cache), 1000)) == fresh
+    said = capsys.readouterr().out
+    assert said.count("[megatron-md] dataset cache ") == 1 and "building it again" in said, said
+    (note,) = cache.glob("*md_source.json")
+    assert json.loads(note.read_text()) == {
+        "bin": Path(prefix + ".bin").stat().st_size, "idx": Path(prefix + ".idx").stat().st_size
+    }  # fmt: skip
+    stamps = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+    assert tokens(build([prefix], str(cache), 1000)) == fresh  # a hit now
+    assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == stamps
+    assert "dataset cache" not in capsys.readouterr().out

@@ -18,19 +18,31 @@ replaces the name, and a reader keeps the file it mapped. Concurrent builds do t
 as they did. A build killed outright leaves its private directory behind (a sample index can be
 gigabytes): its name says which process built it (host, boot, PID namespace, pid), and the next
 build in that cache directory on the same host removes those whose process is gone.
+
+megatron's cache names hold the settings, not the data: a corpus preprocessed again under the
+same prefix (another tokenizer, other documents) met the old indices, and megatron read the new
+files through them without a word (samples cut at the old documents' lengths and offsets; new
+documents never drawn). Each build here also notes what it was built from
+(``<name>md_source.json``: the sizes of the corpus's ``.bin`` and ``.idx``; a blend's datasets'
+lengths); a cache whose note differs from the data is built again, said on rank 0. A cache
+without the note (built by megatron alone) is used as it is.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
 import shutil
 import socket
 
 import torch
 
+from megatron.md import errors
+
 DESCRIPTION = "description.txt"
+SOURCE = "md_source.json"
 
 
 def cache_dir(ds) -> str | None:
@@ -51,6 +63,35 @@ def stem(ds) -> str:
     """The cache files' common name start (gpt_dataset.py:477, blended_dataset.py:133)."""
     split = ds.split if hasattr(ds, "split") else ds.index_split  # BlendedDataset / GPTDataset
     return f"{ds.unique_description_hash}-{type(ds).__name__}-{split.name}-"
+
+
+def source(ds) -> dict | None:
+    """What ``ds``'s indices are built from, as far as a change of it changes them: a
+    GPTDataset's corpus files' sizes, a BlendedDataset's datasets' lengths (None: mock data, or
+    files that cannot be sized, such as object storage)."""
+    from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
+
+    if hasattr(ds, "datasets"):  # BlendedDataset
+        return {"lengths": [len(d) for d in ds.datasets]}
+    prefix = getattr(getattr(ds, "dataset", None), "path_prefix", None)
+    try:
+        return {"bin": os.path.getsize(get_bin_path(prefix)),
+                "idx": os.path.getsize(get_idx_path(prefix))} if prefix else None  # fmt: skip
+    except OSError:
+        return None
+
+
+def stale(final: str, name: str, now: dict | None) -> str | None:
+    """Why the cached indices ``name`` in ``final`` were built from other data than ``now``
+    (None: the same, or not known)."""
+    try:
+        with open(os.path.join(final, name + SOURCE)) as f:
+            then = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if now is None or then == now:
+        return None
+    return f"built from {then}, the data now {now}"
 
 
 def builder() -> str:
@@ -108,13 +149,25 @@ def atomic_build(orig, run=None):
         if final is None or cfg.defer_npy_index_mmap or cfg.fast_cache_load or not builds_here():
             return orig(self)
         name = stem(self)
+        now, why = source(self), None
         if os.path.isfile(os.path.join(final, name + DESCRIPTION)):
-            return orig(self)  # a hit (megatron checks the other files)
-        os.makedirs(final, exist_ok=True)
+            why = stale(final, name, now)
+            if why is None:
+                return orig(self)  # a hit (megatron checks the other files)
+            print(f"[megatron-md] dataset cache {os.path.join(final, name)}*: {why}; building "
+                  "it again", flush=True)  # fmt: skip
         me = builder()
-        remove_stale(final, me)
         tmp = os.path.join(final, f".{name}{me}")
-        os.mkdir(tmp)
+        try:
+            os.makedirs(final, exist_ok=True)
+            remove_stale(final, me)
+            os.mkdir(tmp)
+        except OSError as e:
+            errors.fail(
+                f"dataset cache {final}: {type(self).__name__}'s indices for this run "
+                f"({name}*) are not there{' for this data' if why else ''}, and it cannot be "
+                f"written ({e.strerror}): give --data-cache-path a directory this job can write"
+            )
         try:
             self.config = copy.copy(cfg)  # this instance's: train/valid/test share cfg
             self.config.path_to_cache = tmp
@@ -130,6 +183,10 @@ def atomic_build(orig, run=None):
                     "(megatron/md/train/datacache.py, written against 0.19.2)"
                 )
             written.remove(name + DESCRIPTION)
+            if now is not None:
+                with open(os.path.join(tmp, name + SOURCE), "w") as f:
+                    json.dump(now, f)
+                written.append(name + SOURCE)
             for f in [*written, name + DESCRIPTION]:  # the description last: then a hit
                 os.replace(os.path.join(tmp, f), os.path.join(final, f))
         finally:
