@@ -218,6 +218,38 @@ def test_load_names_a_missing_or_partial_checkpoint(tmp_path):
         locate(str(tmp_path))
 
 
+def test_a_tracker_naming_no_complete_checkpoint_lists_the_complete_ones(tmp_path):
+    """A tracker cut while megatron wrote it, or naming a save that was cut: the refusal lists
+    the complete checkpoints the directory holds (``--ckpt-step``), not the cut one."""
+    from megatron.md.train.ckpt_checks import locate
+
+    for i in (2, 4, 6):
+        (tmp_path / f"iter_{i:07d}").mkdir()
+    for i in (2, 4):
+        (tmp_path / f"iter_{i:07d}" / ".metadata").write_bytes(b"")
+    tracker = tmp_path / "latest_checkpointed_iteration.txt"
+    tracker.write_text("")
+    with pytest.raises(SystemExit) as e:
+        locate(str(tmp_path))
+    assert str(e.value).endswith(f"holds '', not an iteration (a save cut while writing it?): "
+                                 f"resume a complete one with --ckpt-step N ({tmp_path} holds "
+                                 "2, 4)")  # fmt: skip
+    tracker.write_text("6")
+    with pytest.raises(SystemExit) as e:
+        locate(str(tmp_path))
+    assert f"resume a complete one with --ckpt-step N ({tmp_path} holds 2, 4); nothing" in str(
+        e.value
+    )
+    with pytest.raises(SystemExit) as e:
+        locate(str(tmp_path), step=8)
+    assert f"({tmp_path} holds 2, 4)" in str(e.value)
+    for i in (2, 4):
+        (tmp_path / f"iter_{i:07d}" / ".metadata").unlink()
+    with pytest.raises(SystemExit) as e:
+        locate(str(tmp_path))
+    assert f"{tmp_path} holds no other complete checkpoint; nothing was read" in str(e.value)
+
+
 def test_help_prints(capsys):
     """``--help`` lists megatron's flags and ours (upstream's help strings hold a bare ``%``,
     which argparse's formatting would choke on)."""

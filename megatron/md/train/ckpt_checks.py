@@ -51,6 +51,17 @@ def iterations(load: str) -> list[int]:
     return sorted(int(m.group(1)) for n in names if (m := re.fullmatch(r"iter_(\d{7})", n)))
 
 
+def resumable(load: str, but: str | None = None) -> str:
+    """The way out of a tracker that names no complete checkpoint: the complete ones ``load``
+    holds (the last five), to resume with ``--ckpt-step``."""
+    done = [i for i in iterations(load) if f"iter_{i:07d}" != but
+            and saved_format(os.path.join(load, f"iter_{i:07d}"))]  # fmt: skip
+    if not done:
+        return f"{load} holds no other complete checkpoint"
+    return (f"resume a complete one with --ckpt-step N ({load} holds "
+            f"{', '.join(map(str, done[-5:]))})")  # fmt: skip
+
+
 def same_dir(a: str, b: str) -> bool:
     """``a`` and ``b`` name one directory (a trailing slash, a relative path, a symlink)."""
     return os.path.realpath(a) == os.path.realpath(b)
@@ -128,13 +139,15 @@ def locate(load: str, step: int | None = None, flag: str = "--load") -> Checkpoi
         try:
             name = f"iter_{int(text):07d}"
         except ValueError:
-            errors.fail(f"{flag} {load}: {tracker} holds {text!r}, not an iteration")
+            errors.fail(f"{flag} {load}: {tracker} holds {text!r}, not an iteration (a save "
+                        f"cut while writing it?): {resumable(load)}")  # fmt: skip
     path = os.path.join(load, name)
     if fmt := saved_format(path):
         return Checkpoint(path, fmt)
     errors.fail(
         f"{flag} {load}: {path} is missing or not a complete checkpoint (neither torch_dist's "
-        ".metadata nor torch's mp_rank_* files); nothing was read or changed"
+        f".metadata nor torch's mp_rank_* files): {resumable(load, name)}; nothing was read or "
+        "changed"
     )
 
 
