@@ -127,6 +127,28 @@ def test_a_run_killed_mid_write_and_requeued_reads_on(tmp_path):
         read_log(f)
 
 
+def test_a_restart_supersedes_what_earlier_attempts_logged_beyond_it(tmp_path):
+    """A run logged iterations 1-8 (evaluations at 4 and 8), was rewound to its checkpoint at 4
+    (``--ckpt-step 4``) and has logged 5-6 since: its curve is 1-4 of the first attempt and 5-6
+    of the second; 7-8 and the evaluation at 8 belong to a branch no longer in the run (the
+    tail loss and the last iteration are the second attempt's), the evaluation at 4 stays."""
+    from runlog import read_log
+
+    def rows(kind, its, loss):
+        return "".join(json.dumps({"type": kind, "iteration": i, "lm loss": loss}) + "\n"
+                       for i in its)  # fmt: skip
+
+    run = json.dumps({"type": "run", "args": {}}) + "\n"
+    f = tmp_path / "metrics.jsonl"
+    f.write_text(run + rows("train", range(1, 5), 3.0) + rows("valid", [4], 3.5)
+                 + rows("train", range(5, 9), 2.5) + rows("valid", [8], 3.4)
+                 + run + rows("train", range(5, 7), 2.0))  # fmt: skip
+    log = read_log(f)
+    assert log.losses() == [(1, 3.0), (2, 3.0), (3, 3.0), (4, 3.0), (5, 2.0), (6, 2.0)]
+    assert sorted(log.valid) == [4] and log.last_iteration() == 6
+    assert log.tail_loss(3) == (3.0 + 2.0 + 2.0) / 3
+
+
 def test_lr_sweep_finds_optimum_and_reports_broken_runs(tmp_path):
     lrs = [1e-3 * 2**k for k in range(6)]
     optimum = {("tiny", "adamw"): 4e-3, ("tiny", "muonmd"): 32e-3, ("dense-181M", "muonmd"): 8e-3}

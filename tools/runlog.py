@@ -3,11 +3,14 @@
 ``iteration`` and a loss column, and sweep manifests (``examples/md_decoupling/sweep.py``);
 and launching ``pretrain_gpt.py`` on local processes for the tools that make their own runs.
 
-A resumed run appends to the same JSONL file, so iterations can repeat: the last row of an
-iteration wins (it is the one the surviving run continued from). A run killed mid-write leaves
-a partial line: at the end of the file, or, once the requeued run appended to it, before its
-"run" row (on its own line since the writer ends a partial line first; on the same line in
-files written before that): the partial row is skipped, the restart's rows are read.
+A resumed run appends to the same JSONL file, so iterations can repeat: a restart's rows
+supersede every row the attempts before it logged from its first logged iteration on (it
+resumed from a checkpoint before that: what they logged beyond it is a branch no longer in the
+run, also where the restart has not reached it yet, as after a ``--ckpt-step`` rewind). A run
+killed mid-write leaves a partial line: at the end of the file, or, once the requeued run
+appended to it, before its "run" row (on its own line since the writer ends a partial line
+first; on the same line in files written before that): the partial row is skipped, the
+restart's rows are read.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ def read_log(path: str | Path) -> RunLog:
         return _read_csv(path)
     log = RunLog(path)
     partial = None  # the number of a partial line: skipped if a restart's run row follows
+    restarted = False  # a run row after the first, no train row of it yet
     with path.open() as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -86,10 +90,16 @@ def read_log(path: str | Path) -> RunLog:
                 break
             partial = None
             if kind == "run":
+                restarted = bool(log.run)
                 log.run = log.run or row
             elif kind in ("train", "valid"):
                 if not isinstance(row.get("iteration"), int):
                     raise LogError(f"{path}:{n}: {kind} row without an integer 'iteration'")
+                if kind == "train" and restarted:
+                    restarted = False
+                    for rows in (log.train, log.valid):
+                        for i in [i for i in rows if i >= row["iteration"]]:
+                            del rows[i]
                 (log.train if kind == "train" else log.valid)[row["iteration"]] = row
         else:
             return log  # (a partial last line: the run was killed while writing it)
