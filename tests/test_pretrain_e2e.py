@@ -438,6 +438,42 @@ def test_a_save_that_cannot_write_ends_in_one_line_and_keeps_the_previous(runs, 
     kept_10(d, before)  # and the resume from there: the SIGKILL test's
 
 
+def test_a_rewind_is_made_once_and_its_requeue_continues(runs, tmp_path):
+    """A rewind in the run's own --save (``--ckpt-step 10`` where the tracker names 20, as our
+    refusals advise for a bad latest checkpoint) resumes 10 and the tracker names 10 once it has
+    loaded (megatron/md/train/rewind.py); the run saves 15 (``--exit-interval 15``), the
+    abandoned branch's 20 untouched. Its requeue, started with the same flags as the launcher
+    does, continues from 15 — not from 10 again — and finishes at 20."""
+    import shutil
+
+    d = tmp_path / "run"
+    for it in ("iter_0000010", "iter_0000020"):
+        shutil.copytree(runs["adam_md"][1] / it, d / it)
+    (d / "latest_checkpointed_iteration.txt").write_text("20")
+    old_20 = tree(d / "iter_0000020")
+    flags = ["--train-iters=20", f"--load={d}", f"--save={d}", "--save-interval=10",
+             "--ckpt-step=10", "--exit-interval=15", *RUNS["adam_md"]]  # fmt: skip
+    outs = []
+    for name, restarts in (("rewound", "0"), ("requeued", "1")):
+        cmd, env = command(tmp_path, name, *flags)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                             env={**env, "SLURM_RESTART_COUNT": restarts})  # fmt: skip
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        outs.append(out.stdout)
+        if name == "rewound":
+            assert (d / "latest_checkpointed_iteration.txt").read_text() == "15"
+            assert tree(d / "iter_0000020") == old_20  # megatron would write over it at 20
+    assert ("[megatron-md] rewound to iteration 10: the tracker names it now (it named 20)"
+            in outs[0])  # fmt: skip
+    assert ("[megatron-md] requeued: continuing from iteration 15, saved by this job after it "
+            "rewound to 10") in outs[1]  # fmt: skip
+    for name, its in (("rewound", range(11, 16)), ("requeued", range(16, 21))):
+        rows = [json.loads(ln) for ln in (tmp_path / f"{name}.jsonl").open()]
+        assert [r["iteration"] for r in rows if r["type"] == "train"] == list(its), name
+    assert (d / "latest_checkpointed_iteration.txt").read_text() == "20"
+    assert tree(d / "iter_0000020") != old_20  # the rewound branch's 20 now
+
+
 def test_a_run_whose_save_directory_is_in_use_stops_before_training(runs, tmp_path):
     """A second run in a --save another run is saving in (a job submitted twice) would write
     over its checkpoints: it stops at start-up in one line naming the holder (rank 0 of the

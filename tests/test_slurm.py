@@ -183,9 +183,8 @@ def test_time_limit_stops_cleanly_and_the_requeued_job_finishes(slurm, tmp_path)
     # ~100 s of training at the step measured on the scancel job: an attempt trains for ~58 s
     # (its minute counts from megatron's start, ~9 s before the first iteration; measured in a
     # CI run, 2026-11-27), so at least one requeue happens unless the step runs 1.7x faster
-    # than measured (75 s, the earlier size, ended in the first attempt once: a step 1.35x
-    # faster); at a slower one MAX_REQUEUES leaves room for more attempts. Timing-bound: on a
-    # machine busy with other work it can fail (CI is quiet)
+    # than measured (seen: 1.35x); at a slower one MAX_REQUEUES leaves room for more attempts.
+    # Timing-bound: on a machine busy with other work it can fail (CI is quiet)
     iters = int(100 / step)
     env = {**env, "RUN_ROOT": str(tmp_path), "REQUEUE": "1", "MAX_REQUEUES": "4",
            "EXIT_MARGIN_MIN": "1", "SAVE_INTERVAL": "100000"}  # fmt: skip

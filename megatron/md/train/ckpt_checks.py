@@ -51,6 +51,15 @@ def iterations(load: str) -> list[int]:
     return sorted(int(m.group(1)) for n in names if (m := re.fullmatch(r"iter_(\d{7})", n)))
 
 
+def tracked(d: str) -> int | None:
+    """The iteration ``d``'s tracker names (None: no tracker, ``release``, or damaged)."""
+    try:
+        with open(os.path.join(d, TRACKER)) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def resumable(load: str, but: str | None = None) -> str:
     """The way out of a tracker that names no complete checkpoint: the complete ones ``load``
     holds (the last five), to resume with ``--ckpt-step``."""

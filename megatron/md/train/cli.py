@@ -18,8 +18,8 @@ import traceback
 from megatron.md import errors
 from megatron.md.launch import flag_value
 from megatron.md.train import args as md_args
-from megatron.md.train import patches, presets, runlock, shutdown, startup, wandbrun
-from megatron.md.train.ckpt_checks import TRACKER
+from megatron.md.train import patches, presets, rewind, runlock, shutdown, startup, wandbrun
+from megatron.md.train.ckpt_checks import TRACKER, tracked
 from megatron.md.train.recipes import MD_RECIPE
 
 
@@ -173,11 +173,13 @@ def main(argv: list[str] | None = None) -> None:
         startup.check_stack(args)
         # before any expensive work, or any write (the last rank's metrics row)
         unlocked = runlock.hold(args.save, rank(), int(os.environ.get("WORLD_SIZE", "1")))
+        requeue_line = rewind.settle(args)  # (before wandb: which checkpoint it resumes)
         wandb_line = wandbrun.prepare(args)
         if rank() == 0:
             print(startup.banner(args, md), flush=True)
-            if wandb_line:
-                print("[megatron-md] " + wandb_line, flush=True)
+            for line in (requeue_line, wandb_line):
+                if line:
+                    print("[megatron-md] " + line, flush=True)
             if unlocked:
                 print("[megatron-md] warning: " + unlocked, flush=True)
         wandbrun.open_writers(args)  # (megatron opens them while parsing: compat's parser rows)
@@ -241,11 +243,7 @@ def mark_finished(args) -> None:
     requeue logic reads it; a run stopped early by time or signal has none)."""
     if not args.save or rank() != 0:
         return
-    tracker = os.path.join(args.save, TRACKER)
-    try:
-        done = int(open(tracker).read().strip()) >= args.train_iters
-    except (OSError, ValueError):
-        return
-    if done:
+    saved = tracked(args.save)
+    if saved is not None and saved >= args.train_iters:
         with open(os.path.join(args.save, "finished"), "w") as f:
             f.write(f"{args.train_iters}\n")

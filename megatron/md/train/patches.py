@@ -280,7 +280,8 @@ def wrap_optimizer(orig, run: Run):
 def wrap_load(orig, run: Run):
     """Before megatron reads a checkpoint: find and check it (ckpt_checks), MD state against
     the flags; after: non-finite values refused, MD state made from the weights where none
-    loaded. ``--init-from`` starts a continual run from another run's checkpoint."""
+    loaded, a rewind's tracker (rewind.mark). ``--init-from`` starts a continual run from
+    another run's checkpoint."""
 
     @functools.wraps(orig)
     def load(model, optimizer, *a, **kw):
@@ -288,7 +289,7 @@ def wrap_load(orig, run: Run):
         from megatron.training.utils import print_rank_0
 
         from megatron.md.checkpoint import prepare_md_load
-        from megatron.md.train import ckpt_checks, nonfinite, savefail
+        from megatron.md.train import ckpt_checks, nonfinite, rewind, savefail
         from megatron.md.wrappers import begin_model_load, finish_model_load
 
         args = get_args()
@@ -327,6 +328,8 @@ def wrap_load(orig, run: Run):
                          "weights")  # fmt: skip
         if ckpt is not None:
             nonfinite.check_loaded(model, optimizer, ckpt.path, args.load)
+            if line := rewind.mark(args, torch.distributed.get_rank()):
+                print("[megatron-md] " + line, flush=True)
         return out
 
     return load

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 
-from megatron.md.train.ckpt_checks import TRACKER, same_dir
+from megatron.md.train.ckpt_checks import same_dir, tracked
 
 FILE = "wandb_runs.json"
 
@@ -36,12 +36,9 @@ def resumed_iteration(args) -> int | None:
     """The iteration a run loads from its own ``--save`` (None: it resumes none)."""
     if not (args.save and args.load and same_dir(args.load, args.save)) or args.finetune:
         return None
-    try:
-        if args.ckpt_step is not None:
-            return int(args.ckpt_step)
-        return int(open(os.path.join(args.save, TRACKER)).read())
-    except (OSError, ValueError):  # no tracker: a first start ("release": not a run's own)
-        return None
+    if args.ckpt_step is not None:
+        return int(args.ckpt_step)
+    return tracked(args.save)  # None: a first start ("release": not a run's own)
 
 
 def read(save: str) -> dict:

@@ -1,0 +1,60 @@
+"""``--ckpt-step N`` in a run's own ``--save``: a rewind, made once.
+
+A rewind (``--ckpt-step N`` of an iteration before the one the tracker names, in the run's own
+``--save``: the way out our refusals give for a non-finite or damaged latest checkpoint) loads
+N, and megatron leaves the tracker naming the abandoned branch's latest until the first save.
+Two things followed:
+
+- a job of the SLURM launcher passes its flags again at every requeue, so each requeued attempt
+  rewound to N again and trained the same iterations over, throwing away what the attempt
+  before it had saved (every attempt, up to the launcher's ``MAX_REQUEUES``);
+- megatron's ``--save-retain-interval`` deletes, at a save, the checkpoint the tracker names
+  (``checkpointing.py``, ``iter_finalize_fn``): the rewound run's first save deleted the
+  abandoned branch's latest (measured, 2026-11-27), not its own previous one.
+
+Here, once checkpoint N has loaded, rank 0 writes N into the tracker: the directory says what
+the run is. A requeued attempt (``SLURM_RESTART_COUNT`` > 0) whose tracker names an iteration
+after N continues from it (this job saved it after its rewind), and says so.
+"""
+
+from __future__ import annotations
+
+import os
+
+from megatron.md.train.ckpt_checks import TRACKER, same_dir, tracked
+
+
+def own(args) -> bool:
+    """``--ckpt-step`` in the run's own ``--save`` (a rewind or a jump, not another run's)."""
+    return (args.ckpt_step is not None and bool(args.save and args.load)
+            and same_dir(args.load, args.save))  # fmt: skip
+
+
+def settle(args) -> str | None:
+    """Every rank, while parsing: a requeued attempt of a rewound job continues from what the job
+    saved since (``args.ckpt_step`` dropped); the line to print, or None."""
+    if not own(args) or int(os.environ.get("SLURM_RESTART_COUNT") or 0) == 0:
+        return None
+    saved, step = tracked(args.save), args.ckpt_step
+    if saved is None or saved <= step:
+        return None
+    args.ckpt_step = None
+    return (f"requeued: continuing from iteration {saved}, saved by this job after it rewound to "
+            f"{step} (--ckpt-step {step} rewinds the job's first attempt only)")  # fmt: skip
+
+
+def mark(args, rank: int) -> str | None:
+    """Rank 0, once checkpoint ``--ckpt-step`` has loaded in the run's own ``--save``: the
+    tracker names it (written whole); the line to print, or None."""
+    if rank != 0 or not own(args):
+        return None
+    before, step = tracked(args.save), args.ckpt_step
+    if before == step:
+        return None
+    tracker = os.path.join(args.save, TRACKER)
+    tmp = f"{tracker}.md-rewind"
+    with open(tmp, "w") as f:
+        f.write(str(step))
+    os.replace(tmp, tracker)
+    return (f"rewound to iteration {step}: the tracker names it now (it named {before}); "
+            "checkpoints after it stay until this run saves over them")  # fmt: skip
