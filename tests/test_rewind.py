@@ -12,6 +12,7 @@ def run(d, step, load=None) -> Namespace:
 
 def test_a_requeued_attempt_continues_from_what_the_job_saved_since(tmp_path, monkeypatch):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("15")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     args = run(tmp_path, 10)
     line = rewind.settle(args)
@@ -20,6 +21,9 @@ def test_a_requeued_attempt_continues_from_what_the_job_saved_since(tmp_path, mo
         monkeypatch.setenv("SLURM_RESTART_COUNT", restarts)  # the job's first attempt
         args = run(tmp_path, step)
         assert rewind.settle(args) is None and args.ckpt_step == step
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun restarted the ranks
+    args = run(tmp_path, 10)
+    assert rewind.settle(args) is not None and args.ckpt_step is None
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
     other = tmp_path / "other"  # another run's directory: its tracker is not this job's
     other.mkdir()

@@ -13,8 +13,9 @@ Two things followed:
   abandoned branch's latest (measured, 2026-11-27), not its own previous one.
 
 Here, once checkpoint N has loaded, rank 0 writes N into the tracker: the directory says what
-the run is. A requeued attempt (``SLURM_RESTART_COUNT`` > 0) whose tracker names an iteration
-after N continues from it (this job saved it after its rewind), and says so.
+the run is. A requeued attempt (``SLURM_RESTART_COUNT`` > 0; or torchrun's own restart of its
+ranks, ``TORCHELASTIC_RESTART_COUNT`` > 0, with the same flags too) whose tracker names an
+iteration after N continues from it (this job saved it after its rewind), and says so.
 """
 
 from __future__ import annotations
@@ -30,10 +31,16 @@ def own(args) -> bool:
             and same_dir(args.load, args.save))  # fmt: skip
 
 
+def restarted() -> bool:
+    """A later attempt of the same launch: requeued by SLURM, or its ranks restarted by torchrun."""
+    return any(int(os.environ.get(k) or 0) > 0
+               for k in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"))  # fmt: skip
+
+
 def settle(args) -> str | None:
-    """Every rank, while parsing: a requeued attempt of a rewound job continues from what the job
-    saved since (``args.ckpt_step`` dropped); the line to print, or None."""
-    if not own(args) or int(os.environ.get("SLURM_RESTART_COUNT") or 0) == 0:
+    """Every rank, before the run starts: a later attempt of a rewound job continues from what
+    the job saved since (``args.ckpt_step`` dropped); the line to print, or None."""
+    if not own(args) or not restarted():
         return None
     saved, step = tracked(args.save), args.ckpt_step
     if saved is None or saved <= step:
