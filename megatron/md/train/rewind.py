@@ -63,5 +63,6 @@ def mark(args, rank: int) -> str | None:
     with open(tmp, "w") as f:
         f.write(str(step))
     os.replace(tmp, tracker)
-    return (f"rewound to iteration {step}: the tracker names it now (it named {before}); "
-            "checkpoints after it stay until this run saves over them")  # fmt: skip
+    named = f"it named {before}" if before is not None else "it named no iteration"
+    return (f"rewound to iteration {step}: the tracker names it now ({named}); checkpoints "
+            "after it stay until this run saves over them")  # fmt: skip
