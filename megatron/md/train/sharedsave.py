@@ -30,13 +30,12 @@ def check(save: str | None) -> None:
         return
     rank = dist.get_rank()
     name = [PREFIX + secrets.token_hex(8) if rank == 0 else None]
+    if rank == 0:  # written before its name is sent: the broadcast is the only wait needed
+        os.makedirs(save, exist_ok=True)
+        with open(os.path.join(save, name[0]), "w") as f:
+            f.write(f"rank 0 on {socket.gethostname()}\n")
     dist.broadcast_object_list(name, src=0)
     probe = os.path.join(save, name[0])
-    if rank == 0:
-        os.makedirs(save, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write(f"rank 0 on {socket.gethostname()}\n")
-    dist.barrier()
     first_here = int(os.environ.get("LOCAL_RANK", "0")) == 0  # one look per node
     seen = os.path.exists(probe) if first_here else True
     views: list = [None] * dist.get_world_size()
