@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from megatron.md import compat
+from megatron.md.launch import free_port
 from megatron.md.train import datacache
 
 ROWS = [s for s in compat.SEAMS if s.replace == "megatron.md.train.datacache:atomic_build"]
@@ -291,3 +292,67 @@ def test_a_cache_of_a_corpus_preprocessed_again_is_built_again(tmp_path, seam, c
     assert tokens(build([prefix], str(cache), 1000)) == fresh  # a hit now
     assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == stamps
     assert "dataset cache" not in capsys.readouterr().out
+
+
+#: a rank of a gloo job building a blend (argv: this folder, the cache, the data prefixes):
+#: megatron's builder builds on rank 0, then, after a barrier, on the others
+RANK = textwrap.dedent(r"""
+    import json, os, sys
+    sys.path.insert(0, sys.argv[1])
+    import torch.distributed as dist
+    import test_datacache as t
+    t.apply_seams()
+    dist.init_process_group("gloo")
+    ds = t.build(sys.argv[3:], sys.argv[2], 1000, [0.5, 0.5])
+    os.write(1, ("tokens " + json.dumps(t.tokens(ds)) + "\n").encode())
+""")
+
+
+@pytest.mark.distributed
+def test_a_node_that_does_not_see_rank_0_s_cache_builds_its_own_once(tmp_path, seam):
+    """Three gloo ranks: rank 0 with its cache, ranks 1 and 2 (a second node) with another, as
+    a cache beside a corpus copied to each node's disk is. megatron's ranks 1 and 2 loaded
+    rank 0's files where their node has none: FileNotFoundError after the model was built
+    (checked by hand with a real 2-rank ``pretrain_gpt.py``, 2026-11-28). Here the second
+    node's cache holds a GPTDataset built from the corpus before it was preprocessed again and
+    no blend: one of its ranks builds both (one line each), the other then loads them; the
+    second node's files are rank 0's, and every rank reads the same samples."""
+    a, b = corpus(tmp_path / "a", 0), corpus(tmp_path / "b", 1)
+    caches = [tmp_path / "node0", tmp_path / "node1"]
+    build([a, b], str(caches[1]), 1000, [0.5, 0.5])  # the second node's old cache
+    for p in caches[1].glob("*BlendedDataset*"):
+        p.unlink()
+    corpus(tmp_path / "a", 2, 300)  # preprocessed again (copied to both nodes)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": "3", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    here = str(Path(__file__).parent)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, here, str(caches[min(r, 1)]), a, b],
+            env={**env, "RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for r in range(3)
+    ]
+    outs = [(p.communicate(timeout=300), p.returncode) for p in procs]
+    assert [rc for _, rc in outs] == [0] * 3, [err[-3000:] for (_, err), _ in outs]
+    said = [line for (out, _), _ in outs for line in out.splitlines()]
+    toks = {line for line in said if line.startswith("tokens ")}
+    assert len(toks) == 1, said  # every rank reads the same samples
+    built = [line for line in said if line.startswith("[megatron-md] dataset cache")]
+    assert len(built) == 2, said  # the second node: its stale GPTDataset, its missing blend
+    assert any(f"{caches[1]}/" in b and "GPTDataset-train-*: built from" in b for b in built)
+    assert any("BlendedDataset-train-*: not there on " in b for b in built)
+    assert all("building it on this node" in b for b in built)
+    names = sorted(p.name for p in caches[0].iterdir())
+    assert sorted(p.name for p in caches[1].iterdir() if not p.name.startswith(".")) == names
+    for name in names:
+        mine, theirs = caches[0] / name, caches[1] / name
+        if name.endswith(".npy"):
+            assert np.array_equal(np.load(mine), np.load(theirs)), name
+        else:
+            assert mine.read_text() == theirs.read_text(), name
+    hidden = sorted(p.name for p in caches[1].iterdir() if p.name.startswith("."))
+    assert len(hidden) == 2 and all(h.endswith("-train-lock") for h in hidden), hidden  # built

@@ -2,25 +2,12 @@
 before it trains. A second node is rank 1 in its own mount namespace, where an empty tmpfs is
 mounted over ``--save``: the same path, another directory, as a node-local ``/tmp`` is."""
 
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from _nodes import NODES, ROOT, ranks
 
 from megatron.md import errors
-from megatron.md.launch import free_port
 
-pytestmark = [
-    pytest.mark.distributed,
-    pytest.mark.skipif(
-        os.geteuid() != 0 or shutil.which("unshare") is None,
-        reason="mounting a node-local --save needs root and util-linux's unshare",
-    ),
-]
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.distributed, NODES]
 
 #: a rank: gloo set up from the launcher's variables, then the check on argv[1]
 CHECK = r"""
@@ -33,29 +20,6 @@ with errors.one_line():
     sharedsave.check(sys.argv[1])
 os.write(1, b"shared\n")
 """
-
-
-def ranks(save: Path, argv: list[str], node_local: bool) -> list[subprocess.CompletedProcess]:
-    """``argv`` as 2 ranks; rank 1 the first rank of a second node whose ``save`` is its own
-    (``node_local``), or rank 1 of the same node."""
-    save.mkdir(parents=True, exist_ok=True)  # (the mount point)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # fmt: skip
-    procs = []
-    for r in (0, 1):
-        cmd = [sys.executable, *argv]
-        if r == 1 and node_local:
-            cmd = ["unshare", "-m", "sh", "-c", 'mount -t tmpfs tmpfs "$0" && exec "$@"',
-                   str(save), *cmd]  # fmt: skip
-        local = "0" if node_local else str(r)
-        procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": local},
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, cwd=save.parent))  # fmt: skip
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=300)
-        outs.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    return outs
 
 
 def test_a_save_every_node_shares_passes_and_is_left_as_it_was(tmp_path):

@@ -8,6 +8,8 @@ from functools import partial
 
 import torch
 
+from megatron.md.train.datacheck import check_same_samples
+
 
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
     from megatron.core.datasets.blended_megatron_dataset_builder import (
@@ -47,6 +49,7 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
         from megatron.md.train.continual import OffsetDataset
 
         train = OffsetDataset(train, offset)
+    check_same_samples((train, valid, test))  # each node may read its own files and cache
     return train, valid, test
 
 

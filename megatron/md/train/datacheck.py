@@ -9,9 +9,14 @@ int64 byte pointers[S], int64 document indices[D] (and int8 modes[S] for multimo
 from __future__ import annotations
 
 import os
+import socket
 import struct
+import zlib
 
 import numpy as np
+import torch
+
+from megatron.md import errors
 
 MAGIC = b"MMIDIDX\x00\x00"
 HEADER = 34
@@ -92,3 +97,50 @@ def check_data(prefixes: list[str], args, scan_tokens: bool | None = None) -> st
                 "data was made with another tokenizer (or --vocab-size is too small)"
             )
     return None
+
+
+#: samples compared across ranks per split (evenly spaced, the first and the last included)
+PICKS = 8
+
+
+def fingerprint(ds) -> tuple | None:
+    """A split's length and the CRC-32 of the tokens of ``PICKS`` of its samples."""
+    if ds is None:
+        return None
+    n = len(ds)
+    picks = sorted({round(i * (n - 1) / (PICKS - 1)) for i in range(PICKS)}) if n else []
+    return n, [(i, zlib.crc32(np.asarray(ds[i]["tokens"]).tobytes())) for i in picks]
+
+
+def check_same_samples(splits) -> None:
+    """Every rank reads the samples rank 0 reads (a collective, on every rank after the
+    datasets are built). Each node reads its own ``--data-path`` files and dataset cache: a
+    corpus copied to each node's disk and a cache beside it on that disk are the node's own, and
+    a copy of another version of the corpus, or a cache megatron built from one (it names caches
+    by the settings, not the data), trained that node on other samples than the flags say,
+    without a word."""
+    dist = torch.distributed
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = [fingerprint(ds) for ds in splits]
+    views: list = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (socket.gethostname(), mine))
+    host0, ref = views[0]
+    for rank, (host, theirs) in enumerate(views):
+        for split, a, b in zip(("train", "valid", "test"), ref, theirs):
+            if a == b:
+                continue
+            errors.fail(
+                f"rank {rank} on {host} reads other {split} samples than rank 0 on {host0} "
+                f"({differ(a, b)}): its --data-path files or "
+                "their dataset cache are not rank 0's (a node-local copy of another version of "
+                "the corpus, or a node-local cache built from one): give every node the same "
+                "data, and --data-cache-path a directory every node shares"
+            )
+
+
+def differ(a: tuple | None, b: tuple | None) -> str:
+    """How split fingerprint ``b`` differs from rank 0's ``a``."""
+    if not (a and b) or a[0] != b[0]:
+        return f"{b[0] if b else 0} samples, rank 0 {a[0] if a else 0}"
+    return "sample {} differs".format(next(i for (i, x), (_, y) in zip(a[1], b[1]) if x != y))
