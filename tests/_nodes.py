@@ -22,12 +22,13 @@ NODES = pytest.mark.skipif(
 )
 
 
-def ranks(local: Path, argv: list[str], node_local: bool,
-          fill: str = "") -> list[subprocess.CompletedProcess]:  # fmt: skip
+def ranks(local: Path, argv: list[str], node_local: bool, fill: str = "",
+          kill_on_bad_exit: bool = False) -> list[subprocess.CompletedProcess]:  # fmt: skip
     """``argv`` (after ``python``) as 2 ranks in ``local``'s parent; rank 1 the first rank of a
     second node where ``local`` is its own tmpfs (``node_local``), into which the shell command
     ``fill`` (``$0`` is ``local``) puts what that node's disk holds; else rank 1 of the same
-    node."""
+    node. ``kill_on_bad_exit``: rank 1 failing kills rank 0, as ``srun --kill-on-bad-exit``
+    ends the other nodes' torchrun (else rank 0 waits for it at the rendezvous)."""
     local.mkdir(parents=True, exist_ok=True)  # (the mount point)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # fmt: skip
@@ -42,6 +43,8 @@ def ranks(local: Path, argv: list[str], node_local: bool,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, cwd=local.parent))  # fmt: skip
     outs = []
+    if kill_on_bad_exit and procs[1].wait(timeout=300) != 0:
+        procs[0].kill()
     for p in procs:
         out, err = p.communicate(timeout=300)
         outs.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))

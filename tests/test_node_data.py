@@ -4,6 +4,7 @@ the data directory is a tmpfs holding that node's copy (tests/_nodes.py). Real 2
 ``pretrain_gpt.py`` runs (megatron/md/train/datacache.py, datacheck.check_same_samples)."""
 
 import json
+import socket
 
 import pytest
 from _nodes import NODES, ROOT, ranks
@@ -14,14 +15,16 @@ from megatron.md import errors
 pytestmark = [pytest.mark.distributed, NODES]
 
 
-def run(tmp_path, seed: int) -> tuple[list, list]:
+def run(tmp_path, seed: int | None) -> tuple[list, list]:
     """4 iterations at 2 ranks on ``data/corpus``; rank 1's node holds a copy made with
-    ``seed`` (0: the same corpus). Returns the ranks' results and the metrics file's rows."""
+    ``seed`` (0: the same corpus; None: no copy). Returns the ranks' results and the metrics
+    file's rows."""
     data, copy = tmp_path / "data", tmp_path / "copy"
     data.mkdir()
     copy.mkdir()
     prefix = corpus(data / "corpus")
-    corpus(copy / "corpus", seed)
+    if seed is not None:
+        corpus(copy / "corpus", seed)
     metrics = tmp_path / "metrics.jsonl"
     argv = [str(ROOT / "pretrain_gpt.py"), "--preset=tiny", f"--data-path={prefix}",
             "--split=98,2,0", "--tokenizer-type=NullTokenizer", "--vocab-size=1024",
@@ -29,7 +32,8 @@ def run(tmp_path, seed: int) -> tuple[list, list]:
             "--global-batch-size=4", "--train-iters=4", "--eval-iters=1", "--eval-interval=4",
             "--lr=1e-3", "--optimizer=adam", "--md-decoupling", "--use-distributed-optimizer",
             "--log-interval=1", f"--metrics-file={metrics}"]  # fmt: skip
-    outs = ranks(data, argv, node_local=True, fill=f'cp {copy}/* "$0"')
+    fill = f'cp {copy}/* "$0"' if seed is not None else ""
+    outs = ranks(data, argv, node_local=True, fill=fill, kill_on_bad_exit=seed is None)
     rows = [json.loads(r) for r in metrics.read_text().splitlines()] if metrics.exists() else []
     return outs, rows
 
@@ -62,3 +66,18 @@ def test_a_second_node_with_another_corpus_stops_before_training(tmp_path):
     assert "Traceback" not in outs[0].stderr + outs[1].stderr, outs[1].stderr[-3000:]
     assert "error:" not in outs[1].stderr  # said once, by rank 0
     assert not [r for r in rows if r.get("type") == "train"]
+
+
+def test_a_second_node_without_the_corpus_says_so(tmp_path):
+    """Rank 1's node has no copy of the corpus (its copy failed): its ranks stopped at
+    start-up without a word (a refusal was rank 0's to say, and rank 0's node has the data),
+    and the job ended with status 2 and no reason once the launcher ended the other node.
+    Now the node's first rank says it, naming itself; and leaves the line for the launcher."""
+    outs, rows = run(tmp_path, seed=None)
+    assert outs[1].returncode == errors.STATUS, outs[1].stderr[-3000:]
+    last = outs[1].stderr.strip().splitlines()[-1]
+    assert last == (f"pretrain_gpt.py: error: --data-path: {tmp_path}/data/corpus.bin does not "
+                    "exist (build it with tools/preprocess_data.py) (on "
+                    f"{socket.gethostname()}, rank 1)"), last  # fmt: skip
+    assert "Traceback" not in outs[1].stderr and "error:" not in outs[0].stderr
+    assert not rows

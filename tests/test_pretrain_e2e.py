@@ -443,7 +443,8 @@ def test_a_rewind_is_made_once_and_its_requeue_continues(runs, tmp_path):
     refusals advise for a bad latest checkpoint) resumes 10 and the tracker names 10 once it has
     loaded (megatron/md/train/rewind.py); the run saves 15 (``--exit-interval 15``), the
     abandoned branch's 20 untouched. Its requeue, started with the same flags as the launcher
-    does, continues from 15 — not from 10 again — and finishes at 20."""
+    does, continues from 15 — not from 10 again — and finishes at 20. The job submitted again
+    by hand with the same flags (no restart count) is refused at start-up, the run as it was."""
     import shutil
 
     d = tmp_path / "run"
@@ -472,6 +473,19 @@ def test_a_rewind_is_made_once_and_its_requeue_continues(runs, tmp_path):
         assert [r["iteration"] for r in rows if r["type"] == "train"] == list(its), name
     assert (d / "latest_checkpointed_iteration.txt").read_text() == "20"
     assert tree(d / "iter_0000020") != old_20  # the rewound branch's 20 now
+    new_20 = tree(d / "iter_0000020")
+    # the job submitted again by hand (no restart count), its script still --ckpt-step 10
+    cmd, env = command(tmp_path, "again", *flags)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env={**env, "SLURM_RESTART_COUNT": "0"})  # fmt: skip
+    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"pretrain_gpt.py: error: --ckpt-step 10: {d} was rewound to "
+                           "iteration 10 already ("), last  # fmt: skip
+    assert "has saved up to iteration 20 since" in last and "Traceback" not in out.stderr
+    assert not (tmp_path / "again.jsonl").exists()
+    assert (d / "latest_checkpointed_iteration.txt").read_text() == "20"
+    assert tree(d / "iter_0000020") == new_20
 
 
 def test_a_run_whose_save_directory_is_in_use_stops_before_training(runs, tmp_path):

@@ -299,6 +299,36 @@ def test_a_refusal_is_one_line_from_rank_0(capsys, monkeypatch, tmp_path):
         assert (tmp_path / f"err{rank}").exists() == (rank == "0")
 
 
+def test_a_refusal_about_a_node_s_files_is_said_by_each_node_s_first_rank(
+    capsys, monkeypatch, tmp_path
+):
+    """A refusal about the files a node sees (its copy of the data, the tokenizer): rank 0
+    says it, and so does each other node's first rank, naming itself (the others leave
+    silently); in MEGATRON_MD_ERROR_FILE rank 0's line replaces another's, another's never
+    replaces one."""
+    import socket
+
+    from megatron.md import errors
+
+    err = tmp_path / "startup_error"
+    monkeypatch.setenv("MEGATRON_MD_ERROR_FILE", str(err))
+    said = "pretrain_gpt.py: error: --data-path: x.bin does not exist"
+    on = lambda r: f"{said} (on {socket.gethostname()}, rank {r})\n"  # noqa: E731
+    # rank, local rank: what it prints, and the error file afterwards
+    for rank, local, printed, kept in (("1", "1", "", None), ("8", "0", on(8), on(8)),
+                                       ("16", "0", on(16), on(8)),
+                                       ("0", "0", said + "\n", said + "\n")):  # fmt: skip
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", local)
+        with pytest.raises(SystemExit) as e:
+            with errors.one_line():
+                errors.fail("--data-path: x.bin does not exist", node=True)
+        out = capsys.readouterr()
+        assert e.value.code == 2 and not out.out
+        assert out.err == printed, rank
+        assert (err.read_text() if err.exists() else None) == kept, rank
+
+
 @pytest.mark.parametrize(
     "env,argv,why",
     [

@@ -1,7 +1,7 @@
 """Refusals: a wrong flag, a missing file, a checkpoint that cannot be continued. Each is one
 sentence naming the problem and the way out, said once (by rank 0, or by the one rank that
-knows it) as the job's last line of its own, with no traceback; the other ranks leave with the
-same exit status, silently.
+knows it; a refusal about a node's own files also by each node's first rank) as the job's last
+line of its own, with no traceback; the other ranks leave with the same exit status, silently.
 
 Under torchrun the launcher's own summary (``ChildFailedError``) follows the workers' output,
 so a run started by ``examples/md_decoupling/launch.sbatch`` gets the sentence repeated as its
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
 
 PROG = "pretrain_gpt.py"
@@ -23,31 +24,39 @@ STATUS = 2
 class Refusal(SystemExit):
     """A clear stop before (or instead of) expensive work; ``str()`` is the sentence."""
 
-    def __init__(self, msg: str, every_rank: bool = False):
+    def __init__(self, msg: str, every_rank: bool = False, node: bool = False):
         super().__init__(f"{PROG}: error: {msg}")
         self.msg = msg
         self.every_rank = every_rank  # said by the rank that raised it, not by rank 0 only
+        self.node = node  # about this node's files: also said by each node's first rank
 
 
-def fail(msg: str, every_rank: bool = False):
-    raise Refusal(msg, every_rank)
+def fail(msg: str, every_rank: bool = False, node: bool = False):
+    raise Refusal(msg, every_rank, node)
 
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def say(msg: str, every_rank: bool = False) -> None:
-    """Rank 0 (or any, ``every_rank``: a refusal only that rank knows): print the refusal and
-    leave it for the launcher (``MEGATRON_MD_ERROR_FILE``)."""
-    if _rank() != 0 and not every_rank:
+def say(msg: str, every_rank: bool = False, node: bool = False) -> None:
+    """Rank 0 (or any, ``every_rank``: a refusal only that rank knows; or, ``node``: a refusal
+    about the files this node sees, each node's first rank, naming itself) prints the refusal
+    and leaves it for the launcher (``MEGATRON_MD_ERROR_FILE``: rank 0's replaces another's,
+    the others' never replace one). A node whose copy of the data is missing stopped its ranks
+    without a word while rank 0 went on, and the job ended with exit status 2 and no reason."""
+    rank = _rank()
+    first_here = os.environ.get("LOCAL_RANK", "0") == "0"
+    if rank != 0 and not every_rank and not (node and first_here):
         return
+    if rank != 0 and node and not every_rank:
+        msg = f"{msg} (on {socket.gethostname()}, rank {rank})"
     line = f"{PROG}: error: {msg}"
     print(line, file=sys.stderr, flush=True)
     path = os.environ.get("MEGATRON_MD_ERROR_FILE")
     if path:
         try:
-            with open(path, "w") as f:
+            with open(path, "w" if rank == 0 else "x") as f:
                 f.write(line + "\n")
         except OSError:
             pass
@@ -65,6 +74,14 @@ def one_line():
     try:
         yield
     except Refusal as e:
-        say(e.msg, e.every_rank)
+        say(e.msg, e.every_rank, e.node)
         sys.stdout.flush()
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_initialized() and dist.get_world_size() > 1:
+            # gloo's teardown in the interpreter's exit, a peer gone, can end the process in
+            # std::terminate ("terminate called without an active exception", SIGABRT: not
+            # status 2, and a line after the refusal: about 1 in 10 runs of 2 ranks refusing)
+            from megatron.md.train.shutdown import exit_now
+
+            exit_now(STATUS)
         raise SystemExit(STATUS) from None

@@ -247,8 +247,10 @@ def _check_tensor_parallel(args) -> None:
         )
 
 
-def _fail(msg: str):
-    errors.fail(msg)
+def _fail(msg: str, node: bool = False):
+    """Refuse (``node``: a refusal about this node's files, which another node may not share:
+    each node's first rank says it too, errors.say)."""
+    errors.fail(msg, node=node)
 
 
 def validate(args, check_data: bool = True) -> MDConfig | None:
@@ -360,11 +362,12 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
                 if not os.path.isfile(prefix + ext):
                     _fail(
                         f"--data-path: {prefix + ext} does not exist "
-                        "(build it with tools/preprocess_data.py)"
+                        "(build it with tools/preprocess_data.py)",
+                        node=True,
                     )
         err = datacheck.check_data(data_prefixes(args.data_path or []), args)
         if err:
-            _fail(f"--data-path: {err}")
+            _fail(f"--data-path: {err}", node=True)
         check_data_cache(data_prefixes(args.data_path or []), args.data_cache_path)
     if args.lr_warmup_iters and args.train_iters and args.lr_warmup_iters >= args.train_iters:
         _fail(
@@ -448,7 +451,7 @@ def check_data_cache(prefixes: list[str], cache_path: str | None) -> None:
             flag = "--data-cache-path" if cache_path else "--data-path's cache, beside the data,"
             _fail(f"{flag} {d} cannot be created ({bad[0]} {why}), and megatron writes the "
                   "dataset indices there when they are not cached yet: give "
-                  "--data-cache-path a writable directory")  # fmt: skip
+                  "--data-cache-path a writable directory", node=True)  # fmt: skip
 
 
 def check_run_dirs(args) -> None:
@@ -468,7 +471,8 @@ def check_tokenizer_dir(tok: str | None) -> None:
     if not tok or not os.path.isfile(os.path.join(tok, "tokenizer.json")):
         _fail(
             f"--tokenizer-model {tok!r} is not a tokenizer folder with tokenizer.json "
-            "(make one with tools/train_tokenizer.py)"
+            "(make one with tools/train_tokenizer.py)",
+            node=True,
         )
 
 

@@ -16,12 +16,22 @@ Here, once checkpoint N has loaded, rank 0 writes N into the tracker: the direct
 the run is. A requeued attempt (``SLURM_RESTART_COUNT`` > 0; or torchrun's own restart of its
 ranks, ``TORCHELASTIC_RESTART_COUNT`` > 0, with the same flags too) whose tracker names an
 iteration after N continues from it (this job saved it after its rewind), and says so.
+
+A job submitted again by hand (its script still says ``--ckpt-step N``; no restart count) would
+rewind to N again, throwing away what the run trained since. The rewind leaves a note
+(``md_rewind.json``: to which iteration, from which, when, in which job); a first attempt with
+``--ckpt-step N`` of the iteration the note names, in a directory that has saved past it since,
+is refused at start-up, naming both ways out (drop the flag; or delete the note to rewind to N
+again).
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 
+from megatron.md import errors
 from megatron.md.train.ckpt_checks import TRACKER, same_dir, tracked
 
 
@@ -37,13 +47,21 @@ def restarted() -> bool:
                for k in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"))  # fmt: skip
 
 
+#: the note a rewind leaves in the run's directory
+NOTE = "md_rewind.json"
+
+
 def settle(args) -> str | None:
     """Every rank, before the run starts: a later attempt of a rewound job continues from what
-    the job saved since (``args.ckpt_step`` dropped); the line to print, or None."""
-    if not own(args) or not restarted():
+    the job saved since (``args.ckpt_step`` dropped); the line to print, or None. A first
+    attempt that would make the run's last rewind again, over what it saved since, is refused."""
+    if not own(args):
         return None
     saved, step = tracked(args.save), args.ckpt_step
     if saved is None or saved <= step:
+        return None
+    if not restarted():
+        refuse_again(args.save, step, saved)
         return None
     args.ckpt_step = None
     return (f"requeued: continuing from iteration {saved}, saved by this job after it rewound to "
@@ -58,11 +76,39 @@ def mark(args, rank: int) -> str | None:
     before, step = tracked(args.save), args.ckpt_step
     if before == step:
         return None
-    tracker = os.path.join(args.save, TRACKER)
-    tmp = f"{tracker}.md-rewind"
-    with open(tmp, "w") as f:
-        f.write(str(step))
-    os.replace(tmp, tracker)
+    note = {"iteration": step, "from": before, "job": os.environ.get("SLURM_JOB_ID"),
+            "time": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}  # fmt: skip
+    write_whole(os.path.join(args.save, TRACKER), str(step))
+    write_whole(os.path.join(args.save, NOTE), json.dumps(note))  # (after: a note, a rewind made)
     named = f"it named {before}" if before is not None else "it named no iteration"
     return (f"rewound to iteration {step}: the tracker names it now ({named}); checkpoints "
             "after it stay until this run saves over them")  # fmt: skip
+
+
+def refuse_again(save: str, step: int, saved: int) -> None:
+    """Refuse ``--ckpt-step step`` where the run's note says it was rewound to ``step`` already
+    and the tracker names ``saved``, after it."""
+    path = os.path.join(save, NOTE)
+    try:
+        with open(path) as f:
+            note = json.load(f)
+    except (OSError, ValueError):
+        return
+    if not isinstance(note, dict) or note.get("iteration") != step:
+        return
+    job = f", job {note['job']}" if note.get("job") else ""
+    errors.fail(
+        f"--ckpt-step {step}: {save} was rewound to iteration {step} already ({note.get('time')}"
+        f"{job}) and has saved up to iteration {saved} since, which this launch would train "
+        f"over: drop --ckpt-step to continue from {saved}, or delete {path} to rewind to {step} "
+        "again"
+    )
+
+
+def write_whole(path: str, text: str) -> None:
+    """``text`` into ``path`` through a temporary file renamed over it: a reader meets the old
+    file or the new one, never a cut one."""
+    tmp = f"{path}.md-rewind"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)

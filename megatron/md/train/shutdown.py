@@ -19,13 +19,13 @@ import sys
 import threading
 
 
-def exit_now() -> None:
+def exit_now(status: int = 0) -> None:
     """Close megatron's TensorBoard writer (megatron never closes it; closing flushes it and
     joins its writer thread), then what a normal exit does first, in its order: threading's
     own exit hooks (a thread pool's idle workers told to end) and a wait for the threads that
     are not daemons, the exit handlers (wandb's, logging's, the multiprocessing children's);
     then finalize all garbage (files in reference cycles are flushed and closed), flush the
-    standard streams, and end the process with status 0."""
+    standard streams, and end the process with ``status`` (a refusal's too: errors.one_line)."""
     gv = sys.modules.get("megatron.training.global_vars")
     writer = gv.get_tensorboard_writer() if gv is not None else None
     if writer is not None:
@@ -38,7 +38,7 @@ def exit_now() -> None:
     gc.collect()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 @contextlib.contextmanager
