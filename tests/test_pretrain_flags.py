@@ -151,6 +151,13 @@ def test_bad_choice_names_the_flag(capsys, flag):
         ),
         (["--lr-decay-style=cosine", "--wsd-cooldown-fraction=0.2"], "WSD"),
         (["--preset=nope"], "--preset"),
+        # megatron loads a newer non-persistent checkpoint even under --ckpt-step (measured
+        # by hand, 2026-11-28: --ckpt-step 4 loaded the non-persistent 6)
+        (
+            ["--non-persistent-save-interval=2", "--non-persistent-ckpt-type=global"],
+            "--non-persistent-save-interval: megatron loads a non-persistent checkpoint instead",
+        ),
+        (["--non-persistent-ckpt-type=global"], "--non-persistent-ckpt-type: megatron loads"),
     ],
 )
 def test_bad_input_stops_with_a_message(capsys, extra, needle):

@@ -57,6 +57,13 @@ CLUSTER_ROWS = (
      "on a GPU; async saves get no checksums"),
     ("`--ckpt-format torch` (any format but `torch_dist`)",
      "refused with MD at start-up: MD state is saved in `torch_dist` only"),
+    ("`--non-persistent-save-interval`, `--non-persistent-ckpt-type`",
+     "refused at start-up: megatron-core 0.19.2 loads a non-persistent checkpoint instead of "
+     "`--load`'s whenever it is as new, even under `--ckpt-step` (measured on CPU: "
+     "`--ckpt-step 4` loaded the non-persistent 6, and the rewind was reported made), while the "
+     "checks of the checkpoint a run resumes (complete, checksums, MD state, non-finite, the "
+     "rewind) read `--load`'s. A resume from a `global` one was exact (AdamMD, 1 rank); "
+     "`--save-interval` is the supported way"),
     ("`--no-check-for-nan-in-loss-and-grad` (megatron checks by default)",
      "tested both ways (docs/troubleshooting.md, the fault table)"),
     ("megatron's TE/apex fused Adam (`HAVE_APEX_OR_TE`) with MD", "untested: the MD step "

@@ -271,6 +271,15 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
         if args.tensor_model_parallel_size > 1 or (args.expert_tensor_parallel_size or 1) > 1:
             _fail("--optimizer normuon under tensor parallelism has never run here (its "
                   "per-row second moment over a TP piece is untested): use TP 1")  # fmt: skip
+    if args.non_persistent_save_interval or args.non_persistent_ckpt_type:
+        flag = ("--non-persistent-save-interval" if args.non_persistent_save_interval
+                else "--non-persistent-ckpt-type")  # fmt: skip
+        _fail(
+            f"{flag}: megatron loads a non-persistent checkpoint instead of --load's whenever "
+            "it is as new, even under --ckpt-step (measured: --ckpt-step 4 loaded the "
+            "non-persistent 6), and the checks of the checkpoint a run resumes (complete, "
+            "checksums, MD state, the rewind) read --load's: use --save-interval"
+        )
     if args.muon_scale_mode not in UPSTREAM_MUON_SCALES + MUON_SCALES:
         _fail(
             f"--muon-scale-mode={args.muon_scale_mode!r} is not one of "
