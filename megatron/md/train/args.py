@@ -297,6 +297,15 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
             _fail(why)
         if args.md_variant != "md" and args.optimizer != "muon":
             _fail(f"--md-variant {args.md_variant} is a Muon variant (use --optimizer muown)")
+        if args.pretrained_checkpoint:
+            _fail(
+                f"--pretrained-checkpoint {args.pretrained_checkpoint} with --md-decoupling: "
+                "megatron loads its weights after MD's state was made from the random ones, and "
+                "the first step replaced them (measured: loss 0.73 then 4.09, where the same "
+                "start by --init-from went on to 0.62): use --init-from "
+                f"{args.pretrained_checkpoint} --init-weights-only (the same start; a requeued "
+                "run resumes --load)"
+            )
         if args.ckpt_format != "torch_dist" and (args.save or args.load):
             _fail(
                 f"--ckpt-format {args.ckpt_format}: MD runs save and load their state in "
