@@ -715,18 +715,24 @@ def _lr_free(flags: list[str]) -> list[str]:
 
 @pytest.mark.parametrize(
     "name,mode,iters",
-    [("adam_md", "--finetune", 2), ("muon_md", "--no-load-optim", 22)],
-    ids=["fp32-finetune", "bf16-no-load-optim"],
-)
+    [("adam_md", "--finetune", 2), ("muon_md", "--no-load-optim", 22),
+     ("adam_md", "--pretrained-checkpoint", 2)],
+    ids=["fp32-finetune", "bf16-no-load-optim", "fp32-pretrained-checkpoint"],
+)  # fmt: skip
 def test_weights_only_load_keeps_the_loaded_weights(runs, tmp_path, name, mode, iters):
     """--finetune / --no-load-optim under MD: no optimizer state is loaded, so the MD state is
     made from the LOADED weights (fp32 params included: megatron reloads main params only for
     bf16/fp16, training/checkpointing.py, load_checkpoint). At LR 1e-9 the model stays the loaded
     one: every saved weight equals the loaded one (fp32 MD used to train on from its init: its
     loss 5.7 where the loaded model's is 4.3), and the loss is the loaded model's, below the
-    source run's first."""
+    source run's first. megatron's --pretrained-checkpoint (its finetuning start while the run's
+    own --load holds none) the same (its fp32 MD trained on from the init: the first step
+    replaced the loaded weights)."""
     rows, save = runs[name]
-    flags = ["--train-iters=%d" % iters, f"--load={save}", mode, "--lr=1e-9", "--save-interval=2"]
+    load = [f"--load={save}", mode]
+    if mode == "--pretrained-checkpoint":
+        load = [f"--load={tmp_path / f'{name}-md'}", f"{mode}={save}"]
+    flags = ["--train-iters=%d" % iters, *load, "--lr=1e-9", "--save-interval=2"]
     md, md_save = pretrain(tmp_path, f"{name}-md", *flags, *_lr_free(RUNS[name]), nproc=1)
     md = train_rows(md)
     assert len(md) == 2

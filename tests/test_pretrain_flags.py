@@ -158,11 +158,9 @@ def test_bad_choice_names_the_flag(capsys, flag):
             "--non-persistent-save-interval: megatron loads a non-persistent checkpoint instead",
         ),
         (["--non-persistent-ckpt-type=global"], "--non-persistent-ckpt-type: megatron loads"),
-        # MD's state made from the random weights replaced the loaded ones at the first step
-        # (measured by hand, 2026-11-28: loss 0.73 then 4.09; --init-from: 0.73 then 0.62)
         (
-            ["--md-decoupling", "--pretrained-checkpoint=/tmp/x"],
-            "use --init-from /tmp/x --init-weights-only",
+            ["--md-decoupling", "--pretrained-checkpoint=/nonexistent/pre"],
+            "--pretrained-checkpoint /nonexistent/pre holds no checkpoint",
         ),
     ],
 )

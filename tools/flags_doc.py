@@ -58,11 +58,10 @@ CLUSTER_ROWS = (
     ("`--ckpt-format torch` (any format but `torch_dist`)",
      "refused with MD at start-up: MD state is saved in `torch_dist` only"),
     ("`--pretrained-checkpoint`",
-     "refused with MD at start-up: megatron loads its weights after MD's state was made from "
-     "the random ones, and the first step replaced them (measured on CPU, AdamMD from a run "
-     "at loss 1.9: 0.73, then 4.09); `--init-from DIR --init-weights-only` is the same start "
-     "(0.73, then 0.62, as `--load DIR --finetune`). Without MD megatron's own, loaded without "
-     "megatron-md's checks of a checkpoint"),
+     "tested (fp32 MD, CPU): megatron's finetuning start, taken while the run's own `--load` "
+     "holds no checkpoint, is checked as a resumed checkpoint is and MD's state is made from "
+     "its weights (MD's state made from the random weights used to replace them at the first "
+     "step: loss 0.73, then 4.09); one without a checkpoint is refused at start-up"),
     ("`--non-persistent-save-interval`, `--non-persistent-ckpt-type`",
      "refused at start-up: megatron-core 0.19.2 loads a non-persistent checkpoint instead of "
      "`--load`'s whenever it is as new, even under `--ckpt-step` (measured on CPU: "

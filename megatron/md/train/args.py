@@ -297,15 +297,6 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
             _fail(why)
         if args.md_variant != "md" and args.optimizer != "muon":
             _fail(f"--md-variant {args.md_variant} is a Muon variant (use --optimizer muown)")
-        if args.pretrained_checkpoint:
-            _fail(
-                f"--pretrained-checkpoint {args.pretrained_checkpoint} with --md-decoupling: "
-                "megatron loads its weights after MD's state was made from the random ones, and "
-                "the first step replaced them (measured: loss 0.73 then 4.09, where the same "
-                "start by --init-from went on to 0.62): use --init-from "
-                f"{args.pretrained_checkpoint} --init-weights-only (the same start; a requeued "
-                "run resumes --load)"
-            )
         if args.ckpt_format != "torch_dist" and (args.save or args.load):
             _fail(
                 f"--ckpt-format {args.ckpt_format}: MD runs save and load their state in "
@@ -478,9 +469,18 @@ def check_run_dirs(args) -> None:
     from megatron.md.train import ckpt_checks
 
     err = args.save and ckpt_checks.save_over_another_run(args.save, args.load)
-    resumes = args.load and not (args.init_from or args.ckpt_step is not None)
+    pre = args.pretrained_checkpoint  # megatron's start where --load holds none yet
+    starts = pre and not (
+        args.load and os.path.isfile(os.path.join(args.load, ckpt_checks.TRACKER))
+    )
+    resumes = args.load and not (args.init_from or args.ckpt_step is not None or starts)
     if not err and resumes:
         err = ckpt_checks.no_checkpoint_to_resume(args.load, args.save)
+    if not err and starts and ckpt_checks.tracked(pre) is None:
+        err = (
+            f"--pretrained-checkpoint {pre} holds no checkpoint (no {ckpt_checks.TRACKER} "
+            "naming an iteration): give the run directory of the checkpoint to start from"
+        )
     if err:
         _fail(err)
 

@@ -296,6 +296,13 @@ def wrap_load(orig, run: Run):
         ckpt = ckpt_checks.locate(args.load, args.ckpt_step) if args.load else None
         if ckpt is None and getattr(args, "init_from", None):  # first start of a continual run
             return _load_init(load, model, optimizer, *a, **kw)
+        if ckpt is None and args.pretrained_checkpoint:  # megatron's finetuning start: it takes
+            # this directory's weights and sets --finetune (training/checkpointing.py:2096);
+            # checked as a resumed checkpoint is, and MD's state made from those weights (it
+            # was made from the random ones, and the first step replaced them: loss 0.73,
+            # then 4.09, fp32 params; bf16 ones were reloaded)
+            ckpt = ckpt_checks.locate(args.pretrained_checkpoint, flag="--pretrained-checkpoint")
+            args.finetune = True
         if ckpt is None and args.load and args.exit_on_missing_checkpoint:
             errors.fail(  # megatron's own exit here has status 0: a requeue would loop
                 f"--load {args.load} holds no checkpoint (no latest_checkpointed_iteration.txt) "
