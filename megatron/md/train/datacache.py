@@ -226,7 +226,7 @@ def atomic_build(orig, run=None):
 def writable(ds, final: str, name: str, why: str | None, me: str | None = None) -> str | None:
     """Make ``final`` and, for the builder ``me``, its private build directory there (this
     host's killed builds' removed first), or stop the run naming the cache that this run misses
-    and cannot write (said by the rank that found it)."""
+    and cannot write (said by rank 0 and each other node's first rank: errors.say)."""
     try:
         os.makedirs(final, exist_ok=True)
         if me is None:
@@ -240,7 +240,7 @@ def writable(ds, final: str, name: str, why: str | None, me: str | None = None) 
             f"dataset cache {final}: {type(ds).__name__}'s indices for this run ({name}*) are "
             f"not there{' for this data' if why else ''}, and it cannot be written "
             f"({e.strerror}): give --data-cache-path a directory this job can write",
-            every_rank=True,
+            node=True,
         )
 
 
