@@ -559,6 +559,16 @@ def test_bad_datasets_are_named(capsys, tmp_path):
     assert "bad.idx is corrupt or truncated" in msg(bad)
     big = build_dataset(tmp_path / "big", [[1, 2, 5000, 3]])  # --vocab-size=1024 in BASE
     assert "holds token id 5000 but the tokenizer has 1025 tokens" in msg(big)
+    # one dataset per split (megatron's --train/valid/test-data-path): each checked, named by
+    # its flag (a missing one stopped the run with megatron's traceback after the model was
+    # built; checked by hand, 2026-11-28)
+    split = [f"--train-data-path={good}", f"--valid-data-path={good}"]
+    args, _ = parse(*split, f"--test-data-path={good}", base=base)
+    assert args.valid_data_path == [str(good)]
+    said = fails(capsys, *split, f"--test-data-path={tmp_path}/gone", base=base)
+    assert said.startswith(f"pretrain_gpt.py: error: --test-data-path: {tmp_path}/gone.bin does ")
+    blend = ["--valid-data-path", "1", str(good), "1", str(big)]  # a blend for one split
+    assert "holds token id 5000" in fails(capsys, f"--train-data-path={good}", *blend, base=base)
 
 
 def test_token_scan_runs_once_per_node(capsys, tmp_path, monkeypatch):

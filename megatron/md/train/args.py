@@ -247,6 +247,12 @@ def _check_tensor_parallel(args) -> None:
         )
 
 
+#: megatron's flags naming datasets: a blend for every split, or one per split (megatron's
+#: get_blend_and_blend_per_split); the per-split ones were not checked, and a missing file
+#: stopped the run with megatron's traceback after the model was built
+DATA_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+
+
 def _fail(msg: str, node: bool = False):
     """Refuse (``node``: a refusal about this node's files, which another node may not share:
     each node's first rank says it too, errors.say)."""
@@ -366,18 +372,23 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
     if check_data and not args.mock_data:
         if not args.data_path and not args.train_data_path:
             _fail("give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
-        for prefix in data_prefixes(args.data_path or []):
-            for ext in (".bin", ".idx"):
-                if not os.path.isfile(prefix + ext):
-                    _fail(
-                        f"--data-path: {prefix + ext} does not exist "
-                        "(build it with tools/preprocess_data.py)",
-                        node=True,
-                    )
-        err = datacheck.check_data(data_prefixes(args.data_path or []), args)
-        if err:
-            _fail(f"--data-path: {err}", node=True)
-        check_data_cache(data_prefixes(args.data_path or []), args.data_cache_path)
+        every = []
+        for flag in DATA_FLAGS:  # a blend, or one per split (megatron reads those the same way)
+            prefixes = data_prefixes(getattr(args, flag, None) or [])
+            every += prefixes
+            name = "--" + flag.replace("_", "-")
+            for prefix in prefixes:
+                for ext in (".bin", ".idx"):
+                    if not os.path.isfile(prefix + ext):
+                        _fail(
+                            f"{name}: {prefix + ext} does not exist "
+                            "(build it with tools/preprocess_data.py)",
+                            node=True,
+                        )
+            err = datacheck.check_data(prefixes, args)
+            if err:
+                _fail(f"{name}: {err}", node=True)
+        check_data_cache(every, args.data_cache_path)
     if args.lr_warmup_iters and args.train_iters and args.lr_warmup_iters >= args.train_iters:
         _fail(
             f"--lr-warmup-iters={args.lr_warmup_iters} is not shorter than the run "
