@@ -1,6 +1,7 @@
 """pretrain_gpt.py's command line: every --md-* flag parses and reaches the MD config, the
 paper's defaults apply with --md-decoupling, and bad input stops with a message naming it."""
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -569,6 +570,21 @@ def test_bad_datasets_are_named(capsys, tmp_path):
     assert said.startswith(f"pretrain_gpt.py: error: --test-data-path: {tmp_path}/gone.bin does ")
     blend = ["--valid-data-path", "1", str(good), "1", str(big)]  # a blend for one split
     assert "holds token id 5000" in fails(capsys, f"--train-data-path={good}", *blend, base=base)
+    # megatron's files of prefixes (--data-args-path; --per-split-data-args-path, JSON) were
+    # refused as no data at all; now read as megatron reads them and checked the same way
+    listed = tmp_path / "data_args.txt"
+    listed.write_text(f"0.5 {good}\n0.5 {good}\n")
+    args, _ = parse(f"--data-args-path={listed}", "--split=98,2,0", base=base)
+    assert args.data_args_path == str(listed)
+    assert "needs --split" in fails(capsys, f"--data-args-path={listed}", base=base)
+    per_split = tmp_path / "per_split.json"
+    per_split.write_text(json.dumps({"train": str(good), "valid": [str(good)], "test": f"1 {big}"}))
+    said = fails(capsys, f"--per-split-data-args-path={per_split}", base=base)
+    assert said.startswith(f"pretrain_gpt.py: error: --per-split-data-args-path {per_split} (test)")
+    assert "holds token id 5000" in said
+    per_split.write_text(json.dumps({"train": str(good)}))
+    said = fails(capsys, f"--per-split-data-args-path={per_split}", base=base)
+    assert "cannot be read as megatron reads it (KeyError: 'valid')" in said
 
 
 def test_token_scan_runs_once_per_node(capsys, tmp_path, monkeypatch):

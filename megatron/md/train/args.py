@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 
@@ -253,6 +254,36 @@ def _check_tensor_parallel(args) -> None:
 DATA_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 
 
+def dataset_lists(args) -> list[tuple[str, list[str]]]:
+    """Each flag that names datasets, as its refusals name it, with its prefixes: megatron's
+    ``--data-args-path`` (a file holding what ``--data-path`` would) and
+    ``--per-split-data-args-path`` (JSON: ``train``/``valid``/``test``, each a string or a list)
+    read as megatron reads them (training/utils/common_utils.py,
+    ``get_blend_and_blend_per_split``). Those were refused as if no data were given."""
+    out = [("--" + f.replace("_", "-"), data_prefixes(getattr(args, f)))
+           for f in DATA_FLAGS if getattr(args, f, None)]  # fmt: skip
+    for flag, per_split in (("data_args_path", False), ("per_split_data_args_path", True)):
+        path = getattr(args, flag, None)
+        if not path:
+            continue
+        name = f"--{flag.replace('_', '-')} {path}"
+        try:
+            with open(path) as f:
+                text = f.read()
+            if not per_split:
+                out.append((name, data_prefixes(text.split())))
+                continue
+            splits = json.loads(text)
+            for split in ("train", "valid", "test"):
+                items = splits[split]
+                out.append((f"{name} ({split})", data_prefixes(
+                    items.split() if isinstance(items, str) else list(items))))  # fmt: skip
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            _fail(f"{name} cannot be read as megatron reads it ({type(e).__name__}: {e})",
+                  node=True)  # fmt: skip
+    return out
+
+
 def _fail(msg: str, node: bool = False):
     """Refuse (``node``: a refusal about this node's files, which another node may not share:
     each node's first rank says it too, errors.say)."""
@@ -370,13 +401,15 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
     if check_data and args.tokenizer_type == "HuggingFaceTokenizer":
         check_tokenizer_dir(args.tokenizer_model)
     if check_data and not args.mock_data:
-        if not args.data_path and not args.train_data_path:
+        lists = dataset_lists(args)
+        if not lists:
             _fail("give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
+        if args.data_args_path and args.split is None:  # megatron's assert, after the model
+            _fail("--data-args-path needs --split (megatron sets its default for --data-path "
+                  "only, and asserts one later): add e.g. --split 969,30,1")  # fmt: skip
         every = []
-        for flag in DATA_FLAGS:  # a blend, or one per split (megatron reads those the same way)
-            prefixes = data_prefixes(getattr(args, flag, None) or [])
+        for name, prefixes in lists:
             every += prefixes
-            name = "--" + flag.replace("_", "-")
             for prefix in prefixes:
                 for ext in (".bin", ".idx"):
                     if not os.path.isfile(prefix + ext):
