@@ -582,6 +582,8 @@ def test_bad_datasets_are_named(capsys, tmp_path):
     said = fails(capsys, f"--per-split-data-args-path={per_split}", base=base)
     assert said.startswith(f"pretrain_gpt.py: error: --per-split-data-args-path {per_split} (test)")
     assert "holds token id 5000" in said
+    per_split.write_text(json.dumps({"train": str(good), "valid": str(good), "test": None}))
+    args, _ = parse(f"--per-split-data-args-path={per_split}", base=base)  # no test split
     per_split.write_text(json.dumps({"train": str(good)}))
     said = fails(capsys, f"--per-split-data-args-path={per_split}", base=base)
     assert "cannot be read as megatron reads it (KeyError: 'valid')" in said

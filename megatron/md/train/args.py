@@ -275,7 +275,7 @@ def dataset_lists(args) -> list[tuple[str, list[str]]]:
                 continue
             splits = json.loads(text)
             for split in ("train", "valid", "test"):
-                items = splits[split]
+                items = splits[split] or []  # (megatron: no dataset for a null split)
                 out.append((f"{name} ({split})", data_prefixes(
                     items.split() if isinstance(items, str) else list(items))))  # fmt: skip
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
