@@ -714,7 +714,6 @@ def test_container_install_keeps_the_environments_torch():
     resolving our requirements, the data and analysis extras included (tokenizers,
     transformers, matplotlib: present in the test venv), then installs nothing but megatron-md
     (dry run, no index)."""
-    import json
     import os
     import subprocess
 

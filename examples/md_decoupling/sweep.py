@@ -172,7 +172,7 @@ def data_args(mock: bool, runs: list) -> list[str]:
 
 def unseen_paths(data: list[str]) -> list[str]:
     """Data files and tokenizer folders DATA_ARGS names that this node cannot see."""
-    from megatron.md.train.args import data_prefixes
+    from megatron.md.train.datacheck import data_prefixes
 
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--data-path", nargs="*", default=[])

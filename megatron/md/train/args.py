@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 
 from megatron.md import compatibility, errors
 from megatron.md.config import BARE, CHOICES, FROM_MEGATRON_FLAGS, MUON_SCALES, MDConfig
-from megatron.md.train import datacache, datacheck
+from megatron.md.train import datacheck
+from megatron.md.train.files import unwritable
 
 #: --muon-scale-mode values megatron-core's Muon knows; the rest are ours (see patches.py).
 UPSTREAM_MUON_SCALES = ("spectral", "unit_rms_norm", "shape_scaling")
@@ -248,42 +248,6 @@ def _check_tensor_parallel(args) -> None:
         )
 
 
-#: megatron's flags naming datasets: a blend for every split, or one per split (megatron's
-#: get_blend_and_blend_per_split); the per-split ones were not checked, and a missing file
-#: stopped the run with megatron's traceback after the model was built
-DATA_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
-
-
-def dataset_lists(args) -> list[tuple[str, list[str]]]:
-    """Each flag that names datasets, as its refusals name it, with its prefixes: megatron's
-    ``--data-args-path`` (a file holding what ``--data-path`` would) and
-    ``--per-split-data-args-path`` (JSON: ``train``/``valid``/``test``, each a string or a list)
-    read as megatron reads them (training/utils/common_utils.py,
-    ``get_blend_and_blend_per_split``). Those were refused as if no data were given."""
-    out = [("--" + f.replace("_", "-"), data_prefixes(getattr(args, f)))
-           for f in DATA_FLAGS if getattr(args, f, None)]  # fmt: skip
-    for flag, per_split in (("data_args_path", False), ("per_split_data_args_path", True)):
-        path = getattr(args, flag, None)
-        if not path:
-            continue
-        name = f"--{flag.replace('_', '-')} {path}"
-        try:
-            with open(path) as f:
-                text = f.read()
-            if not per_split:
-                out.append((name, data_prefixes(text.split())))
-                continue
-            splits = json.loads(text)
-            for split in ("train", "valid", "test"):
-                items = splits[split] or []  # (megatron: no dataset for a null split)
-                out.append((f"{name} ({split})", data_prefixes(
-                    items.split() if isinstance(items, str) else list(items))))  # fmt: skip
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            _fail(f"{name} cannot be read as megatron reads it ({type(e).__name__}: {e})",
-                  node=True)  # fmt: skip
-    return out
-
-
 def _fail(msg: str, node: bool = False):
     """Refuse (``node``: a refusal about this node's files, which another node may not share:
     each node's first rank says it too, errors.say)."""
@@ -398,30 +362,8 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
         v = getattr(args, flag)
         if v is not None and not (math.isfinite(v) and v >= 0):
             _fail(f"--{flag.replace('_', '-')}={v} must be a number >= 0")
-    if check_data and args.tokenizer_type == "HuggingFaceTokenizer":
-        check_tokenizer_dir(args.tokenizer_model)
-    if check_data and not args.mock_data:
-        lists = dataset_lists(args)
-        if not lists:
-            _fail("give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
-        if args.data_args_path and args.split is None:  # megatron's assert, after the model
-            _fail("--data-args-path needs --split (megatron sets its default for --data-path "
-                  "only, and asserts one later): add e.g. --split 969,30,1")  # fmt: skip
-        every = []
-        for name, prefixes in lists:
-            every += prefixes
-            for prefix in prefixes:
-                for ext in (".bin", ".idx"):
-                    if not os.path.isfile(prefix + ext):
-                        _fail(
-                            f"{name}: {prefix + ext} does not exist "
-                            "(build it with tools/preprocess_data.py)",
-                            node=True,
-                        )
-            err = datacheck.check_data(prefixes, args)
-            if err:
-                _fail(f"{name}: {err}", node=True)
-        check_data_cache(every, args.data_cache_path)
+    if check_data:
+        datacheck.check_files(args)
     if args.lr_warmup_iters and args.train_iters and args.lr_warmup_iters >= args.train_iters:
         _fail(
             f"--lr-warmup-iters={args.lr_warmup_iters} is not shorter than the run "
@@ -459,24 +401,6 @@ def check_not_a_file(flag: str, path: str | None) -> None:
         _fail(f"{flag} {path} is a file, not a checkpoint directory")
 
 
-def unwritable(path: str) -> tuple[str, str | None] | None:
-    """Why ``path`` cannot be created and written in: (its nearest existing ancestor, None where
-    that is a file, else the probe's error), or None. Probed by making and removing a directory
-    in that ancestor: nothing is left behind."""
-    import tempfile
-
-    where = os.path.abspath(path)
-    while not os.path.isdir(where):
-        if os.path.lexists(where):  # a file where a directory of the path would be
-            return where, None
-        where = os.path.dirname(where)
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".megatron-md-probe-", dir=where))
-    except OSError as e:
-        return where, e.strerror
-    return None
-
-
 def check_writable(flag: str, path: str | None) -> None:
     """``path`` can be created and written in: megatron creates and writes it only at the first
     save, after ``--save-interval`` iterations. Probed on rank 0 (which says the refusal; a
@@ -489,22 +413,6 @@ def check_writable(flag: str, path: str | None) -> None:
     if bad:
         _fail(f"{flag} {path}: cannot write in {bad[0]} ({bad[1]}); megatron would find "
               "out at the first save: give a directory this job can write")  # fmt: skip
-
-
-def check_data_cache(prefixes: list[str], cache_path: str | None) -> None:
-    """The directory megatron writes the dataset indices into when they are not cached yet
-    (``--data-cache-path``, default beside the data: ``datacache.default_dir``) can be made, or
-    exists (its files may be all a run needs). megatron builds the datasets after the model and
-    the checkpoint load; its write error came then."""
-    dirs = [cache_path] if cache_path else [datacache.default_dir(p) for p in prefixes]
-    for d in dirs:
-        bad = None if os.path.isdir(d) else unwritable(d)
-        if bad:
-            why = "is not a directory" if bad[1] is None else "is not writable"
-            flag = "--data-cache-path" if cache_path else "--data-path's cache, beside the data,"
-            _fail(f"{flag} {d} cannot be created ({bad[0]} {why}), and megatron writes the "
-                  "dataset indices there when they are not cached yet: give "
-                  "--data-cache-path a writable directory", node=True)  # fmt: skip
 
 
 def check_run_dirs(args) -> None:
@@ -527,27 +435,3 @@ def check_run_dirs(args) -> None:
         )
     if err:
         _fail(err)
-
-
-def check_tokenizer_dir(tok: str | None) -> None:
-    if not tok or not os.path.isfile(os.path.join(tok, "tokenizer.json")):
-        _fail(
-            f"--tokenizer-model {tok!r} is not a tokenizer folder with tokenizer.json "
-            "(make one with tools/train_tokenizer.py)",
-            node=True,
-        )
-
-
-def data_prefixes(items: list[str]) -> list[str]:
-    """Prefixes of a megatron --data-path list (``P``, or ``W1 P1 W2 P2 ...``)."""
-
-    def is_num(s):
-        try:
-            float(s)
-            return True
-        except ValueError:
-            return False
-
-    if len(items) > 1 and all(is_num(x) for x in items[0::2]):
-        return items[1::2]
-    return list(items)

@@ -18,7 +18,16 @@ import traceback
 from megatron.md import errors
 from megatron.md.launch import flag_value
 from megatron.md.train import args as md_args
-from megatron.md.train import patches, presets, rewind, runlock, shutdown, startup, wandbrun
+from megatron.md.train import (
+    datacheck,
+    patches,
+    presets,
+    rewind,
+    runlock,
+    shutdown,
+    startup,
+    wandbrun,
+)
 from megatron.md.train.ckpt_checks import TRACKER, tracked
 from megatron.md.train.recipes import MD_RECIPE
 
@@ -119,7 +128,7 @@ def parse(argv: list[str], on_cpu: bool, check_data: bool = True, check_save: bo
     patches.prepare_parsers()
     tok = flag_value(argv, "--tokenizer-model")  # megatron loads it while validating its args
     if check_data and flag_value(argv, "--tokenizer-type") == "HuggingFaceTokenizer":
-        md_args.check_tokenizer_dir(tok)
+        datacheck.check_tokenizer_dir(tok)
     for flag in ("--save", "--load"):
         md_args.check_not_a_file(flag, flag_value(argv, flag))
     if check_data and check_save:

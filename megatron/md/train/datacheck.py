@@ -8,8 +8,8 @@ int64 byte pointers[S], int64 document indices[D] (and int8 modes[S] for multimo
 
 from __future__ import annotations
 
+import json
 import os
-import socket
 import struct
 import zlib
 
@@ -17,6 +17,8 @@ import numpy as np
 import torch
 
 from megatron.md import errors
+from megatron.md.train import datacache, nodes
+from megatron.md.train.files import unwritable
 
 MAGIC = b"MMIDIDX\x00\x00"
 HEADER = 34
@@ -122,9 +124,7 @@ def check_same_samples(splits) -> None:
     dist = torch.distributed
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    mine = [fingerprint(ds) for ds in splits]
-    views: list = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (socket.gethostname(), mine))
+    views = nodes.gather([fingerprint(ds) for ds in splits])
     host0, ref = views[0]
     for rank, (host, theirs) in enumerate(views):
         for split, a, b in zip(("train", "valid", "test"), ref, theirs):
@@ -144,3 +144,112 @@ def differ(a: tuple | None, b: tuple | None) -> str:
     if not (a and b) or a[0] != b[0]:
         return f"{b[0] if b else 0} samples, rank 0 {a[0] if a else 0}"
     return "sample {} differs".format(next(i for (i, x), (_, y) in zip(a[1], b[1]) if x != y))
+
+
+#: megatron's flags naming datasets: a blend for every split, or one per split (megatron's
+#: get_blend_and_blend_per_split); the per-split ones were not checked, and a missing file
+#: stopped the run with megatron's traceback after the model was built
+DATA_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+
+
+def dataset_lists(args) -> list[tuple[str, list[str]]]:
+    """Each flag that names datasets, as its refusals name it, with its prefixes: megatron's
+    ``--data-args-path`` (a file holding what ``--data-path`` would) and
+    ``--per-split-data-args-path`` (JSON: ``train``/``valid``/``test``, each a string or a list)
+    read as megatron reads them (training/utils/common_utils.py,
+    ``get_blend_and_blend_per_split``). Those were refused as if no data were given."""
+    out = [("--" + f.replace("_", "-"), data_prefixes(getattr(args, f)))
+           for f in DATA_FLAGS if getattr(args, f, None)]  # fmt: skip
+    for flag, per_split in (("data_args_path", False), ("per_split_data_args_path", True)):
+        path = getattr(args, flag, None)
+        if not path:
+            continue
+        name = f"--{flag.replace('_', '-')} {path}"
+        try:
+            with open(path) as f:
+                text = f.read()
+            if not per_split:
+                out.append((name, data_prefixes(text.split())))
+                continue
+            splits = json.loads(text)
+            for split in ("train", "valid", "test"):
+                items = splits[split] or []  # (megatron: no dataset for a null split)
+                out.append((f"{name} ({split})", data_prefixes(
+                    items.split() if isinstance(items, str) else list(items))))  # fmt: skip
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            errors.fail(f"{name} cannot be read as megatron reads it ({type(e).__name__}: {e})",
+                        node=True)  # fmt: skip
+    return out
+
+
+def check_files(args) -> None:
+    """The files a run reads, on this node, before the model is built: the tokenizer folder, every
+    dataset named by any of megatron's flags (present, whole, tokenized within the vocabulary)
+    and the directory of their index cache. A refusal about them is said by each node's first
+    rank as well (``node=True``): another node may see other files."""
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        check_tokenizer_dir(args.tokenizer_model)
+    if not args.mock_data:
+        lists = dataset_lists(args)
+        if not lists:
+            errors.fail("give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
+        if args.data_args_path and args.split is None:  # megatron's assert, after the model
+            errors.fail(
+                "--data-args-path needs --split (megatron sets its default for --data-path "
+                "only, and asserts one later): add e.g. --split 969,30,1"
+            )
+        every = []
+        for name, prefixes in lists:
+            every += prefixes
+            for prefix in prefixes:
+                for ext in (".bin", ".idx"):
+                    if not os.path.isfile(prefix + ext):
+                        errors.fail(
+                            f"{name}: {prefix + ext} does not exist "
+                            "(build it with tools/preprocess_data.py)",
+                            node=True,
+                        )
+            err = check_data(prefixes, args)
+            if err:
+                errors.fail(f"{name}: {err}", node=True)
+        check_data_cache(every, args.data_cache_path)
+
+
+def check_data_cache(prefixes: list[str], cache_path: str | None) -> None:
+    """The directory megatron writes the dataset indices into when they are not cached yet
+    (``--data-cache-path``, default beside the data: ``datacache.default_dir``) can be made, or
+    exists (its files may be all a run needs). megatron builds the datasets after the model and
+    the checkpoint load; its write error came then."""
+    dirs = [cache_path] if cache_path else [datacache.default_dir(p) for p in prefixes]
+    for d in dirs:
+        bad = None if os.path.isdir(d) else unwritable(d)
+        if bad:
+            why = "is not a directory" if bad[1] is None else "is not writable"
+            flag = "--data-cache-path" if cache_path else "--data-path's cache, beside the data,"
+            errors.fail(f"{flag} {d} cannot be created ({bad[0]} {why}), and megatron writes "
+                        "the dataset indices there when they are not cached yet: give "
+                        "--data-cache-path a writable directory", node=True)  # fmt: skip
+
+
+def check_tokenizer_dir(tok: str | None) -> None:
+    if not tok or not os.path.isfile(os.path.join(tok, "tokenizer.json")):
+        errors.fail(
+            f"--tokenizer-model {tok!r} is not a tokenizer folder with tokenizer.json "
+            "(make one with tools/train_tokenizer.py)",
+            node=True,
+        )
+
+
+def data_prefixes(items: list[str]) -> list[str]:
+    """Prefixes of a megatron --data-path list (``P``, or ``W1 P1 W2 P2 ...``)."""
+
+    def is_num(s):
+        try:
+            float(s)
+            return True
+        except ValueError:
+            return False
+
+    if len(items) > 1 and all(is_num(x) for x in items[0::2]):
+        return items[1::2]
+    return list(items)

@@ -12,13 +12,14 @@ with a note. ``--no-ckpt-checksums`` turns both off. Cost: docs/benchmarks.md.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
 import threading
 import time
 import zlib
+
+from megatron.md.train import files as files_
 
 PREFIX = "md_checksums."
 CHUNK = 16 << 20
@@ -52,17 +53,13 @@ def own_files(path: str, rank: int) -> list[str]:
 def _write(path: str, rank: int) -> None:
     t0 = time.perf_counter()
     out = os.path.join(path, f"{PREFIX}{rank}.json")
-    tmp = out + ".tmp"
     try:
         files = {n: [os.path.getsize(os.path.join(path, n)), crc32(os.path.join(path, n))]
                  for n in own_files(path, rank)}  # fmt: skip
         seconds = time.perf_counter() - t0
-        with open(tmp, "w") as f:
-            json.dump({"algorithm": "crc32", "files": files, "seconds": round(seconds, 3)}, f)
-        os.replace(tmp, out)
+        files_.write_whole(out, json.dumps(
+            {"algorithm": "crc32", "files": files, "seconds": round(seconds, 3)}))  # fmt: skip
     except OSError as e:  # a full disk, say: the checkpoint itself is complete
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
         msg = (f"[megatron-md] rank {rank}: the checksums of {path} were not written ({e}); "
                "the checkpoint is complete and loads without their check")  # fmt: skip
         print(msg, file=sys.stderr, flush=True)

@@ -32,6 +32,7 @@ import json
 import os
 
 from megatron.md import errors
+from megatron.md.train import files
 from megatron.md.train.ckpt_checks import TRACKER, same_dir, tracked
 
 
@@ -78,8 +79,10 @@ def mark(args, rank: int) -> str | None:
         return None
     note = {"iteration": step, "from": before, "job": os.environ.get("SLURM_JOB_ID"),
             "time": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}  # fmt: skip
-    write_whole(os.path.join(args.save, TRACKER), str(step))
-    write_whole(os.path.join(args.save, NOTE), json.dumps(note))  # (after: a note, a rewind made)
+    files.write_whole(os.path.join(args.save, TRACKER), str(step))
+    files.write_whole(
+        os.path.join(args.save, NOTE), json.dumps(note)
+    )  # (after: a note, a rewind made)
     named = f"it named {before}" if before is not None else "it named no iteration"
     return (f"rewound to iteration {step}: the tracker names it now ({named}); checkpoints "
             "after it stay until this run saves over them")  # fmt: skip
@@ -103,12 +106,3 @@ def refuse_again(save: str, step: int, saved: int) -> None:
         f"over: drop --ckpt-step to continue from {saved}, or delete {path} to rewind to {step} "
         "again"
     )
-
-
-def write_whole(path: str, text: str) -> None:
-    """``text`` into ``path`` through a temporary file renamed over it: a reader meets the old
-    file or the new one, never a cut one."""
-    tmp = f"{path}.md-rewind"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)

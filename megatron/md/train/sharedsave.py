@@ -18,6 +18,7 @@ import socket
 import torch
 
 from megatron.md import errors
+from megatron.md.train import nodes
 
 PREFIX = ".megatron-md-shared-"
 
@@ -38,19 +39,18 @@ def check(save: str | None) -> None:
     probe = os.path.join(save, name[0])
     first_here = int(os.environ.get("LOCAL_RANK", "0")) == 0  # one look per node
     seen = os.path.exists(probe) if first_here else True
-    views: list = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (seen, socket.gethostname()))
+    views = nodes.gather(seen)
     if rank == 0:
         os.remove(probe)
     blind = {}
-    for r, (ok, host) in enumerate(views):
+    for r, (host, ok) in enumerate(views):
         if not ok:
             blind.setdefault(host, r)
     if blind:
         who = ", ".join(f"rank {r} on {host}" for host, r in blind.items())
         errors.fail(
             f"--save {save} is not one directory for every node: {who} cannot see the file "
-            f"rank 0 on {views[0][1]} wrote there (a node-local disk such as /tmp?). megatron "
+            f"rank 0 on {views[0][0]} wrote there (a node-local disk such as /tmp?). megatron "
             "would save each node's checkpoint shards on that node, and the checkpoint could "
             "not be loaded: give --save a directory on a file system every node shares"
         )

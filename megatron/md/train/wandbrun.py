@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 
+from megatron.md.train import files
 from megatron.md.train.ckpt_checks import same_dir, tracked
 
 FILE = "wandb_runs.json"
@@ -130,7 +131,4 @@ def record(save: str, iteration: int) -> None:
     runs = read(save)
     runs["saves"][str(iteration)] = run.id
     runs["last"][run.id] = iteration
-    path = os.path.join(save, FILE)
-    with open(path + ".tmp", "w") as f:
-        json.dump(runs, f, indent=1)
-    os.replace(path + ".tmp", path)
+    files.write_whole(os.path.join(save, FILE), json.dumps(runs, indent=1))
