@@ -69,6 +69,13 @@ CLUSTER_ROWS = (
      "checks of the checkpoint a run resumes (complete, checksums, MD state, non-finite, the "
      "rewind) read `--load`'s. A resume from a `global` one was exact (AdamMD, 1 rank); "
      "`--save-interval` is the supported way"),
+    ("`--moe-use-upcycling`",
+     "refused at start-up: megatron-core 0.19.2's upcycling fails from `pretrain_gpt.py` "
+     "(measured on CPU, tiny preset: where every layer is MoE its dense model keeps "
+     "`--moe-ffn-hidden-size` and `TransformerConfig` raises; with dense layers the dense "
+     "checkpoint does not load: `KeyError` on stacked layer keys), and it replaces the weights "
+     "after the optimizer is built, so MD's state (fp32 params) would be the random weights'. "
+     "Our check of the loaded checkpoint named it \"a model of another shape\""),
     ("`--no-check-for-nan-in-loss-and-grad` (megatron checks by default)",
      "tested both ways (docs/troubleshooting.md, the fault table)"),
     ("megatron's TE/apex fused Adam (`HAVE_APEX_OR_TE`) with MD", "untested: the MD step "

@@ -281,6 +281,15 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
             "non-persistent 6), and the checks of the checkpoint a run resumes (complete, "
             "checksums, MD state, the rewind) read --load's: use --save-interval"
         )
+    if args.moe_use_upcycling:  # megatron: training/training.py:2143, the dense model's build
+        _fail(
+            "--moe-use-upcycling: megatron-core 0.19.2's upcycling does not run from "
+            "pretrain_gpt.py (its dense model keeps --moe-ffn-hidden-size and fails to build "
+            "where every layer is MoE; with dense layers it cannot load the dense checkpoint: "
+            "both measured), and MD's state would be made from the weights before the upcycling"
+            ": it is not supported here (a MoE checkpoint upcycled elsewhere loads with --load "
+            "and --finetune)"
+        )
     if args.muon_scale_mode not in UPSTREAM_MUON_SCALES + MUON_SCALES:
         _fail(
             f"--muon-scale-mode={args.muon_scale_mode!r} is not one of "
