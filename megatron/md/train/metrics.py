@@ -75,9 +75,14 @@ def _write(row: dict) -> None:
         f.write(json.dumps(row, default=str) + "\n")
 
 
+def file_of(args) -> str:
+    """The metrics file: ``--metrics-file``, else beside the checkpoints, else ``runs/``."""
+    return args.metrics_file or os.path.join(args.save or "runs", "metrics.jsonl")
+
+
 def start_run(args, md) -> str:
     """Pick the metrics file, write the run row (the last rank); returns the path."""
-    path = args.metrics_file or os.path.join(args.save or "runs", "metrics.jsonl")
+    path = file_of(args)
     _S["file"] = path
     _S["args"], _S["md"] = args, md
     if _S.get("host") is not None:  # a second run in this process: one gc callback

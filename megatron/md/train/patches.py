@@ -253,7 +253,8 @@ def wrap_optimizer(orig, run: Run):
     """``enable_md`` on the optimizer megatron built, or the resume fix of megatron's own
     DistributedOptimizer (wrappers.fix_plain_resume); the NaN-step guard where megatron's own
     check is off; our metrics. First, on every rank (megatron calls it once, after the model is
-    built and before anything is loaded or saved): ``--save`` is one directory for every node."""
+    built and before anything is loaded or saved): ``--save`` and the logs are one directory
+    for every node."""
 
     @functools.wraps(orig)
     def get_optimizer(config, model_chunks, *a, **kw):
@@ -263,7 +264,8 @@ def wrap_optimizer(orig, run: Run):
         from megatron.md.train import metrics, nonfinite, sharedsave
         from megatron.md.wrappers import fix_plain_resume
 
-        sharedsave.check(get_args().save)
+        args = get_args()
+        sharedsave.check(args.save, sharedsave.log_dirs(args))
         opt = orig(config, model_chunks, *a, **kw)
         if run.md is not None:
             enable_md(opt, model_chunks, run.md)
