@@ -1133,3 +1133,22 @@ def test_checkpoints_written_before_the_engine_still_load(tmp_path, name):
     assert got[3]["lm loss"] == pytest.approx(expected["3"], rel=1e-6)
     tol = 1e-5 if name == "adammd" else 1e-3
     assert got[4]["lm loss"] == pytest.approx(expected["4"], rel=tol)
+
+
+def test_a_finished_run_continued_further_is_not_finished_until_it_gets_there(tmp_path):
+    """``<save>/finished`` (the launcher does not requeue a run that has it) of a run to 2,
+    continued with --train-iters 4 and stopped at 3 (a time limit, say): the marker is removed
+    at the start, so the launcher requeues the continuation (red without: it kept "2", and the
+    continuation ended at its first stop as finished)."""
+    save = tmp_path / "ck"
+    flags = ["--preset=tiny", "--optimizer=adam", "--md-decoupling", "--lr=1e-2",
+             f"--load={save}", "--eval-iters=0"]  # fmt: skip
+    pretrain(tmp_path, "short", *flags, "--train-iters=2", nproc=1, save=save)
+    assert (save / "finished").read_text() == "2\n"
+    cmd, env = command(tmp_path, "longer", *flags, "--train-iters=4", "--exit-interval=3",
+                       "--override-opt_param-scheduler", f"--save={save}", "--save-interval=10",
+                       nproc=1)  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"{save / 'finished'} (--train-iters 2) removed: this run trains to 4" in out.stdout
+    assert not (save / "finished").exists() and (save / "stopped").read_text() == "3\n"

@@ -894,3 +894,26 @@ def test_a_dataset_cache_that_cannot_be_created_is_named(capsys, tmp_path):
     msg = fails(capsys, f"--data-path={good}", base=base)
     assert (f"--data-path's cache, beside the data, {good}/cache/GPTDataset_indices cannot be "
             f"created ({good} is not a directory)") in msg, msg  # fmt: skip
+
+
+def test_a_finished_marker_is_removed_only_for_a_run_that_trains_further(tmp_path, monkeypatch):
+    """cli.clear_finished: kept where the run asks no more iterations (by count or by samples,
+    as megatron's update_train_iters counts them); removed where it asks more, or unreadable."""
+    from types import SimpleNamespace
+
+    from megatron.md.train import cli
+
+    monkeypatch.setenv("RANK", "0")
+    marker = tmp_path / "finished"
+    a = SimpleNamespace(save=str(tmp_path), train_iters=10, train_samples=None,
+                        global_batch_size=8, step_batch_size_schedule=None)  # fmt: skip
+    for train_iters, samples, text, kept in [(10, None, "10\n", True), (None, 80, "10\n", True),
+                                             (11, None, "10\n", False), (None, 88, "10\n", False),
+                                             (10, None, "", False)]:  # fmt: skip
+        marker.write_text(text)
+        a.train_iters, a.train_samples = train_iters, samples
+        line = cli.clear_finished(a)
+        assert marker.exists() == kept and (line is None) == kept, (train_iters, samples, text)
+    monkeypatch.setenv("RANK", "1")  # rank 0's to do
+    marker.write_text("1\n")
+    assert cli.clear_finished(a) is None and marker.exists()

@@ -303,6 +303,21 @@ def test_status_shows_progress_and_eta(tmp_path, capsys, monkeypatch):
     assert tail and tail[-1]["iteration"] == 30 and all(r["type"] == "train" for r in tail)
 
 
+def test_a_run_continued_to_more_iterations_is_submitted_again(tmp_path):
+    """A run finished at 100 (its marker says so), its experiment now asking 200: not finished
+    for ``--resume`` (it is submitted again and continues; the run removes the old marker at
+    its start), where the same count stays finished. An unreadable marker is no proof."""
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / "finished").write_text("100\n")
+    prev = {"name": "r", "run_dir": str(d), "job_id": "7", "flags": ["--train-iters=100"]}
+    assert sweep.skip_state(prev, {}, ["--train-iters=100"]) == "finished"
+    assert sweep.skip_state(prev, {}, ["--train-iters=200"]) is None
+    assert sweep.run_state({**prev, "flags": ["--train-iters=200"]}, {}) == "not started"
+    (d / "finished").write_text("")
+    assert sweep.skip_state(prev, {}, ["--train-iters=100"]) is None
+
+
 def test_names_encode_the_knobs():
     run = next(r for r in experiments.experiment("ablation-sphere") if "muonmd" in r.name)
     assert re.fullmatch(r"dense-181M-muonmd-lr[0-9.e-]+-sphere-(frobenius|row|col)", run.name)

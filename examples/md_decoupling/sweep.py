@@ -129,15 +129,31 @@ def read_manifest(path: Path) -> dict:
 
 def write_manifest(path: Path, data: dict) -> None:
     """Atomically (a crash mid-write never leaves a torn manifest)."""
+    from megatron.md.train.files import write_whole
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    write_whole(str(path), json.dumps(data, indent=1))
+
+
+def finished(entry: dict) -> bool:
+    """The run's ``finished`` marker names at least its ``--train-iters``: a run continued
+    with more iterations (the experiment's count raised, then ``--resume``) is not finished by
+    the shorter run's marker (the run removes such a marker at its start)."""
+    from megatron.md.launch import flag_value
+
+    marker = Path(entry["run_dir"]) / "finished"
+    if not marker.is_file():
+        return False
+    total = flag_value(entry.get("flags", []), "--train-iters")
+    try:
+        return not total or int(marker.read_text().split()[0]) >= int(total)
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 def run_state(entry: dict, jobs: dict[str, str]) -> str:
     run_dir = Path(entry["run_dir"])
-    if (run_dir / "finished").is_file():
+    if finished(entry):
         return "finished"
     if entry.get("job_id") in jobs:
         return jobs[entry["job_id"]].lower()
@@ -305,11 +321,12 @@ def submitted_before(prior: list[dict], path: Path) -> str:
             "another --run-root starts afresh")  # fmt: skip
 
 
-def skip_state(prev: dict | None, jobs: dict[str, str]) -> str | None:
-    """Why a run of an earlier submission is not submitted again (None: it is)."""
+def skip_state(prev: dict | None, jobs: dict[str, str], flags: list[str]) -> str | None:
+    """Why a run of an earlier submission is not submitted again (None: it is); ``flags``: the
+    run's flags now (finished as they ask)."""
     if not prev:
         return None
-    state = run_state(prev, jobs)
+    state = run_state({**prev, "flags": flags}, jobs)
     return state if state == "finished" or prev.get("job_id") in jobs else None
 
 
@@ -460,7 +477,7 @@ def main(argv=None) -> None:
     skipped = 0
     if args.array:  # first the array, then runs that wait for another one by one
         pending = [r for r in runs if not r.meta.get("after")
-                   and not skip_state(old.get(r.name), jobs)]  # fmt: skip
+                   and not skip_state(old.get(r.name), jobs, r.flags)]  # fmt: skip
         if pending:
             job_ids.update(submit_array(pending, args, run_root, manifest, manifest_path))
     for run in runs:
@@ -469,7 +486,7 @@ def main(argv=None) -> None:
         entry = {"name": run.name, "job_id": None, "flags": run.flags, "meta": run.meta,
                  "run_dir": f"{run_root}/{run.name}"}  # fmt: skip
         prev = old.get(run.name)
-        state = skip_state(prev, jobs)
+        state = skip_state(prev, jobs, run.flags)
         if state:
             entry["job_id"] = prev.get("job_id")
             if prev.get("log"):  # an array task's log is named by the array, not the run

@@ -184,9 +184,10 @@ def main(argv: list[str] | None = None) -> None:
         unlocked = runlock.hold(args.save, rank(), int(os.environ.get("WORLD_SIZE", "1")))
         requeue_line = rewind.settle(args)  # (before wandb: which checkpoint it resumes)
         wandb_line = wandbrun.prepare(args)
+        finished_line = clear_finished(args)
         if rank() == 0:
             print(startup.banner(args, md), flush=True)
-            for line in (requeue_line, wandb_line):
+            for line in (requeue_line, wandb_line, finished_line):
                 if line:
                     print("[megatron-md] " + line, flush=True)
             if unlocked:
@@ -245,6 +246,28 @@ def mark_stop(args, code) -> None:
     for name in names:
         with open(os.path.join(args.save, name), "w") as f:
             f.write(saved)
+
+
+def clear_finished(args) -> str | None:
+    """A ``<save>/finished`` of a shorter run, removed (rank 0, holding the run's lock) when this
+    launch trains further: a finished run continued with a larger ``--train-iters`` kept it, and
+    the launcher, reading it, ended the continuation at its first time limit or preemption as
+    finished, not requeued (the sweep front-end also reported the run finished)."""
+    path = os.path.join(args.save or "", "finished")
+    if not args.save or rank() != 0 or not os.path.isfile(path):
+        return None
+    try:
+        done = int(open(path).read().split()[0])
+    except (OSError, ValueError, IndexError):
+        done = None  # unreadable: not evidence this run is finished
+    target = args.train_iters  # (by samples: as megatron's update_train_iters counts them)
+    if not target and args.train_samples and not getattr(args, "step_batch_size_schedule", None):
+        target = args.train_samples // args.global_batch_size
+    if not target or (done is not None and done >= target):
+        return None
+    os.remove(path)
+    return (f"{path} (--train-iters {done}) removed: this run trains to {target}, and writes it "
+            "again when it gets there")  # fmt: skip
 
 
 def mark_finished(args) -> None:
