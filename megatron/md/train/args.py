@@ -305,6 +305,10 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
         why = compatibility.refusal(compatibility.Setup.from_args(args))
         if why is not None:
             _fail(why)
+        if args.optimizer == "muon" and args.muon_extra_scale_factor != 1.0:  # (whole.py's
+            # check, which came after the model was built, with a traceback)
+            _fail(f"--muon-extra-scale-factor={args.muon_extra_scale_factor}: MuonMD sets the "
+                  "update's scale with --muon-scale-mode; drop the factor")  # fmt: skip
         if args.md_variant != "md" and args.optimizer != "muon":
             _fail(f"--md-variant {args.md_variant} is a Muon variant (use --optimizer muown)")
         if args.ckpt_format != "torch_dist" and (args.save or args.load):
