@@ -98,6 +98,19 @@ def test_a_node_local_log_directory_is_refused_naming_its_flag(tmp_path):
     assert list(save.iterdir()) == [] and list(tb.iterdir()) == []
 
 
+def test_a_log_directory_rank_0_cannot_write_is_named_by_every_rank_at_once(tmp_path):
+    """A --tensorboard-dir under a file: rank 0's probe fails; every rank stops on the one line
+    (none waits for another), and the --save probe rank 0 had written is removed."""
+    save, tb = tmp_path / "run", tmp_path / "afile" / "tb"
+    (tmp_path / "afile").write_text("")
+    outs = ranks(save, ["-c", CHECK, str(save), str(tb)], node_local=False)
+    assert [o.returncode for o in outs] == [errors.STATUS] * 2, outs
+    assert outs[0].stderr.startswith(
+        f"pretrain_gpt.py: error: --tensorboard-dir {tb} cannot be written ("
+    ), outs[0].stderr
+    assert outs[1].stderr == "" and list(save.iterdir()) == []
+
+
 def test_the_log_directories_are_the_ones_the_last_rank_writes(tmp_path, monkeypatch):
     """metrics.py's file (default beside the checkpoints), megatron's TensorBoard directory, and
     wandb's only when it runs offline (online its runs are on wandb's server)."""

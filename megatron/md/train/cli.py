@@ -257,7 +257,8 @@ def clear_finished(args) -> str | None:
     if not args.save or rank() != 0 or not os.path.isfile(path):
         return None
     try:
-        done = int(open(path).read().split()[0])
+        with open(path) as f:
+            done = int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         done = None  # unreadable: not evidence this run is finished
     target = args.train_iters  # (by samples: as megatron's update_train_iters counts them)
@@ -266,8 +267,9 @@ def clear_finished(args) -> str | None:
     if not target or (done is not None and done >= target):
         return None
     os.remove(path)
-    return (f"{path} (--train-iters {done}) removed: this run trains to {target}, and writes it "
-            "again when it gets there")  # fmt: skip
+    held = f"--train-iters {done}" if done is not None else "unreadable"
+    return (f"{path} ({held}) removed: this run trains to {target}, and writes it again when "
+            "it gets there")  # fmt: skip
 
 
 def mark_finished(args) -> None:

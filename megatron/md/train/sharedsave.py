@@ -55,13 +55,23 @@ def check(save: str | None, logs: list[tuple[str, str]] = ()) -> None:
     if not dirs:
         return
     rank = dist.get_rank()
-    name = [PREFIX + secrets.token_hex(8) if rank == 0 else None]
+    name = [PREFIX + secrets.token_hex(8) if rank == 0 else None, None]  # (name, rank 0's error)
+    written = []
     if rank == 0:  # written before its name is sent: the broadcast is the only wait needed
-        for d in dirs:
-            os.makedirs(d, exist_ok=True)
-            with open(os.path.join(d, name[0]), "w") as f:
-                f.write(f"rank 0 on {socket.gethostname()}\n")
+        for d, flag in dirs.items():
+            try:
+                os.makedirs(d, exist_ok=True)
+                with open(os.path.join(d, name[0]), "w") as f:
+                    f.write(f"rank 0 on {socket.gethostname()}\n")
+                written.append(d)
+            except OSError as e:  # (said by every rank: none waits on the others)
+                name[1] = f"{flag} {d} cannot be written ({e.strerror or e})"
+                break
     dist.broadcast_object_list(name, src=0)
+    if name[1]:
+        for d in written:
+            os.remove(os.path.join(d, name[0]))
+        errors.fail(name[1])
     first_here = int(os.environ.get("LOCAL_RANK", "0")) == 0  # one look per node
     seen = [not first_here or os.path.exists(os.path.join(d, name[0])) for d in dirs]
     views = nodes.gather(seen)
