@@ -921,3 +921,16 @@ def test_a_finished_marker_is_removed_only_for_a_run_that_trains_further(tmp_pat
     monkeypatch.setenv("RANK", "1")  # rank 0's to do
     marker.write_text("1\n")
     assert cli.clear_finished(a) is None and marker.exists()
+
+
+@pytest.mark.parametrize("flag", ["--metrics-file", "--tensorboard-dir", "--wandb-save-dir"])
+def test_a_log_directory_that_cannot_be_written_is_named_at_start_up(capsys, tmp_path, flag):
+    """Under a file: each failed with a traceback when the run opened its logs (measured,
+    2026-11-28: --metrics-file FileExistsError, --tensorboard-dir NotADirectoryError)."""
+    (tmp_path / "afile").write_text("")
+    path = tmp_path / "afile" / "logs"
+    msg = fails(capsys, f"{flag}={path}")
+    assert (
+        f"{flag} {path.parent if flag == '--metrics-file' else path}: {tmp_path / 'afile'} "
+        "is a file, not a directory" in msg
+    ), msg

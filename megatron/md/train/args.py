@@ -414,18 +414,34 @@ def check_not_a_file(flag: str, path: str | None) -> None:
         _fail(f"{flag} {path} is a file, not a checkpoint directory")
 
 
-def check_writable(flag: str, path: str | None) -> None:
-    """``path`` can be created and written in: megatron creates and writes it only at the first
-    save, after ``--save-interval`` iterations. Probed on rank 0 (which says the refusal; a
-    shared filesystem is the same for every rank)."""
+def check_writable(flag: str, path: str | None,
+                   when: str = "megatron would find out at the first save") -> None:  # fmt: skip
+    """``path`` can be created and written in: megatron creates and writes ``--save`` only at
+    the first save, after ``--save-interval`` iterations (``when``: what a log directory's
+    failure came as). Probed on rank 0 (which says the refusal; a shared filesystem is the same
+    for every rank)."""
     if not path or int(os.environ.get("RANK", "0")) != 0:
         return
     bad = unwritable(path)
     if bad and bad[1] is None:
         _fail(f"{flag} {path}: {bad[0]} is a file, not a directory")
     if bad:
-        _fail(f"{flag} {path}: cannot write in {bad[0]} ({bad[1]}); megatron would find "
-              "out at the first save: give a directory this job can write")  # fmt: skip
+        _fail(f"{flag} {path}: cannot write in {bad[0]} ({bad[1]}); {when}: give a directory "
+              "this job can write")  # fmt: skip
+
+
+def check_log_dirs(argv: list[str]) -> None:
+    """The logs' directories can be written (the metrics file's, ``--tensorboard-dir``,
+    ``--wandb-save-dir``): each was created when the run opened it, and failed then with a
+    traceback (megatron's TensorBoard writer while parsing its flags)."""
+    from megatron.md.launch import flag_value
+
+    when = "the run would stop with a traceback when it opens its logs"
+    metrics = flag_value(argv, "--metrics-file")
+    if metrics:
+        check_writable("--metrics-file", os.path.dirname(os.path.abspath(metrics)), when)
+    for flag in ("--tensorboard-dir", "--wandb-save-dir"):
+        check_writable(flag, flag_value(argv, flag), when)
 
 
 def check_run_dirs(args) -> None:

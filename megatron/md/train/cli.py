@@ -133,6 +133,7 @@ def parse(argv: list[str], on_cpu: bool, check_data: bool = True, check_save: bo
         md_args.check_not_a_file(flag, flag_value(argv, flag))
     if check_data and check_save:
         md_args.check_writable("--save", flag_value(argv, "--save"))
+        md_args.check_log_dirs(argv)
     sys.argv = [sys.argv[0]] + expand_argv(argv, on_cpu)
     try:
         args = parse_and_validate_args(extra_args_provider=md_args.add_md_args)
