@@ -22,7 +22,7 @@ from megatron.md.train import datacache
 ROWS = [s for s in compat.SEAMS if s.replace == "megatron.md.train.datacache:atomic_build"]
 
 
-def build(prefixes, cache, samples, weights=None):
+def build(prefixes, cache, samples, weights=None, seed=1):
     """The train split of a GPTDataset blend of ``prefixes``, cached in ``cache``, as megatron's
     builder makes it (5M samples of 8 tokens: a 40 MB sample index, written in ~0.1 s, long
     enough for a reader to meet a cut file)."""
@@ -33,7 +33,7 @@ def build(prefixes, cache, samples, weights=None):
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
     cfg = GPTDatasetConfig(
-        random_seed=1, sequence_length=8, blend=(prefixes, weights), split="100,0,0",
+        random_seed=seed, sequence_length=8, blend=(prefixes, weights), split="100,0,0",
         path_to_cache=cache, tokenizer=NullTokenizer(1000), reset_position_ids=False,
         reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
     )  # fmt: skip
@@ -356,3 +356,23 @@ def test_a_node_that_does_not_see_rank_0_s_cache_builds_its_own_once(tmp_path, s
             assert mine.read_text() == theirs.read_text(), name
     hidden = sorted(p.name for p in caches[1].iterdir() if p.name.startswith("."))
     assert len(hidden) == 2 and all(h.endswith("-train-lock") for h in hidden), hidden  # built
+
+
+def test_the_sample_order_is_compared_besides_the_samples(tmp_path, seam):
+    """datacheck.fingerprint: the same blend from two caches (two nodes') fingerprints alike;
+    another shuffle (here another seed: as a cache megatron built from another version of the
+    corpus orders it) changes the order's CRC, and where the samples compared happen to agree
+    the refusal names the order."""
+    from megatron.md.train.datacheck import differ, fingerprint, order_crc
+
+    a, b = corpus(tmp_path / "a", 0), corpus(tmp_path / "b", 1)
+    one = build([a, b], str(tmp_path / "n0"), 1000, [0.5, 0.5])
+    two = build([a, b], str(tmp_path / "n1"), 1000, [0.5, 0.5])
+    other = build([a, b], str(tmp_path / "n2"), 1000, [0.5, 0.5], seed=2)
+    assert fingerprint(one) == fingerprint(two)
+    assert order_crc(one) != order_crc(other)
+    assert order_crc(one.datasets[0]) != order_crc(other.datasets[0])  # a GPTDataset's own
+    n, samples, crc = fingerprint(one)
+    assert differ((n, samples, crc), (n, samples, crc + 1)).startswith(
+        "the samples compared agree, their order differs"
+    )

@@ -105,13 +105,42 @@ def check_data(prefixes: list[str], args, scan_tokens: bool | None = None) -> st
 PICKS = 8
 
 
+#: megatron's sample-order indices (gpt_dataset.py, blended_dataset.py), and how much of each
+#: is compared: its length and ``INDEX_PIECES`` evenly spread pieces of ``INDEX_PIECE`` bytes
+INDEX_ARRAYS = ("dataset_index", "dataset_sample_index", "document_index", "sample_index",
+                "shuffle_index")  # fmt: skip
+INDEX_PIECES, INDEX_PIECE = 64, 1 << 16
+
+
 def fingerprint(ds) -> tuple | None:
-    """A split's length and the CRC-32 of the tokens of ``PICKS`` of its samples."""
+    """A split's length, the CRC-32 of the tokens of ``PICKS`` of its samples, and of its
+    sample order (``order_crc``)."""
     if ds is None:
         return None
     n = len(ds)
     picks = sorted({round(i * (n - 1) / (PICKS - 1)) for i in range(PICKS)}) if n else []
-    return n, [(i, zlib.crc32(np.asarray(ds[i]["tokens"]).tobytes())) for i in picks]
+    samples = [(i, zlib.crc32(np.asarray(ds[i]["tokens"]).tobytes())) for i in picks]
+    return n, samples, order_crc(ds)
+
+
+def order_crc(ds, crc: int = 0) -> int:
+    """CRC-32 of the indices that fix the order ``ds`` serves its samples in (a blend's, then
+    each of its datasets'): the samples compared could agree where a node-local cache, built
+    from another version of the corpus, orders them otherwise. Pieces of each index, not all
+    of it: an index of a large run is hundreds of MB, read by every node at start-up."""
+    if getattr(ds, "shuffle_index", 0) is None and len(ds):
+        ds[0]  # megatron memory-maps the indices at the first sample it reads
+    for name in INDEX_ARRAYS:
+        a = getattr(ds, name, None)
+        if a is None:
+            continue
+        b = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        crc = zlib.crc32(f"{name} {b.size}".encode(), crc)
+        for start in range(0, b.size, max(b.size // INDEX_PIECES, 1))[:INDEX_PIECES]:
+            crc = zlib.crc32(b[start : start + INDEX_PIECE].tobytes(), crc)
+    for sub in getattr(ds, "datasets", None) or []:
+        crc = order_crc(sub, crc)
+    return crc
 
 
 def check_same_samples(splits) -> None:
@@ -143,7 +172,9 @@ def differ(a: tuple | None, b: tuple | None) -> str:
     """How split fingerprint ``b`` differs from rank 0's ``a``."""
     if not (a and b) or a[0] != b[0]:
         return f"{b[0] if b else 0} samples, rank 0 {a[0] if a else 0}"
-    return "sample {} differs".format(next(i for (i, x), (_, y) in zip(a[1], b[1]) if x != y))
+    if a[1] != b[1]:
+        return "sample {} differs".format(next(i for (i, x), (_, y) in zip(a[1], b[1]) if x != y))
+    return "the samples compared agree, their order differs: megatron's dataset indices"
 
 
 #: megatron's flags naming datasets: a blend for every split, or one per split (megatron's
