@@ -253,18 +253,19 @@ def wrap_optimizer(orig, run: Run):
     """``enable_md`` on the optimizer megatron built, or the resume fix of megatron's own
     DistributedOptimizer (wrappers.fix_plain_resume); the NaN-step guard where megatron's own
     check is off; our metrics. First, on every rank (megatron calls it once, after the model is
-    built and before anything is loaded or saved): ``--save`` and the logs are one directory
-    for every node."""
+    built and before anything is loaded or saved): every rank runs rank 0's software, and
+    ``--save`` and the logs are one directory for every node."""
 
     @functools.wraps(orig)
     def get_optimizer(config, model_chunks, *a, **kw):
         from megatron.training import get_args
 
         from megatron.md.enable import enable_md
-        from megatron.md.train import metrics, nonfinite, sharedsave
+        from megatron.md.train import metrics, nodes, nonfinite, sharedsave
         from megatron.md.wrappers import fix_plain_resume
 
         args = get_args()
+        nodes.check_same_software()
         sharedsave.check(args.save, sharedsave.log_dirs(args))
         opt = orig(config, model_chunks, *a, **kw)
         if run.md is not None:
