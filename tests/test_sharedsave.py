@@ -98,7 +98,7 @@ def test_a_node_local_log_directory_is_refused_naming_its_flag(tmp_path):
     assert list(save.iterdir()) == [] and list(tb.iterdir()) == []
 
 
-def test_a_log_directory_rank_0_cannot_write_is_named_by_every_rank_at_once(tmp_path):
+def test_a_log_directory_rank_0_cannot_write_stops_every_rank_at_once(tmp_path):
     """A --tensorboard-dir under a file: rank 0's probe fails; every rank stops on the one line
     (none waits for another), and the --save probe rank 0 had written is removed."""
     save, tb = tmp_path / "run", tmp_path / "afile" / "tb"

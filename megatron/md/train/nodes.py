@@ -13,9 +13,9 @@ import torch
 
 from megatron.md import errors
 
-#: the distributions whose code a step runs (transformer-engine and apex where installed)
-PACKAGES = ("torch", "megatron-core", "emerging-optimizers", "transformer-engine",
-            "transformer_engine", "apex", "numpy")  # fmt: skip
+#: the distributions whose code a step runs (transformer-engine and apex where installed;
+#: importlib.metadata matches a name with "-" or "_" alike)
+PACKAGES = ("torch", "megatron-core", "emerging-optimizers", "transformer-engine", "apex", "numpy")
 
 
 def gather(value) -> list[tuple[str, object]]:

@@ -64,7 +64,7 @@ def check(save: str | None, logs: list[tuple[str, str]] = ()) -> None:
                 with open(os.path.join(d, name[0]), "w") as f:
                     f.write(f"rank 0 on {socket.gethostname()}\n")
                 written.append(d)
-            except OSError as e:  # (said by every rank: none waits on the others)
+            except OSError as e:  # (every rank stops on it: none waits on the others)
                 name[1] = f"{flag} {d} cannot be written ({e.strerror or e})"
                 break
     dist.broadcast_object_list(name, src=0)
