@@ -140,15 +140,13 @@ def finished(entry: dict) -> bool:
     with more iterations (the experiment's count raised, then ``--resume``) is not finished by
     the shorter run's marker (the run removes such a marker at its start)."""
     from megatron.md.launch import flag_value
+    from megatron.md.train.files import read_count
 
     marker = Path(entry["run_dir"]) / "finished"
     if not marker.is_file():
         return False
-    total = flag_value(entry.get("flags", []), "--train-iters")
-    try:
-        return not total or int(marker.read_text().split()[0]) >= int(total)
-    except (OSError, ValueError, IndexError):
-        return False
+    done, total = read_count(str(marker)), flag_value(entry.get("flags", []), "--train-iters")
+    return done is not None and (not total or done >= int(total))
 
 
 def run_state(entry: dict, jobs: dict[str, str]) -> str:

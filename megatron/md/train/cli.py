@@ -20,6 +20,7 @@ from megatron.md.launch import flag_value
 from megatron.md.train import args as md_args
 from megatron.md.train import (
     datacheck,
+    files,
     patches,
     presets,
     rewind,
@@ -257,11 +258,7 @@ def clear_finished(args) -> str | None:
     path = os.path.join(args.save or "", "finished")
     if not args.save or rank() != 0 or not os.path.isfile(path):
         return None
-    try:
-        with open(path) as f:
-            done = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        done = None  # unreadable: not evidence this run is finished
+    done = files.read_count(path)  # None (unreadable): not evidence this run is finished
     target = args.train_iters  # (by samples: as megatron's update_train_iters counts them)
     if not target and args.train_samples and not getattr(args, "step_batch_size_schedule", None):
         target = args.train_samples // args.global_batch_size

@@ -22,6 +22,16 @@ def write_whole(path: str, text: str) -> None:
         raise
 
 
+def read_count(path: str) -> int | None:
+    """The number a marker file (``<save>/finished``, ``stopped``) starts with; None where it is
+    missing or unreadable."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def unwritable(path: str) -> tuple[str, str | None] | None:
     """Why ``path`` cannot be created and written in: (its nearest existing ancestor, None where
     that is a file, else the probe's error), or None. Probed by making and removing a directory
