@@ -91,6 +91,7 @@ def main():
         out = run(ours, args)
         if dist.get_rank() == 0:
             print(json.dumps(out), flush=True)
+        md_check.drop_groups()
     dist.destroy_process_group()
     shutdown.exit_now()  # every result printed: skip the interpreter's ~2 s teardown
 

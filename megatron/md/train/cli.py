@@ -246,8 +246,7 @@ def mark_stop(args, code) -> None:
         if getattr(get_signal_handler(), "_signal_received", False):  # local: no collective
             names.append("exited_on_signal")
     for name in names:
-        with open(os.path.join(args.save, name), "w") as f:
-            f.write(saved)
+        files.write_whole(os.path.join(args.save, name), saved)
 
 
 def clear_finished(args) -> str | None:
@@ -277,5 +276,4 @@ def mark_finished(args) -> None:
         return
     saved = tracked(args.save)
     if saved is not None and saved >= args.train_iters:
-        with open(os.path.join(args.save, "finished"), "w") as f:
-            f.write(f"{args.train_iters}\n")
+        files.write_whole(os.path.join(args.save, "finished"), f"{args.train_iters}\n")
