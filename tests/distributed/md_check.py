@@ -361,6 +361,8 @@ def check(args) -> dict:
     md = md_config(args)
     init_model_parallel(args.cp)
     model, dmodel, opt = build(args, world)
+    # every weight's storage as megatron's DDP buffer holds it (the fused write goes in place)
+    where = {n: (p.data_ptr(), p.stride()) for n, p in model.named_parameters()}
     enable_md(opt, [dmodel], md)
     if args.vs == "megatron":
         model2, dmodel2, opt2 = build(args, world)
@@ -462,6 +464,8 @@ def check(args) -> dict:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         worst_dir = float(t)
     for name, p in model.named_parameters():
+        # in place: DDP's buffer views (and a captured CUDA graph's addresses) still see it
+        assert (p.data_ptr(), p.stride()) == where[name], f"{name} moved out of its storage"
         same = p.detach().clone()
         dist.broadcast(same, 0)
         assert torch.equal(same, p.detach()), f"{name} differs across ranks"
