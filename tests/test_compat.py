@@ -92,6 +92,20 @@ def test_training_without_the_md_optimizer_seam_stops(monkeypatch):
         wrapped(loss_dict={}, iteration=1, grad_norm=None)
 
 
+def test_an_optimizer_built_without_the_nodes_checks_stops(monkeypatch):
+    """megatron builds its optimizer but never called the seam before its model
+    (``setup_model_and_optimizer``: the nodes' software and shared directories): refused
+    before the optimizer is built, never trained on unchecked."""
+    from megatron.md.train import patches
+
+    built = []
+    monkeypatch.setattr(patches, "_NODES_CHECKED", [])
+    wrapped = patches.wrap_optimizer(lambda *a, **kw: built.append(1), patches.Run(None, True))
+    with pytest.raises(RuntimeError, match="the nodes' checks did not run"):
+        wrapped(None, [])
+    assert built == []
+
+
 def test_importing_megatron_md_changes_nothing():
     """CPU mode is an explicit call of the entry points (cpu_mode.maybe_activate), never a side
     effect of importing the package."""

@@ -45,9 +45,9 @@ def test_a_node_local_save_is_refused_naming_the_node(tmp_path):
 
 
 def test_pretrain_gpt_with_a_node_local_save_stops_before_training(tmp_path):
-    """The real run: the check sits in megatron's ``get_megatron_optimizer`` (after the model is
-    built, before a checkpoint is loaded or an iteration trained); rank 0's own ``--save``
-    holds no checkpoint afterwards, and nothing trained."""
+    """The real run: the check sits in megatron's ``setup_model_and_optimizer``, before the
+    model is built (megatron's line naming its parameter count never printed); rank 0's own
+    ``--save`` holds no checkpoint afterwards, and nothing trained."""
     save = tmp_path / "run"
     metrics = tmp_path / "metrics.jsonl"
     argv = [str(ROOT / "pretrain_gpt.py"), "--preset=tiny", "--mock-data",
@@ -60,6 +60,7 @@ def test_pretrain_gpt_with_a_node_local_save_stops_before_training(tmp_path):
     assert [o.returncode for o in outs] == [errors.STATUS] * 2, outs[0].stderr[-3000:]
     assert f"error: --save {save} is not one directory for every node" in outs[0].stderr
     assert "Traceback" not in outs[0].stderr + outs[1].stderr, outs[1].stderr[-3000:]
+    assert "number of parameters" not in outs[0].stdout + outs[1].stdout  # no model built
     assert sorted(p.name for p in save.iterdir()) == [".run.lock"]  # rank 0's lock only
     rows = metrics.read_text().splitlines() if metrics.exists() else []
     assert not [r for r in rows if '"type": "train"' in r], rows

@@ -46,6 +46,10 @@ _P = "megatron.md.train.patches:"
 #: every seam, grouped by layer
 SEAMS: tuple[Seam, ...] = (
     # training loop (module globals megatron looks up at call time)
+    Seam("megatron.training.training", "setup_model_and_optimizer",
+         "training/training.py:1228", "training",
+         "the nodes' checks (software, shared --save and logs) before the model is built",
+         _P + "check_nodes_first"),
     Seam("megatron.training.training", "get_megatron_optimizer", "training/training.py:2132",
          "training", "enable_md on the optimizer megatron builds", _P + "wrap_optimizer"),
     Seam("megatron.training.training", "get_megatron_optimizer_config",

@@ -249,24 +249,50 @@ def wrap_optimizer_config(orig, run=None):
     return get_config
 
 
+#: set once ``check_nodes_first`` has run: the optimizer's seam refuses to build without it
+_NODES_CHECKED: list[bool] = []
+
+
+def check_nodes_first(orig, run=None):
+    """On every rank, once torch.distributed is set up and before megatron builds the model
+    (``pretrain`` calls ``setup_model_and_optimizer`` first): every rank runs rank 0's software
+    (a node with another megatron-core could fail or hang inside the model's set-up, naming
+    nothing), and ``--save`` and the logs are one directory for every node."""
+
+    @functools.wraps(orig)
+    def setup_model_and_optimizer(*a, **kw):
+        from megatron.training import get_args
+
+        from megatron.md.train import nodes, sharedsave
+
+        args = get_args()
+        nodes.check_same_software()
+        sharedsave.check(args.save, sharedsave.log_dirs(args))
+        _NODES_CHECKED.append(True)
+        return orig(*a, **kw)
+
+    return setup_model_and_optimizer
+
+
 def wrap_optimizer(orig, run: Run):
     """``enable_md`` on the optimizer megatron built, or the resume fix of megatron's own
     DistributedOptimizer (wrappers.fix_plain_resume); the NaN-step guard where megatron's own
-    check is off; our metrics. First, on every rank (megatron calls it once, after the model is
-    built and before anything is loaded or saved): every rank runs rank 0's software, and
-    ``--save`` and the logs are one directory for every node."""
+    check is off; our metrics. Refused where ``check_nodes_first`` has not run (a megatron-core
+    that no longer builds the model through that seam)."""
 
     @functools.wraps(orig)
     def get_optimizer(config, model_chunks, *a, **kw):
         from megatron.training import get_args
 
         from megatron.md.enable import enable_md
-        from megatron.md.train import metrics, nodes, nonfinite, sharedsave
+        from megatron.md.train import metrics, nonfinite
         from megatron.md.wrappers import fix_plain_resume
 
-        args = get_args()
-        nodes.check_same_software()
-        sharedsave.check(args.save, sharedsave.log_dirs(args))
+        if not _NODES_CHECKED:
+            raise RuntimeError(
+                "megatron built the optimizer without calling setup_model_and_optimizer "
+                "(megatron/md/compat.py's seam): the nodes' checks did not run"
+            )
         opt = orig(config, model_chunks, *a, **kw)
         if run.md is not None:
             enable_md(opt, model_chunks, run.md)
