@@ -29,7 +29,7 @@ from megatron.md.train import (
     startup,
     wandbrun,
 )
-from megatron.md.train.ckpt_checks import TRACKER, tracked
+from megatron.md.train.ckpt_checks import tracked
 from megatron.md.train.recipes import MD_RECIPE
 
 
@@ -235,10 +235,9 @@ def mark_stop(args, code) -> None:
     resumable."""
     if not args.save or code not in (0, None) or rank() != 0:
         return
-    tracker = os.path.join(args.save, TRACKER)
-    if not os.path.exists(tracker):
+    saved = tracked(args.save)
+    if saved is None:
         return
-    saved = open(tracker).read().strip() + "\n"
     names = ["stopped"]
     if args.exit_signal_handler:
         from megatron.training.global_vars import get_signal_handler
@@ -246,7 +245,7 @@ def mark_stop(args, code) -> None:
         if getattr(get_signal_handler(), "_signal_received", False):  # local: no collective
             names.append("exited_on_signal")
     for name in names:
-        files.write_whole(os.path.join(args.save, name), saved)
+        files.write_whole(os.path.join(args.save, name), f"{saved}\n")
 
 
 def clear_finished(args) -> str | None:
