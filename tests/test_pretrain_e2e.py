@@ -180,6 +180,11 @@ def test_checkpoint_counts_and_sphere(runs, name):
     sd = read_checkpoint(save / "iter_0000020")
     preset = presets.PRESETS["tiny-moe" if "moe" in name else "tiny"]
     assert model_param_count(sd) == presets.count_params(preset, vocab=VOCAB)[0]
+    # megatron's own count, printed once the model is built (test_sharedsave.py reads this
+    # line's absence as "no model built": here it is shown to be printed, with that count)
+    log = (save.parent / f"{name}.log").read_text().splitlines()
+    said = [int(ln.rsplit(":", 1)[1]) for ln in log if "> number of parameters on (" in ln]
+    assert said == [model_param_count(sd)], said
     errs = sphere_errors(sd, rows[0]["md_config"]["gain_map"])
     assert any("word_embeddings" in k for k in errs) and any("linear_fc1" in k for k in errs)
     tol = 5e-3 if "--bf16" in RUNS[name] else 1e-5  # bf16 model weights vs fp32 directions
