@@ -12,7 +12,6 @@ Prints one JSON line on rank 0 per job (jobs joined by ``+`` share one launch).
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -23,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import md_check  # noqa: E402
 
 from megatron.md.config import MDConfig  # noqa: E402
-from megatron.md.train import shutdown  # noqa: E402
 
 SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -85,15 +83,7 @@ def parse(argv: list[str]):
 
 
 def main():
-    jobs = [parse(a) for a in md_check.split_jobs(sys.argv[1:])]
-    md_check.init_distributed("cpu")
-    for ours, args in jobs:
-        out = run(ours, args)
-        if dist.get_rank() == 0:
-            print(json.dumps(out), flush=True)
-        md_check.drop_groups()
-    dist.destroy_process_group()
-    shutdown.exit_now()  # every result printed: skip the interpreter's ~2 s teardown
+    md_check.run_jobs(parse, lambda job: run(*job))  # (a job is (ours, md_check's args))
 
 
 def run(ours, args) -> dict:
