@@ -373,11 +373,16 @@ def at_iteration_10(runs, tmp: Path, name: str) -> tuple[Path, dict, list[str], 
     return d, tree(d / "iter_0000010"), cmd, env
 
 
+def refusals(out: subprocess.CompletedProcess) -> list[str]:
+    """The refusal lines a run printed (megatron/md/errors.py)."""
+    return [ln for ln in out.stderr.splitlines() if ln.startswith("pretrain_gpt.py: error:")]
+
+
 def refusal(out: subprocess.CompletedProcess) -> str:
     """The run's one refusal line (status 2). Not necessarily stderr's last line: the launcher
     stops the other ranks when rank 0 leaves, and a rank still importing megatron at a
     start-up refusal may print an import warning first (seen on a 2-core CI machine)."""
-    said = [ln for ln in out.stderr.splitlines() if ln.startswith("pretrain_gpt.py: error:")]
+    said = refusals(out)
     assert out.returncode == 2 and len(said) == 1, out.stdout[-3000:] + out.stderr[-3000:]
     return said[0]
 
@@ -686,7 +691,7 @@ def test_a_nonfinite_checkpoint_is_refused_by_name(runs, tmp_path):
                        "--save-interval=10",
                        *RUNS["adam_md"], nproc=1)  # fmt: skip
     out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    said = [ln for ln in out.stderr.splitlines() if ln.startswith("pretrain_gpt.py: error:")]
+    said = refusals(out)
     assert out.returncode != 0 and len(said) == 1, out.stderr[-3000:]
     assert "iter_0000020 holds non-finite values (decoder.layers." in said[0], said
     assert "linear_fc2.weight: its row gains" in said[0] and "--ckpt-step N" in said[0]
@@ -1091,7 +1096,7 @@ def test_a_state_gone_nonfinite_is_never_saved(tmp_path):
     flags = [*RUNS["adam_md"], "--md-gain-lr=200", "--train-iters=6", "--save-interval=5"]
     cmd, env = command(tmp_path, "blowup", *flags, f"--save={tmp_path / 'run'}", nproc=1)
     out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    said = [ln for ln in out.stderr.splitlines() if ln.startswith("pretrain_gpt.py: error:")]
+    said = refusals(out)
     assert out.returncode != 0 and len(said) == 1, out.stderr[-3000:]
     assert "is not finite (" in said[0] and "gains (φ(ĝ) overflows)" in said[0]
     assert "it was not saved" in said[0]
@@ -1113,7 +1118,7 @@ def test_resume_refusals_name_the_real_change(runs, tmp_path):
     cmd, env = command(tmp_path, "longer", "--train-iters=30", f"--load={save}",
                        "--ckpt-step=10", *RUNS["adam_md"], nproc=1)  # fmt: skip
     out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    said = [ln for ln in out.stderr.splitlines() if ln.startswith("pretrain_gpt.py: error:")]
+    said = refusals(out)
     assert out.returncode != 0 and len(said) == 1, out.stderr[-3000:]
     assert "total number of iterations do not match" in said[0]
     assert "--override-opt_param-scheduler" in said[0]
