@@ -51,9 +51,12 @@ def test_the_pretraining_runs_of_the_plan_parse(tmp_path):
                 (tmp_path / name / "latest_checkpointed_iteration.txt").write_text("24")
         gpu_check.clear_fresh(run, tmp_path)
         gv.unset_global_variables()
-        args, md = cli.parse(argv, on_cpu=True)
+        # as the GPU machine parses them (on_cpu=True refuses --md-cuda-graph)
+        args, md = cli.parse(argv, on_cpu=False)
         # 24 iterations: tools/long_run_check.py reads at least 20 losses
         assert md is not None and args.train_iters == 24 and args.save_interval == 12
+        # AdamMD's pair in a CUDA graph through the save and the resume, MuonMD's without
+        assert md.cuda_graph == (args.optimizer == "adam"), argv
         if args.load:  # the first run also saved at 24: resuming the latest trains nothing
             assert args.ckpt_step == 12  # (on the H200 it did, 2026-11-26)
         else:  # the first run starts from scratch, its run directory cleared

@@ -17,8 +17,9 @@ commit):
    by default and with ``--md-cuda-graph``, AdamW again last: the spread between two runs;
    bf16, local layer spec, tokens/s medians after warm-up), and a save at iteration N and a resume
    that must repeat the first run's losses exactly (both in megatron's ``--deterministic-mode``:
-   without it two identical runs part on a GPU), with the long-run checks (sphere drift,
-   finite gains) on its log;
+   without it two identical runs part on a GPU), AdamMD's with its step in a CUDA graph
+   (``--md-cuda-graph``) and MuonMD's without, with the long-run checks (sphere drift, finite
+   gains) on their logs;
 4. Transformer Engine, if it imports: the TE spec builds and trains a few iterations, dense
    and MoE.
 
@@ -175,7 +176,11 @@ def plan() -> list[Step]:
               "adammd-graph", "muonmd-graph", "adamw-again",
               "--out", "{out}", "--", "--transformer-impl=local"], 300),
     ]  # fmt: skip
-    for name, flags in (("adammd", adammd), ("muonmd", muonmd)):
+    # AdamMD's step replayed from a CUDA graph (--md-cuda-graph) through the save and the
+    # resume: the graph had run on one rank only, never through a --load (startup.banner);
+    # MuonMD's pair is the same runs without it (AdamMD's compiled resume without the graph
+    # was exact on the H100, 2026-11-26)
+    for name, flags in (("adammd-graph", [*adammd, "--md-cuda-graph"]), ("muonmd", muonmd)):
         # 24 iterations: tools/long_run_check.py reads at least 20 losses
         # --deterministic-mode: without it two identical runs from scratch on the H200 parted
         # at iteration 2 (2026-11-26; F.embedding's backward and cuBLAS's workspace), so
@@ -203,7 +208,7 @@ def plan() -> list[Step]:
         Step(
             "resume",
             "tools/long_run_check.py",
-            ["--check", "{out}/adammd-a.jsonl", "{out}/muonmd-a.jsonl"],
+            ["--check", "{out}/adammd-graph-a.jsonl", "{out}/muonmd-a.jsonl"],
             30,
         )
     )
