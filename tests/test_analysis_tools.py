@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
+import fb_dispatch  # noqa: E402
 import lr_sweep  # noqa: E402
 import scaling_law  # noqa: E402
 
@@ -331,15 +332,28 @@ def test_throughput_cpu_smoke_run(tmp_path):
 @pytest.mark.distributed
 def test_md_adds_no_operation_to_the_forward_backward(tmp_path):
     """fb_dispatch.py: AdamMD's forward-backward in a real pretrain_gpt.py run dispatches exactly
-    AdamW's operations, op by op (MD lives in the optimizer step; the model keeps one fused
-    weight): a hook or a reparametrized weight in the model would show here."""
+    AdamW's operations, in the same order on tensors of the same dtype, shape, strides and
+    storage offset (MD lives in the optimizer step; the model keeps one fused weight): a hook, a
+    reparametrized weight or a weight the step left laid out differently would show here. As the
+    H100 throughput runs that saw AdamMD's forward-backward slower: bf16 with fp32 main params,
+    MD's compiled step."""
     out = run_tool("fb_dispatch.py", "--methods", "adamw", "adammd", "--iters=1",
-                   f"--json={tmp_path / 'fb.json'}", timeout=600)  # fmt: skip
+                   f"--json={tmp_path / 'fb.json'}", "--", "--bf16", "--md-fused-step=on",
+                   timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads((tmp_path / "fb.json").read_text())["results"]
     (base,), (md,) = res["adamw"]["ops"], res["adammd"]["ops"]
     assert base > 1000 and md == base and res["adammd"]["differing_ops"] == {}, res
     assert res["adammd"]["by_op"]["aten.mm.default"] > 10  # the model's products were counted
+    seq = res["adamw"]["sequence"]
+    assert len(seq) == base and res["adammd"]["sequence_differs"] is None
+    mm = next(s for s in seq if s.startswith("aten.mm.default bfloat16["))  # layouts recorded
+    assert "/[" in mm and "]+" in mm, mm
+    # the comparison sees a layout alone: the same operation on a transposed weight
+    moved = [*seq[:5], seq[5].replace("/[", "/[9, ", 1), *seq[6:]]
+    assert fb_dispatch.first_difference(seq, moved)["index"] == 5
+    assert fb_dispatch.first_difference(seq, moved)["positions_differing"] == 1
+    assert fb_dispatch.first_difference(seq, seq[:-1])["index"] == len(seq) - 1
 
 
 @pytest.mark.distributed

@@ -7,13 +7,16 @@ This counts every aten operation dispatched inside megatron's forward-backward f
 ``get_forward_backward_func``) in iterations ``--skip``+1 .. ``--skip``+``--iters`` of a real
 ``pretrain_gpt.py`` run per method (its own process, one rank; the tiny preset, mock data,
 MD's diagnostics off after iteration 1), and prints per method the operations of each counted
-forward-backward and the difference from its base (AdamMD/AdamW, MuonMD/Muon). A method whose
-run fails, or a forward-backward the patch never saw (megatron moved the seam), exits 1.
+forward-backward and the difference from its base (AdamMD/AdamW, MuonMD/Muon), and whether the
+last counted forward-backward issued its base's operations in the same order on tensors of the
+same dtype, shape, strides and storage offset (else where the two part). A method whose run
+fails, or a forward-backward the patch never saw (megatron moved the seam), exits 1.
 
 On one H100 (2026-11-26) AdamMD's forward-backward took 124 ms against AdamW's 102 and no
 timer said why; this shows whether MD put work into the model (docs/benchmarks.md).
 
     python tools/fb_dispatch.py [--methods adamw adammd muon muonmd] [--json F] [-- flags]
+    python tools/fb_dispatch.py --methods adamw adammd -- --bf16 --md-fused-step=on  # as on a GPU
 """
 
 from __future__ import annotations
@@ -58,12 +61,15 @@ def child(method: str, skip: int, iters: int, extra: list[str]) -> None:
         def __init__(self):
             super().__init__()
             self.ops: collections.Counter = collections.Counter()
+            self.seq: list[str] = []  # each operation with its tensors' layouts, in order
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.ops[str(func)] += 1
+            self.seq.append(signature(func, (args, kwargs)))
             return func(*args, **(kwargs or {}))
 
     seen: list[collections.Counter] = []
+    seqs: list[list[str]] = []
     # the seam: megatron-core 0.19.2 megatron/training/training.py:3614 (in train) calls it
     real = training.get_forward_backward_func
 
@@ -77,6 +83,7 @@ def child(method: str, skip: int, iters: int, extra: list[str]) -> None:
             with (c := Count()):
                 out = fb(*args, **kwargs)
             seen[-1] = c.ops
+            seqs.append(c.seq)
             return out
 
         return forward_backward
@@ -92,7 +99,36 @@ def child(method: str, skip: int, iters: int, extra: list[str]) -> None:
         sys.exit(f"fb_dispatch: counted {len(counted)} of {iters} forward-backward calls "
                  f"({seam} no longer the seam?)")  # fmt: skip
     print(MARK + json.dumps({"method": method, "ops": [sum(c.values()) for c in counted],
-                             "by_op": dict(counted[-1])}), flush=True)  # fmt: skip
+                             "by_op": dict(counted[-1]), "sequence": seqs[-1]}),
+          flush=True)  # fmt: skip
+
+
+def signature(func, args) -> str:
+    """An operation and the layout of every tensor it reads or writes: dtype, shape, strides and
+    offset into its storage (a weight or gradient laid out differently runs another kernel, or
+    the same one on misaligned memory, under the same operation's name)."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    def layout(t):
+        return f"{str(t.dtype)[6:]}{list(t.shape)}/{list(t.stride())}+{t.storage_offset()}"
+
+    return " ".join(
+        [str(func), *(layout(t) for t in tree_leaves(args) if isinstance(t, torch.Tensor))]
+    )
+
+
+def first_difference(base: list[str], md: list[str]) -> dict | None:
+    """Where two runs' operation sequences part (None: the same operations on the same
+    layouts, in the same order)."""
+    at = next((i for i, (a, b) in enumerate(zip(base, md)) if a != b), None)
+    if at is None and len(base) == len(md):
+        return None
+    at = min(len(base), len(md)) if at is None else at
+    diff = sum(a != b for a, b in zip(base, md)) + abs(len(base) - len(md))
+    return {"index": at, "positions_differing": diff,
+            "base": base[at] if at < len(base) else None,
+            "md": md[at] if at < len(md) else None}  # fmt: skip
 
 
 def measure(methods: list[str], skip: int, iters: int, extra: list[str]) -> dict:
@@ -119,6 +155,7 @@ def measure(methods: list[str], skip: int, iters: int, extra: list[str]) -> dict
                 for op in sorted(ops)
                 if base["by_op"].get(op, 0) != r["by_op"].get(op, 0)
             }
+            r["sequence_differs"] = first_difference(base["sequence"], r["sequence"])
     return {"results": res, "failed": failed}
 
 
@@ -147,6 +184,11 @@ def main(argv=None) -> None:
               f"{'' if extra_ops is None else ', '.join(map(str, extra_ops))}")  # fmt: skip
         if r.get("differing_ops"):
             print(f"  {m} vs {BASE[m]}, op: [base, MD] = {r['differing_ops']}")
+        if r.get("sequence_differs"):
+            print(f"  {m} vs {BASE[m]}, operations or layouts part: {r['sequence_differs']}")
+        elif m in BASE and BASE[m] in got["results"]:
+            print(f"  {m} vs {BASE[m]}: the same operations on the same tensor layouts "
+                  "(dtype, shape, strides, storage offset), in the same order")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(got, indent=1))
     if got["failed"]:
