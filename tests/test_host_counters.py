@@ -29,3 +29,33 @@ def test_counters_are_per_iteration_means_and_restart():
     n = len(gc.callbacks)
     h.close()  # closing twice is harmless
     assert len(gc.callbacks) == n
+
+
+def test_the_wait_at_a_phase_end_is_counted_apart(monkeypatch):
+    """megatron's own ``Timer``, its stop wrapped as the seam does (``host.timer_stop_wait``):
+    the time its synchronize takes (a device 30 ms behind the host, stood for by a sleep) is the
+    phase's ``wait_ms``, per iteration, for the forward-backward and the optimizer only; the
+    timer still measures the whole phase."""
+    import torch
+    from megatron.core import timers
+
+    from megatron.md.train import host
+
+    monkeypatch.setattr(timers.Timer, "stop", host.timer_stop_wait(timers.Timer.stop))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # the start's: no wait
+    h = HostCounters()
+    try:
+        fb, opt, other = (timers.Timer(n) for n in ("forward-backward", "optimizer", "md-step"))
+        for _ in range(2):  # two iterations
+            for t, wait in ((fb, 0.03), (other, 0.02), (opt, 0.0)):
+                t.start()
+                monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, w=wait: time.sleep(w))
+                t.stop()
+                monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+        got = h.per_iteration(2)
+        assert 30 <= got["wait_ms/forward-backward"] < 45, got
+        assert got["wait_ms/optimizer"] < 5 and "wait_ms/md-step" not in got, got
+        assert fb.elapsed(reset=False) >= 0.06  # the timer's own reading: the sleeps included
+        assert "wait_ms/forward-backward" not in h.per_iteration(1)  # restarted: none since
+    finally:
+        h.close()

@@ -332,6 +332,7 @@ def test_throughput_tool_reads_the_runs(runs, tmp_path):
         host = r["host"]
         assert 0 < host["cpu_ms"] <= 1.02 * r["step_ms"] and host["gc_ms"] >= 0, (host, r)
         assert "cuda_mallocs" not in host
+        assert 0 <= host["wait_ms/forward-backward"] < 1, host  # a CPU's synchronize: none
     assert res["adammd"]["slowdown_vs_base"] > 0 and res["adamw"]["slowdown_vs_base"] is None
     assert "muonmd |" in out.stdout
 

@@ -7,7 +7,8 @@ reads the JSONL logs of runs made elsewhere (``--logs``, or a sweep manifest suc
 iterations after ``--warmup``: tokens/s/GPU, model TFLOP/s/GPU and MFU (megatron's FLOP count;
 MFU needs a peak: known GPUs or ``--peak-tflops``), the slowdown of each MD variant against its
 base (AdamMD/AdamW, MuonMD/Muon), the step's phases in ms and the host's counters (the loop
-thread's CPU ms, GC ms, CUDA allocations per iteration). Writes throughput.{json,csv,png}.
+thread's CPU ms, GC ms, CUDA allocations per iteration, and the wait for the device at the
+forward-backward's end). Writes throughput.{json,csv,png}.
 A method whose run fails is named and left out; the others are still run and tabled, and the
 tool exits 1.
 
@@ -56,8 +57,12 @@ PEAKS = (("GH200", 989.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0
 PHASES = ("optimizer", "optimizer-inner-step", "md-step", "md-reduce", "md-fuse",
           "params-all-gather", "forward-backward")  # fmt: skip
 #: the train rows' ``host`` counters (megatron/md/train/host.py), per iteration: the loop
-#: thread's CPU time, Python's garbage collection, the CUDA allocator's device allocations
-HOST = {"cpu_ms": "host CPU ms", "gc_ms": "GC ms", "cuda_mallocs": "cudaMalloc/it"}
+#: thread's CPU time (on a GPU with the spin of its waits for the device), Python's garbage
+#: collection, the CUDA allocator's device allocations, and the forward-backward's wait for the
+#: device at its end (~0: the host issues slower than the device runs; more: the device is the
+#: bottleneck, by that much)
+HOST = {"cpu_ms": "host CPU ms", "gc_ms": "GC ms", "cuda_mallocs": "cudaMalloc/it",
+        "wait_ms/forward-backward": "f-b device wait ms"}  # fmt: skip
 
 
 def peak_for(device: str, override: float | None) -> float | None:

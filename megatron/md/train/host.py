@@ -6,14 +6,43 @@ to the driver (``cudaMalloc``; with a retry, after freeing its whole cache and s
 because the blocks it caches no longer fit. On one H100 (2026-11-26) AdamMD's forward-backward
 took 124 ms against AdamW's 102 on the same model and no timer said why; these counters say which
 of the three it is, or that it is none of them (the device itself).
+
+The loop thread's CPU time alone cannot say it on a GPU: CUDA's default schedule spins the
+thread that waits for the device (a process with fewer CUDA contexts than CPUs), so the waits
+in megatron's timers (each ``Timer.stop`` synchronizes) count as CPU time. Those waits are
+counted apart (``timer_stop_wait``): at the end of the forward-backward, the time the device
+still needed after the host had issued the phase's last kernel — about 0 where the host is the
+bottleneck, the device's excess where it is not.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 import gc
 import time
 
 import torch
+
+#: the phases whose end waits are reported (``wait_ms/<phase>``): together they make the step
+WAITED = ("forward-backward", "optimizer")
+#: seconds spent in each megatron timer's ``stop`` since the last count (its synchronize)
+_WAITS: collections.defaultdict[str, float] = collections.defaultdict(float)
+
+
+def timer_stop_wait(orig, run=None):
+    """megatron's ``Timer.stop`` synchronizes the device before reading the clock: the time
+    spent inside it, per timer, into ``_WAITS`` (0 on a CPU, where the synchronize is none)."""
+
+    @functools.wraps(orig)
+    def stop(self, barrier=False):
+        t0 = time.perf_counter()
+        try:
+            return orig(self, barrier)
+        finally:
+            _WAITS[self.name] += time.perf_counter() - t0
+
+    return stop
 
 
 class HostCounters:
@@ -24,7 +53,9 @@ class HostCounters:
     and ``gc_runs``: time in and number of Python's cyclic collections (any generation, any
     thread); on CUDA ``cuda_mallocs`` and ``cuda_alloc_retries``: the caching allocator's device
     allocations and failed-then-retried ones (``torch.cuda.memory_stats``: ``num_device_alloc``,
-    ``num_alloc_retries``), 0 in a steady state that reuses its cache."""
+    ``num_alloc_retries``), 0 in a steady state that reuses its cache; ``wait_ms/<phase>`` for
+    the ``WAITED`` phases timed (``--timing-log-level`` ≥ 1): the wait for the device at the
+    phase's end (``timer_stop_wait``), which ``cpu_ms`` includes on a GPU."""
 
     def __init__(self) -> None:
         self._gc_s, self._gc_runs, self._gc_t0 = 0.0, 0, None
@@ -55,6 +86,7 @@ class HostCounters:
         self._cpu = time.thread_time()
         self._gc_s, self._gc_runs = 0.0, 0
         self._alloc = self._cuda()
+        _WAITS.clear()
 
     def per_iteration(self, n_iters: int) -> dict:
         """The means over the ``n_iters`` iterations since the last call; starts the next count."""
@@ -69,5 +101,8 @@ class HostCounters:
             out["cuda_mallocs"] = (alloc["num_device_alloc"] - self._alloc["num_device_alloc"]) / n
             retries = alloc["num_alloc_retries"] - self._alloc["num_alloc_retries"]
             out["cuda_alloc_retries"] = retries / n
+        for phase in WAITED:
+            if phase in _WAITS:
+                out[f"wait_ms/{phase}"] = 1e3 * _WAITS[phase] / n
         self.reset()
         return out

@@ -10,7 +10,8 @@ which has the losses):
   (``--timing-log-level`` ≥ 1) and ours (``md-step`` ⊃ ``md-reduce``, ``md-fuse``; level 2),
   milliseconds per iteration; ``host`` (from the second logged iteration on, per iteration since
   the last log, the writing rank; ``host.py``): the main thread's CPU time, Python's cyclic
-  garbage collection, and on CUDA the caching allocator's device allocations and retries — what
+  garbage collection, on CUDA the caching allocator's device allocations and retries, and
+  (timed phases) the forward-backward's and optimizer's wait for the device at their end — what
   separates a host-bound slowdown from a device-bound one;
 - ``{"type": "valid" | "test", "iteration", "lm loss"}`` after each evaluation.
 
