@@ -49,7 +49,8 @@ class HostCounters:
     """Counters since the last :meth:`per_iteration` (or :meth:`reset`), as per-iteration means.
 
     ``cpu_ms``: CPU time of the thread that calls it (the training loop's, which issues every
-    kernel), so against the iteration's wall time it says how host-bound the loop is; ``gc_ms``
+    kernel), so against the iteration's wall time it says how host-bound the loop is — on a
+    GPU less its waits for the device, which it includes (spun); ``gc_ms``
     and ``gc_runs``: time in and number of Python's cyclic collections (any generation, any
     thread); on CUDA ``cuda_mallocs`` and ``cuda_alloc_retries``: the caching allocator's device
     allocations and failed-then-retried ones (``torch.cuda.memory_stats``: ``num_device_alloc``,
