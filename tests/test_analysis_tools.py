@@ -349,7 +349,7 @@ def test_md_adds_no_operation_to_the_forward_backward(tmp_path):
     assert len(seq) == base and res["adammd"]["sequence_differs"] is None
     mm = next(s for s in seq if s.startswith("aten.mm.default bfloat16["))  # layouts recorded
     assert "/[" in mm and "]+" in mm, mm
-    # the comparison sees a layout alone: the same operation on a transposed weight
+    # the comparison sees a layout alone: the same operation, one tensor's strides changed
     moved = [*seq[:5], seq[5].replace("/[", "/[9, ", 1), *seq[6:]]
     assert fb_dispatch.first_difference(seq, moved)["index"] == 5
     assert fb_dispatch.first_difference(seq, moved)["positions_differing"] == 1
