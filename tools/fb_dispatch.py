@@ -55,21 +55,23 @@ def child(method: str, skip: int, iters: int, extra: list[str]) -> None:
              f"--metrics-file={tmp.name}/metrics.jsonl", *extra]  # fmt: skip
     cpu_mode.start(flags)
     import megatron.training.training as training
+    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
 
-    class Count(TorchDispatchMode):
+    class Record(TorchDispatchMode):
+        """Each operation with its tensors' layouts, in order (`signature`)."""
+
         def __init__(self):
             super().__init__()
-            self.ops: collections.Counter = collections.Counter()
-            self.seq: list[str] = []  # each operation with its tensors' layouts, in order
+            self.seq: list[str] = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops[str(func)] += 1
-            self.seq.append(signature(func, (args, kwargs)))
+            tensors = (t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+            self.seq.append(signature(func, tensors))
             return func(*args, **(kwargs or {}))
 
-    seen: list[collections.Counter] = []
-    seqs: list[list[str]] = []
+    seen: list[list[str] | None] = []  # per forward-backward call: its sequence if recorded
     # the seam: megatron-core 0.19.2 megatron/training/training.py:3614 (in train) calls it
     real = training.get_forward_backward_func
 
@@ -77,13 +79,12 @@ def child(method: str, skip: int, iters: int, extra: list[str]) -> None:
         fb = real(*a, **k)
 
         def forward_backward(*args, **kwargs):
-            seen.append(collections.Counter())
+            seen.append(None)
             if not skip < len(seen) <= skip + iters:
                 return fb(*args, **kwargs)
-            with (c := Count()):
+            with (r := Record()):
                 out = fb(*args, **kwargs)
-            seen[-1] = c.ops
-            seqs.append(c.seq)
+            seen[-1] = r.seq
             return out
 
         return forward_backward
@@ -98,24 +99,19 @@ def child(method: str, skip: int, iters: int, extra: list[str]) -> None:
         seam = "megatron.training.training.get_forward_backward_func"
         sys.exit(f"fb_dispatch: counted {len(counted)} of {iters} forward-backward calls "
                  f"({seam} no longer the seam?)")  # fmt: skip
-    print(MARK + json.dumps({"method": method, "ops": [sum(c.values()) for c in counted],
-                             "by_op": dict(counted[-1]), "sequence": seqs[-1]}),
+    by_op = collections.Counter(op.split(" ", 1)[0] for op in counted[-1])
+    print(MARK + json.dumps({"method": method, "ops": [len(c) for c in counted],
+                             "by_op": dict(by_op), "sequence": counted[-1]}),
           flush=True)  # fmt: skip
 
 
-def signature(func, args) -> str:
+def signature(func, tensors) -> str:
     """An operation and the layout of every tensor it reads or writes: dtype, shape, strides and
     offset into its storage (a weight or gradient laid out differently runs another kernel, or
     the same one on misaligned memory, under the same operation's name)."""
-    import torch
-    from torch.utils._pytree import tree_leaves
-
-    def layout(t):
-        return f"{str(t.dtype)[6:]}{list(t.shape)}/{list(t.stride())}+{t.storage_offset()}"
-
-    return " ".join(
-        [str(func), *(layout(t) for t in tree_leaves(args) if isinstance(t, torch.Tensor))]
-    )
+    return " ".join([str(func), *(
+        f"{str(t.dtype)[6:]}{list(t.shape)}/{list(t.stride())}+{t.storage_offset()}"
+        for t in tensors)])  # fmt: skip
 
 
 def first_difference(base: list[str], md: list[str]) -> dict | None:
