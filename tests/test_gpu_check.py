@@ -94,3 +94,21 @@ def test_the_step_cost_report_keeps_the_whole_table():
     text = "\n".join(["MD optimizer-step cost, X", "model   ratio", *rows, *noise])
     ok, lines = gpu_check.verdict(step, 0, text, Path("."))
     assert ok and lines == ["exit 0", "MD optimizer-step cost, X", "model   ratio", *rows]
+
+
+def test_the_throughput_report_keeps_every_row():
+    """The report shows throughput.py's whole table and its failures, however many methods (the
+    H100's report kept the last 12 lines of the log, 2026-11-26: AdamW's and Muon's rows lost)."""
+    step = next(s for s in gpu_check.plan() if s.name == "throughput")
+    methods = step.args[step.args.index("--methods") + 1 : step.args.index("--out")]
+    assert len(methods) >= 7  # more rows than the last 12 lines hold, with the lines below
+    head = ["## dense-181M (medians after 8 warm-up iterations)", "", "method | tok/s/GPU | MFU",
+            "--- | --- | ---"]  # fmt: skip
+    rows = [f"{m} | 66,065 | 5.0% |  | 124.0" for m in methods]
+    runs = [f"[throughput] {m}: 20 iterations on 1 ranks" for m in methods]
+    failed = "[throughput] muon failed (exit 1); see /tmp/gc/muon.log"
+    text = "\n".join([*head, *rows, "", "[throughput] wrote /tmp/gc/throughput.{json,csv,png}",
+                      *runs, failed])  # fmt: skip
+    ok, lines = gpu_check.verdict(step, 0, text, Path("."))
+    assert ok and lines[1:] == [head[0], *head[2:], *rows, lines[-2], failed]
+    assert lines[-2].startswith("[throughput] wrote")

@@ -53,6 +53,8 @@ PY = sys.executable
 FP32_REL, BF16_EXCESS = 1e-6, 1e-6
 #: a row of bench_md_step.py's table: model, dtype, then two spaces
 STEP_ROW = re.compile(r"^\S+ (bf16|fp32) {2,}\S")
+#: a row of throughput.py's table: a method, then its tokens/s
+THROUGHPUT_ROW = re.compile(r"^[a-z][a-z0-9-]* \| [0-9,.]+ \| ")
 #: the resume step's runs save here and train as many iterations again
 SAVED_AT = 12
 
@@ -353,6 +355,15 @@ def verdict(step: Step, rc: int, output: str, out: Path) -> tuple[bool, list[str
         lines += rows or output.strip().splitlines()[-12:]
     elif step.name == "profile":
         lines += [x for x in output.splitlines() if x.startswith("prof ")]
+    elif step.name == "throughput":  # its table and any run that failed (the H100's report,
+        # 2026-11-26, kept the last 12 lines: AdamW's and Muon's rows were lost)
+        keep = ("## ", "method | ", "--- |", "[throughput] wrote", "[throughput] failed")
+
+        def wanted(x: str) -> bool:
+            return x.startswith(keep) or bool(THROUGHPUT_ROW.match(x)) or " failed (exit" in x
+
+        rows = [x for x in output.splitlines() if wanted(x)]
+        lines += rows or output.strip().splitlines()[-12:]
     else:
         lines += output.strip().splitlines()[-12:]
     return ok, lines

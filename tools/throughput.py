@@ -54,8 +54,14 @@ BASE |= {name: BASE.get(recipe, recipe) for name, (recipe, _) in VARIANTS.items(
 #: dense bf16 peak TFLOP/s by device-name substring (first match wins)
 PEAKS = (("GH200", 989.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0),
          ("A100", 312.0), ("B200", 2250.0))  # fmt: skip
-PHASES = ("optimizer", "optimizer-inner-step", "md-step", "md-reduce", "md-fuse",
-          "params-all-gather", "forward-backward")  # fmt: skip
+#: the step's timers (rank 0), in the order they run: megatron's optimizer phase holds the copy
+#: of the gradients to the main ones, the inner step (MD's ``md-step`` ⊃ ``md-reduce``; with fp32
+#: params also ``md-fuse``), the copy of the main params to the model's (with bf16 params, MD's
+#: ``md-fuse``), and, untimed, the gradient norm and clipping (megatron-core 0.19.2's
+#: ``ChainedOptimizer.step``, optimizer.py:1855, times neither)
+PHASES = ("optimizer", "optimizer-copy-to-main-grad", "optimizer-inner-step", "md-step",
+          "md-reduce", "optimizer-copy-main-to-model-params", "md-fuse", "params-all-gather",
+          "forward-backward")  # fmt: skip
 #: the train rows' ``host`` counters (megatron/md/train/host.py), per iteration: the loop
 #: thread's CPU time (on a GPU with the spin of its waits for the device), Python's garbage
 #: collection, the CUDA allocator's device allocations, and the forward-backward's wait for the
@@ -158,20 +164,26 @@ def write_outputs(results: dict[str, dict], out: Path, title: str) -> None:
 
     from megatron.md.figstyle import method_color
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11.5, 3.6))
     names = list(results)
     colors = [method_color(m) or "tab:gray" for m in names]
     a.bar(names, [results[m]["tokens_per_s_per_gpu"] for m in names], color=colors)
     a.set_ylabel("tokens/s/GPU")
     a.set_title(title)
     bottom = [0.0] * len(names)
-    parts = {  # disjoint pieces of the optimizer step
-        "md-reduce": lambda p: p.get("md-reduce", 0),
-        "md-step (compute)": lambda p: p.get("md-step", 0) - p.get("md-reduce", 0),
-        "md-fuse": lambda p: p.get("md-fuse", 0),
-        "inner step, other": lambda p: p.get("optimizer-inner-step", 0)
-        - p.get("md-step", 0) - p.get("md-fuse", 0),
-        "rest of optimizer()": lambda p: p.get("optimizer", 0) - p.get("optimizer-inner-step", 0),
+
+    def get(name, *inside):  # a timer's ms less those of the timers inside it
+        return lambda p: p.get(name, 0) - sum(p.get(n, 0) for n in inside)
+
+    parts = {  # disjoint pieces of the optimizer step (md-fuse is in one of the two copies)
+        "grads to main": get("optimizer-copy-to-main-grad"),
+        "md-reduce": get("md-reduce"),
+        "md-step (compute)": get("md-step", "md-reduce"),
+        "inner step, other": get("optimizer-inner-step", "md-step"),
+        "main to model params": get("optimizer-copy-main-to-model-params"),
+        "rest (grad norm, clip)": get("optimizer", "optimizer-copy-to-main-grad",
+                                      "optimizer-inner-step",
+                                      "optimizer-copy-main-to-model-params"),
     }  # fmt: skip
     for label, fn in parts.items():
         vals = [max(0.0, fn(results[m]["phases_ms"])) for m in names]
@@ -179,7 +191,7 @@ def write_outputs(results: dict[str, dict], out: Path, title: str) -> None:
         bottom = [x + y for x, y in zip(bottom, vals)]
     b.set_ylabel("ms per iteration")
     b.set_title("optimizer step (rank 0 timers)")
-    b.legend(fontsize=7)
+    b.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(out / "throughput.png", dpi=110)
 
