@@ -219,7 +219,8 @@ def guard(opt) -> None:
             bad += (~torch.isfinite(g)).any()
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
-        if bad.item() > 0:
+        skip = bad.item() > 0  # one read on the host (a GPU's synchronize)
+        if skip:
             what = everyone(describe([], opt) if md_leaves(opt) else [])
             if what:
                 errors.fail(
@@ -227,8 +228,8 @@ def guard(opt) -> None:
                     "skipping steps would not mend it; the latest checkpoint is the last good "
                     "one. Resume from it with a lower LR; if it recurs, report the tensor"
                 )
-        guard.skipped += int(bad.item() > 0)
-        return bool(found) or bad.item() > 0
+        guard.skipped += int(skip)
+        return bool(found) or skip
 
     opt.prepare_grads = prepare_grads
 
