@@ -59,3 +59,51 @@ def test_the_wait_at_a_phase_end_is_counted_apart(monkeypatch):
         assert "wait_ms/forward-backward" not in h.per_iteration(1)  # restarted: none since
     finally:
         h.close()
+
+
+def test_the_card_is_read_at_the_forward_backwards_end(monkeypatch, capsys):
+    """On a GPU the card's SM clock, power and temperature (torch.cuda's NVML readers, stood for
+    here: no GPU on this machine) are read right after the forward-backward's timer stops, and
+    reported as per-count means; another timer reads nothing. Where NVML cannot be read (no
+    nvidia-ml-py) the run goes on without them, said once, and stops trying."""
+    import torch
+    from megatron.core import timers
+
+    from megatron.md.train import host
+
+    monkeypatch.setattr(timers.Timer, "stop", host.timer_stop_wait(timers.Timer.stop))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a: {})
+    monkeypatch.setattr(host, "_on_cuda", lambda: True)
+    monkeypatch.setattr(host, "_CARD_OFF", [])
+    clocks = iter([1980, 1800])
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda *a: next(clocks))
+    monkeypatch.setattr(torch.cuda, "power_draw", lambda *a: 500_000)  # mW
+    monkeypatch.setattr(torch.cuda, "temperature", lambda *a: 61)
+    h = HostCounters()
+    try:
+        fb, opt = timers.Timer("forward-backward"), timers.Timer("optimizer")
+        for t in (fb, opt, fb, opt):  # two iterations
+            t.start()
+            t.stop()
+        got = h.per_iteration(2)
+        assert got["card_sm_mhz"] == 1890 and got["card_power_w"] == 500, got
+        assert got["card_temp_c"] == 61, got
+        assert "card_sm_mhz" not in h.per_iteration(1)  # restarted: none since
+
+        calls = []
+
+        def no_nvml(*a):
+            calls.append(1)
+            raise ModuleNotFoundError("nvidia-ml-py does not seem to be installed")
+
+        monkeypatch.setattr(torch.cuda, "clock_rate", no_nvml)
+        for _ in range(3):
+            fb.start()
+            fb.stop()
+        got = h.per_iteration(3)
+        assert not any(k.startswith("card_") for k in got) and len(calls) == 1, got
+        said = capsys.readouterr().out
+        assert said.count("not logged: ModuleNotFoundError: nvidia-ml-py") == 1, said
+    finally:
+        h.close()

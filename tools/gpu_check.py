@@ -277,7 +277,7 @@ def _versions() -> dict:
     import torch
 
     got = {"date": dt.date.today().isoformat(), "torch": torch.__version__, "cuda": None}
-    for pkg in ("megatron-core", "emerging-optimizers", "transformer-engine"):
+    for pkg in ("megatron-core", "emerging-optimizers", "transformer-engine", "nvidia-ml-py"):
         try:
             got[pkg] = md.version(pkg)
         except md.PackageNotFoundError:

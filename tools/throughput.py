@@ -66,9 +66,11 @@ PHASES = ("optimizer", "optimizer-copy-to-main-grad", "optimizer-inner-step", "m
 #: thread's CPU time (on a GPU with the spin of its waits for the device), Python's garbage
 #: collection, the CUDA allocator's device allocations, and the forward-backward's wait for the
 #: device at its end (~0: the host issues slower than the device runs; more: the device is the
-#: bottleneck, by that much)
+#: bottleneck, by that much), and the card's SM clock and power there (lower clocks at the same
+#: work: the card held back by its power or thermal limit)
 HOST = {"cpu_ms": "host CPU ms", "gc_ms": "GC ms", "cuda_mallocs": "cudaMalloc/it",
-        "wait_ms/forward-backward": "f-b device wait ms"}  # fmt: skip
+        "wait_ms/forward-backward": "f-b device wait ms", "card_sm_mhz": "card SM MHz",
+        "card_power_w": "card W"}  # fmt: skip
 
 
 def peak_for(device: str, override: float | None) -> float | None:

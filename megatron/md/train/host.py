@@ -13,6 +13,12 @@ in megatron's timers (each ``Timer.stop`` synchronizes) count as CPU time. Those
 counted apart (``timer_stop_wait``): at the end of the forward-backward, the time the device
 still needed after the host had issued the phase's last kernel — about 0 where the host is the
 bottleneck, the device's excess where it is not.
+
+A device-bound phase can still be slower on one run than another with the same kernels: the card
+lowers its clocks at its power or thermal limit. Right after that wait the card's own readings
+are taken (``card_*``: SM clock, power, temperature, each the driver's mean over its last sample
+period, 1/6–1 s; NVML, through torch.cuda's ``clock_rate``, ``power_draw`` and
+``temperature``), where nvidia-ml-py imports; without it there are none, said once.
 """
 
 from __future__ import annotations
@@ -28,11 +34,42 @@ import torch
 WAITED = ("forward-backward", "optimizer")
 #: seconds spent in each megatron timer's ``stop`` since the last count (its synchronize)
 _WAITS: collections.defaultdict[str, float] = collections.defaultdict(float)
+#: the phase at whose end the card is read
+CARD_AT = "forward-backward"
+#: the card's readings at each end of ``CARD_AT`` since the last count; name -> (torch.cuda
+#: function, factor to the unit in the name)
+CARD = {"card_sm_mhz": ("clock_rate", 1.0), "card_power_w": ("power_draw", 1e-3),
+        "card_temp_c": ("temperature", 1.0)}  # fmt: skip
+_CARD: collections.defaultdict[str, list[float]] = collections.defaultdict(list)
+#: why the card cannot be read (None: not tried yet or readable)
+_CARD_OFF: list[str] = []
+
+
+def _on_cuda() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def read_card() -> None:
+    """One reading of each ``CARD`` value into ``_CARD`` (none on a CPU; after the first failure,
+    none again: the reason is printed once and kept in ``_CARD_OFF``)."""
+    if _CARD_OFF or not _on_cuda():
+        return
+    try:
+        got = {name: getattr(torch.cuda, fn)() * k for name, (fn, k) in CARD.items()}
+    except Exception as e:  # nvidia-ml-py missing, or NVML refusing (a MIG slice)
+        _CARD_OFF.append(f"{type(e).__name__}: {e}")
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            print(f"[megatron-md] the card's clock, power and temperature are not logged: "
+                  f"{_CARD_OFF[0]}", flush=True)  # fmt: skip
+        return
+    for name, value in got.items():
+        _CARD[name].append(value)
 
 
 def timer_stop_wait(orig, run=None):
     """megatron's ``Timer.stop`` synchronizes the device before reading the clock: the time
-    spent inside it, per timer, into ``_WAITS`` (0 on a CPU, where the synchronize is none)."""
+    spent inside it, per timer, into ``_WAITS`` (0 on a CPU, where the synchronize is none);
+    at the end of ``CARD_AT``, after it, the card's readings (``read_card``)."""
 
     @functools.wraps(orig)
     def stop(self, barrier=False):
@@ -41,6 +78,8 @@ def timer_stop_wait(orig, run=None):
             return orig(self, barrier)
         finally:
             _WAITS[self.name] += time.perf_counter() - t0
+            if self.name == CARD_AT:
+                read_card()
 
     return stop
 
@@ -56,7 +95,9 @@ class HostCounters:
     allocations and failed-then-retried ones (``torch.cuda.memory_stats``: ``num_device_alloc``,
     ``num_alloc_retries``), 0 in a steady state that reuses its cache; ``wait_ms/<phase>`` for
     the ``WAITED`` phases timed (``--timing-log-level`` ≥ 1): the wait for the device at the
-    phase's end (``timer_stop_wait``), which ``cpu_ms`` includes on a GPU."""
+    phase's end (``timer_stop_wait``), which ``cpu_ms`` includes on a GPU; ``card_sm_mhz``,
+    ``card_power_w`` and ``card_temp_c``: the means of the card's readings at the
+    forward-backward's ends (``read_card``)."""
 
     def __init__(self) -> None:
         self._gc_s, self._gc_runs, self._gc_t0 = 0.0, 0, None
@@ -73,7 +114,7 @@ class HostCounters:
 
     @staticmethod
     def _cuda() -> dict:
-        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        if not _on_cuda():
             return {}
         stats = torch.cuda.memory_stats()
         return {k: stats.get(k, 0) for k in ("num_device_alloc", "num_alloc_retries")}
@@ -88,6 +129,7 @@ class HostCounters:
         self._gc_s, self._gc_runs = 0.0, 0
         self._alloc = self._cuda()
         _WAITS.clear()
+        _CARD.clear()
 
     def per_iteration(self, n_iters: int) -> dict:
         """The means over the ``n_iters`` iterations since the last call; starts the next count."""
@@ -105,5 +147,8 @@ class HostCounters:
         for phase in WAITED:
             if phase in _WAITS:
                 out[f"wait_ms/{phase}"] = 1e3 * _WAITS[phase] / n
+        for name, values in _CARD.items():
+            if values:
+                out[name] = sum(values) / len(values)
         self.reset()
         return out

@@ -12,7 +12,8 @@ which has the losses):
   the last log, the writing rank; ``host.py``): the main thread's CPU time, Python's cyclic
   garbage collection, on CUDA the caching allocator's device allocations and retries, and
   (timed phases) the forward-backward's and optimizer's wait for the device at their end — what
-  separates a host-bound slowdown from a device-bound one;
+  separates a host-bound slowdown from a device-bound one — and the card's SM clock, power and
+  temperature at the forward-backward's end (where nvidia-ml-py imports);
 - ``{"type": "valid" | "test", "iteration", "lm loss"}`` after each evaluation.
 
 A resumed run appends to the file (its run row first); where the run before it was killed
