@@ -16,9 +16,9 @@ bottleneck, the device's excess where it is not.
 
 A device-bound phase can still be slower on one run than another with the same kernels: the card
 lowers its clocks at its power or thermal limit. Right after that wait the card's own readings
-are taken (``card_*``: SM clock, power, temperature, each the driver's mean over its last sample
-period, 1/6–1 s; NVML, through torch.cuda's ``clock_rate``, ``power_draw`` and
-``temperature``), where nvidia-ml-py imports; without it there are none, said once.
+are taken (``card_*``: SM clock, power, temperature; NVML through torch.cuda's ``clock_rate``,
+``power_draw`` and ``temperature``, documented there as over the driver's last sample period,
+1/6–1 s), where nvidia-ml-py imports; without it there are none, said once.
 """
 
 from __future__ import annotations
