@@ -327,6 +327,7 @@ def test_throughput_tool_reads_the_runs(runs, tmp_path):
         assert r["tflops_per_gpu"] > 0 and r["mfu"] is None  # no peak known for a CPU
         assert r["phases_ms"]["optimizer-inner-step"] > 0
         assert ("md-step" in r["phases_ms"]) == m.endswith("md")
+        assert r["phases_ms"]["grad-norm"] > 0  # ours: megatron's optimizer phase leaves it out
         # the loop thread's CPU per iteration: never above the iteration's wall time (each
         # iteration's is not, so neither is the median); no CUDA allocator on a CPU
         host = r["host"]
@@ -334,6 +335,7 @@ def test_throughput_tool_reads_the_runs(runs, tmp_path):
         assert "cuda_mallocs" not in host
         assert 0 <= host["wait_ms/forward-backward"] < 1, host  # a CPU's synchronize: none
     assert res["adammd"]["slowdown_vs_base"] > 0 and res["adamw"]["slowdown_vs_base"] is None
+    assert res["adamw"]["phases_ms"]["grad-clip"] > 0  # AdamW's recipe clips at 1.0
     assert "muonmd |" in out.stdout
 
 

@@ -55,13 +55,14 @@ BASE |= {name: BASE.get(recipe, recipe) for name, (recipe, _) in VARIANTS.items(
 PEAKS = (("GH200", 989.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0),
          ("A100", 312.0), ("B200", 2250.0))  # fmt: skip
 #: the step's timers (rank 0), in the order they run: megatron's optimizer phase holds the copy
-#: of the gradients to the main ones, the inner step (MD's ``md-step`` ⊃ ``md-reduce``; with fp32
-#: params also ``md-fuse``), the copy of the main params to the model's (with bf16 params, MD's
-#: ``md-fuse``), and, untimed, the gradient norm and clipping (megatron-core 0.19.2's
-#: ``ChainedOptimizer.step``, optimizer.py:1855, times neither)
-PHASES = ("optimizer", "optimizer-copy-to-main-grad", "optimizer-inner-step", "md-step",
-          "md-reduce", "optimizer-copy-main-to-model-params", "md-fuse", "params-all-gather",
-          "forward-backward")  # fmt: skip
+#: of the gradients to the main ones, the gradient norm and the clipping (``grad-norm``,
+#: ``grad-clip``: ours, megatron-core 0.19.2's ``ChainedOptimizer.step``, optimizer.py:1855,
+#: times neither), the inner step (MD's ``md-step`` ⊃ ``md-reduce``; with fp32 params also
+#: ``md-fuse``), the copy of the main params to the model's (with bf16 params, MD's
+#: ``md-fuse``), the params' all-gather
+PHASES = ("optimizer", "optimizer-copy-to-main-grad", "grad-norm", "grad-clip",
+          "optimizer-inner-step", "md-step", "md-reduce", "optimizer-copy-main-to-model-params",
+          "md-fuse", "params-all-gather", "forward-backward")  # fmt: skip
 #: the train rows' ``host`` counters (megatron/md/train/host.py), per iteration: the loop
 #: thread's CPU time (on a GPU with the spin of its waits for the device), Python's garbage
 #: collection, the CUDA allocator's device allocations, and the forward-backward's wait for the
@@ -179,13 +180,16 @@ def write_outputs(results: dict[str, dict], out: Path, title: str) -> None:
 
     parts = {  # disjoint pieces of the optimizer step (md-fuse is in one of the two copies)
         "grads to main": get("optimizer-copy-to-main-grad"),
+        "grad norm": get("grad-norm"),
+        "clipping": get("grad-clip"),
         "md-reduce": get("md-reduce"),
         "md-step (compute)": get("md-step", "md-reduce"),
         "inner step, other": get("optimizer-inner-step", "md-step"),
         "main to model params": get("optimizer-copy-main-to-model-params"),
-        "rest (grad norm, clip)": get("optimizer", "optimizer-copy-to-main-grad",
-                                      "optimizer-inner-step",
-                                      "optimizer-copy-main-to-model-params"),
+        "params all-gather": get("params-all-gather"),
+        "rest (untimed)": get("optimizer", "optimizer-copy-to-main-grad", "grad-norm",
+                              "grad-clip", "optimizer-inner-step",
+                              "optimizer-copy-main-to-model-params", "params-all-gather"),
     }  # fmt: skip
     for label, fn in parts.items():
         vals = [max(0.0, fn(results[m]["phases_ms"])) for m in names]

@@ -7,7 +7,8 @@ which has the losses):
 - ``{"type": "train", "iteration", "consumed_samples", "lm loss", "lr": {group: lr},
   "grad_norm", "tokens_per_s", "step_s", "flops_per_iter"[, "timers_ms": {...}][, "md": {...}]}``
   every ``--log-interval`` iterations; ``timers_ms``: the writing rank's megatron timers
-  (``--timing-log-level`` ≥ 1) and ours (``md-step`` ⊃ ``md-reduce``, ``md-fuse``; level 2),
+  (``--timing-log-level`` ≥ 1) and ours (``md-step`` ⊃ ``md-reduce``, ``md-fuse``, and
+  ``grad-norm`` and ``grad-clip``, which megatron leaves untimed; level 2),
   milliseconds per iteration; ``host`` (from the second logged iteration on, per iteration since
   the last log, the writing rank; ``host.py``): the main thread's CPU time, Python's cyclic
   garbage collection, on CUDA the caching allocator's device allocations and retries, and
@@ -258,6 +259,8 @@ TIMERS = (
     "all-grads-sync",
     "params-all-gather",
     "optimizer-copy-to-main-grad",
+    "grad-norm",
+    "grad-clip",
     "optimizer-clip-main-grad",
     "optimizer-inner-step",
     "optimizer-copy-main-to-model-params",
@@ -266,11 +269,13 @@ TIMERS = (
     "md-reduce",
     "md-fuse",
 )
+#: ours, which megatron's ``training_log`` neither prints nor resets (training.py:2623): we do
+OURS = frozenset({"md-step", "md-reduce", "md-fuse", "grad-norm", "grad-clip"})
 
 
 def _timers_ms(n_iters: int) -> dict:
     """The writing rank's timers in ms per iteration since the last log. Megatron resets its own in
-    training_log (called after this); ours (``md-*``) are not in its list, so we reset them."""
+    training_log (called after this); ours (``OURS``) are not in its list, so we reset them."""
     from megatron.training.global_vars import get_timers
 
     try:
@@ -281,7 +286,7 @@ def _timers_ms(n_iters: int) -> dict:
     for name in TIMERS:
         t = timers._timers.get(name)  # only enabled timers are stored (timers.py, Timers.__call__)
         if t is not None:
-            out[name] = 1e3 * t.elapsed(reset=name.startswith("md-")) / max(1, n_iters)
+            out[name] = 1e3 * t.elapsed(reset=name in OURS) / max(1, n_iters)
     return out
 
 

@@ -132,9 +132,17 @@ def wrap_evaluate_and_print(orig, run=None):
 
 
 def wrap_grad_norm(orig, run=None):
-    from megatron.md.train import nonfinite
+    """megatron's gradient norm with MD's non-finite check, timed as ``grad-norm``."""
+    from megatron.md.train import host, nonfinite
 
-    return nonfinite.wrap_grad_norm(orig)
+    return host.timed("grad-norm", nonfinite.wrap_grad_norm(orig))
+
+
+def time_grad_clip(orig, run=None):
+    """megatron's clipping by the total norm, timed as ``grad-clip``."""
+    from megatron.md.train import host
+
+    return host.timed("grad-clip", orig)
 
 
 def wrap_muon_scale(orig, run=None):
