@@ -41,7 +41,7 @@ CARD_AT = "forward-backward"
 CARD = {"card_sm_mhz": ("clock_rate", 1.0), "card_power_w": ("power_draw", 1e-3),
         "card_temp_c": ("temperature", 1.0)}  # fmt: skip
 _CARD: collections.defaultdict[str, list[float]] = collections.defaultdict(list)
-#: why the card cannot be read (None: not tried yet or readable)
+#: why the card cannot be read, once it failed (empty: not tried yet, or readable)
 _CARD_OFF: list[str] = []
 
 
