@@ -51,10 +51,15 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 #: the same bounds as tests/test_distributed_md.py (fp32 relative error, bf16 excess rounding)
 FP32_REL, BF16_EXCESS = 1e-6, 1e-6
-#: a row of bench_md_step.py's table: model, dtype, then two spaces
-STEP_ROW = re.compile(r"^\S+ (bf16|fp32) {2,}\S")
-#: a row of throughput.py's table: a method, then its tokens/s
-THROUGHPUT_ROW = re.compile(r"^[a-z][a-z0-9-]* \| [0-9,.]+ \| ")
+#: the lines a report shows of a step's output (``Step.shows``), not its log's last lines (the
+#: first GPU report lost the 181M and 457M step-cost rows, 2026-11-25; the H100's of 2026-11-26
+#: AdamW's and Muon's throughput rows): bench_md_step.py's table (title, header, rows: model,
+#: dtype, two spaces); --profile's lines; throughput.py's table (heading, header, rows: a
+#: method, then its tokens/s) and any run that failed
+STEP_COST_LINES = r"MD optimizer-step cost|model |\S+ (bf16|fp32) {2,}\S"
+PROFILE_LINES = r"prof "
+THROUGHPUT_LINES = (r"## |method \| |--- \||[a-z][a-z0-9-]* \| [0-9,.]+ \| "
+                    r"|\[throughput\] (wrote|failed|\S+ failed \(exit)")  # fmt: skip
 #: the resume step's runs save here and train as many iterations again
 SAVED_AT = 12
 
@@ -79,6 +84,9 @@ class Step:
     """What the report says of it besides its output."""
     resumes: str | None = None
     """A resumed run: its losses must repeat those of the run ``<resumes>-a.jsonl``."""
+    shows: str | None = None
+    """The lines of its output the report shows (a regex matched at each line's start; None,
+    or none matching: the last 12)."""
     fresh: list[str] = field(default_factory=list)
     """What it writes from scratch, under ``{out}``: removed before it runs (a second check
     into the same folder; pretrain_gpt.py refuses a --save holding a run it does not resume,
@@ -157,7 +165,7 @@ def plan() -> list[Step]:
         Step("step-cost", "tools/bench_md_step.py",
              ["--model", "181M", "457M", "1.29B", "--world", "1", "--dtype", "bf16",
               "--steps", "5", "--runs", "adam", "adam_md", "muon", "muon_md",
-              "--json", "{out}/step_cost.json"], 180),
+              "--json", "{out}/step_cost.json"], 180, shows=STEP_COST_LINES),
         # the default step replayed from a CUDA graph (--md-cuda-graph) at the launch-bound
         # size, against the base; the step-cost rows above are the same step without it (the
         # eager step beside the compiled one: H200, 2026-11-26, docs/benchmarks.md; run
@@ -165,18 +173,20 @@ def plan() -> list[Step]:
         Step("step-cost", "tools/bench_md_step.py",
              ["--model", "181M", "--world", "1", "--dtype", "bf16", "--steps", "8",
               "--runs", "adam", "adam_md_graph", "muon", "muon_md_graph",
-              "--json", "{out}/step_graph.json"], 120,
+              "--json", "{out}/step_graph.json"], 120, shows=STEP_COST_LINES,
              notes=["the MD step replayed from a CUDA graph (*_md_graph, --md-cuda-graph)"]),
         # where one step's time goes, base against MD: at 181M whether AdamMD's compiled step
         # is host-bound (wall time against kernel time), at 1.29B which kernels make MuonMD's
         # step (the H100, 2026-11-26: a batched dot as a cuBLAS mat-vec, 34 of 138 ms; gone)
         Step("profile", "tools/bench_md_step.py",
-             ["--profile", "--model", "181M", "1.29B", "--world", "1", "--dtype", "bf16"], 200),
+             ["--profile", "--model", "181M", "1.29B", "--world", "1", "--dtype", "bf16"], 200,
+             shows=PROFILE_LINES),
         Step("throughput", "tools/throughput.py",
              ["--preset", "dense-181M", "--iters", "20", "--warmup", "8", "--nproc", "1",
               "--seq-length", "2048", "--methods", "adamw", "muon", "adammd", "muonmd",
               "adammd-graph", "muonmd-graph", "adamw-again",
-              "--out", "{out}", "--", "--transformer-impl=local"], 300),
+              "--out", "{out}", "--", "--transformer-impl=local"], 300,
+             shows=THROUGHPUT_LINES),
     ]  # fmt: skip
     # AdamMD's step replayed from a CUDA graph (--md-cuda-graph) through the save and the
     # resume: the graph had run on one rank only, never through a --load (startup.banner);
@@ -349,23 +359,9 @@ def verdict(step: Step, rc: int, output: str, out: Path) -> tuple[bool, list[str
         ok &= exact
         what = "exactly" if exact else "NOT exactly"
         lines.append(f"{step.resumes}: iterations {same} repeated {what}")
-    elif step.name == "step-cost":  # its table (the per-model lines after it are noise)
-        head = ("MD optimizer-step cost", "model ")
-        rows = [x for x in output.splitlines() if x.startswith(head) or STEP_ROW.match(x)]
-        lines += rows or output.strip().splitlines()[-12:]
-    elif step.name == "profile":
-        lines += [x for x in output.splitlines() if x.startswith("prof ")]
-    elif step.name == "throughput":  # its table and any run that failed (the H100's report,
-        # 2026-11-26, kept the last 12 lines: AdamW's and Muon's rows were lost)
-        keep = ("## ", "method | ", "--- |", "[throughput] wrote", "[throughput] failed")
-
-        def wanted(x: str) -> bool:
-            return x.startswith(keep) or bool(THROUGHPUT_ROW.match(x)) or " failed (exit" in x
-
-        rows = [x for x in output.splitlines() if wanted(x)]
-        lines += rows or output.strip().splitlines()[-12:]
     else:
-        lines += output.strip().splitlines()[-12:]
+        shown = [x for x in output.splitlines() if step.shows and re.match(step.shows, x)]
+        lines += shown or output.strip().splitlines()[-12:]
     return ok, lines
 
 
