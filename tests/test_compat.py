@@ -1,6 +1,7 @@
 """The seams into megatron-core fail loudly: every non-public dependency is listed in
 megatron/md/compat.py and checked at start-up; a moved symbol stops the run naming it."""
 
+import inspect
 import types
 
 import pytest
@@ -69,6 +70,64 @@ def test_a_moved_symbol_is_named(monkeypatch):
     monkeypatch.delattr(mtt, "get_megatron_optimizer")
     with pytest.raises(RuntimeError, match=r"training\.get_megatron_optimizer \(training/"):
         compat.check()
+
+
+def test_a_changed_signature_is_named(monkeypatch):
+    """A seam whose parameters moved would hand megatron-md the wrong argument under the right
+    name (the save wrapper takes ``iteration, model, optimizer`` by position): refused at
+    start-up, naming the seam, its line and both orders."""
+    import megatron.training.training as mtt
+
+    def save_checkpoint(model, iteration, optimizer, *a, **k):  # a reordered megatron
+        return None
+
+    monkeypatch.setattr(mtt, "save_checkpoint", save_checkpoint)
+    with pytest.raises(RuntimeError) as e:
+        compat.check()
+    assert (
+        "training.save_checkpoint (training/training.py:3086; " in str(e.value)
+        and "its parameters open with (model, iteration, optimizer), megatron-md relies on "
+        "(iteration, model, optimizer)"
+        in str(e.value)
+    )
+    assert str(e.value).count("megatron-md relies on") == 1
+
+
+def test_the_signature_check_reads_through_an_applied_replacement():
+    """After the seams are applied (a second parser, a library call after pretrain_gpt.py's
+    set-up) the check reads megatron's originals, not the replacements' own parameters (CPU
+    mode's RNG setter is ``lambda state, *a, **k``)."""
+    from megatron.md.train import patches
+
+    saved = saved_seams()
+    try:
+        patches.prepare_parsers()
+        patches.apply(None, on_cpu=True)
+        compat.apply("cpu-mode")
+        rng_set = compat.resolve("megatron.core.tensor_parallel.random", "_set_cuda_rng_state")
+        assert compat.leading_params(rng_set.__md_seam__, 1) == ("new_state",)
+        assert tuple(inspect.signature(rng_set).parameters)[:1] == ("state",)
+        compat.check()
+    finally:
+        restore_seams(saved)
+
+
+def test_every_seam_names_the_line_it_was_written_against():
+    """Each row's ``where`` is a file:line of the installed megatron-core (0.19.2, as the stack
+    pins it) whose text names the seam: its definition, or the call that looks a replaced
+    global up. A row that drifted off its line fails here, not in a reader's hands."""
+    import importlib.metadata
+    import pathlib
+
+    import megatron.core
+
+    assert importlib.metadata.version("megatron-core") == "0.19.2"
+    root = pathlib.Path(megatron.core.__file__).parent.parent
+    for s in compat.SEAMS:
+        file, _, line = s.where.partition(":")
+        assert line.isdigit(), s.where
+        text = (root / file).read_text().splitlines()[int(line) - 1]
+        assert any(part in text for part in s.path.split(".")), (s.path, s.where, text)
 
 
 def test_distributed_optimizer_attributes_are_checked():
