@@ -109,6 +109,46 @@ def test_no_rank_outlives_a_killed_launcher(tmp_path, via):
     assert not alive and len(gone) == 2
 
 
+def test_a_refusal_is_the_launchs_last_line(tmp_path, via):
+    """Rank 0 refuses (megatron/md/errors.py) and rank 1, still starting, prints a warning after
+    it before it is stopped: the launch repeats the refusal as its last line, with the
+    refusal's status; its private error file is gone. A launch that did not refuse (a crash)
+    repeats nothing, and a caller's own error file is left for the caller to say."""
+    body = (
+        "from megatron.md import errors\n"
+        "err = os.environ['MEGATRON_MD_ERROR_FILE']\n"
+        "open(f'err{r}', 'w').write(err)\n"
+        "if r == 0:\n"
+        "    errors.say('--data-path /nowhere: no such file') if len(sys.argv) < 2 else None\n"
+        "    while not os.path.exists('warned'):\n        time.sleep(0.01)\n"
+        "    sys.exit(2)\n"
+        "while r == 1 and not (os.path.exists(err) or len(sys.argv) > 1):\n    time.sleep(0.01)\n"
+        "print('UserWarning: still importing', file=sys.stderr, flush=True)\n"
+        "open('warned', 'w').close()\n"
+        "time.sleep(60)\n"
+    )
+    said = "pretrain_gpt.py: error: --data-path /nowhere: no such file"
+    rank = script(tmp_path, body)
+    out = subprocess.run(local_ranks(rank, 2), capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path)  # fmt: skip
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and lines[-1] == said, out.stderr
+    assert lines.index("UserWarning: still importing") < len(lines) - 1 and lines.count(said) == 2
+    private = Path((tmp_path / "err0").read_text())
+    assert private.name == "error" and not private.parent.exists()
+    (tmp_path / "warned").unlink()
+    crash = subprocess.run(local_ranks(rank, 2, ["crash"]), capture_output=True, text=True,
+                           timeout=60, cwd=tmp_path)  # fmt: skip
+    assert crash.returncode == 2 and crash.stderr.strip().splitlines()[-1] != said, crash.stderr
+    (tmp_path / "warned").unlink()
+    own = tmp_path / "callers_error"
+    env = {**os.environ, "MEGATRON_MD_ERROR_FILE": str(own)}
+    out = subprocess.run(local_ranks(rank, 2), capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path, env=env)  # fmt: skip
+    assert out.returncode == 2 and out.stderr.count(said) == 1, out.stderr
+    assert own.read_text() == said + "\n"
+
+
 @pytest.mark.distributed  # imports megatron-core (~5 s)
 def test_the_checkpoint_writers_manager_dies_with_its_rank():
     """CPU mode's fork Manager serving torch_dist's write results (patches.fork_results_queue)

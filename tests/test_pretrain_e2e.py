@@ -382,12 +382,13 @@ def refusals(out: subprocess.CompletedProcess) -> list[str]:
 
 
 def refusal(out: subprocess.CompletedProcess) -> str:
-    """The run's one refusal line (status 2). Not necessarily stderr's last line: the launcher
-    stops the other ranks when rank 0 leaves, and a rank still importing megatron at a
-    start-up refusal may print an import warning first (seen on a 2-core CI machine)."""
+    """The run's one refusal (status 2): said once by its rank, and repeated by the launcher as
+    stderr's last line (megatron/md/localrun.py; a rank still importing megatron at a start-up
+    refusal may print an import warning after rank 0's line, seen on a 2-core CI machine)."""
     said = refusals(out)
-    assert out.returncode == 2 and len(said) == 1, out.stdout[-3000:] + out.stderr[-3000:]
-    return said[0]
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 2 and said == [last, last], out.stdout[-3000:] + out.stderr[-3000:]
+    return last
 
 
 def kept_10(d: Path, before: dict) -> None:

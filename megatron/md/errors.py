@@ -6,9 +6,9 @@ line of its own, with no traceback; the other ranks leave with the same exit sta
 Under torchrun the launcher's own summary (``ChildFailedError``) follows the workers' output,
 so a run started by ``examples/md_decoupling/launch.sbatch`` gets the sentence repeated as its
 last line: rank 0 also writes it to ``$MEGATRON_MD_ERROR_FILE`` when that is set, which the
-launcher prints after torchrun returns. ``localrun.py`` (local runs, the tests) repeats nothing:
-another rank still importing megatron when rank 0 refuses may print a warning after the
-sentence, in the moment before the launcher stops it.
+launcher prints after torchrun returns; ``localrun.py`` (local runs, the tests) does the same
+with a file of its own (another rank still importing megatron when rank 0 refuses may print a
+warning after the sentence, in the moment before the launcher stops it).
 """
 
 from __future__ import annotations

@@ -10,14 +10,22 @@ With ``MEGATRON_MD_FORKSERVER`` set (the test suite), ranks are forked by that f
 where it agrees (megatron/md/forkserver.py). Standard library only (it runs as a script, before
 any import of torch). Cluster jobs start torchrun (examples/md_decoupling/launch.sbatch);
 ``launch.local_ranks`` builds this command.
+
+A rank's start-up refusal (megatron/md/errors.py) is the launch's last line, as
+launch.sbatch makes it under torchrun: the ranks leave it in ``$MEGATRON_MD_ERROR_FILE``
+(a private one here unless the caller set its own, which it then prints) and a failed launch of
+several ranks repeats it after every rank has ended (another rank may have printed a warning
+after it).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 GRACE_S = 10.0  # a process stopped with SIGTERM gets this long before SIGKILL
@@ -88,10 +96,32 @@ def main(argv: list[str]) -> int:
         print(__doc__.splitlines()[0], file=sys.stderr)
         return 2
     nproc, port, cmd = int(argv[0]), int(argv[1]), argv[2:]
-    procs = start(nproc, port, cmd)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda s, _f: _signal(procs, s))
-    return wait(procs)
+    # one rank's refusal is its output's end already; a caller's own file is the caller's to say
+    own = None
+    if nproc > 1 and not os.environ.get("MEGATRON_MD_ERROR_FILE"):
+        own = tempfile.mkdtemp(".localrun")
+        os.environ["MEGATRON_MD_ERROR_FILE"] = os.path.join(own, "error")
+    try:
+        procs = start(nproc, port, cmd)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda s, _f: _signal(procs, s))
+        status = wait(procs)
+        if status and own is not None:
+            _repeat_refusal(os.environ["MEGATRON_MD_ERROR_FILE"])
+        return status
+    finally:
+        if own is not None:
+            shutil.rmtree(own, ignore_errors=True)
+
+
+def _repeat_refusal(path: str) -> None:
+    try:
+        with open(path) as f:
+            line = f.read().strip()
+    except OSError:  # no rank refused: a crash's own output is its end
+        return
+    if line:
+        print(line, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
