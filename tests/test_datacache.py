@@ -54,16 +54,24 @@ READ = textwrap.dedent(r"""
 """)
 
 
-def corpus(path: Path, seed: int = 0, length: int = 500) -> str:
+def corpus(path: Path, seed: int = 0, length: int | tuple[int, int] = 500) -> str:
+    """400 documents of ``length`` random tokens (a pair: its lengths in turn)."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
+    lengths = length if isinstance(length, tuple) else (length, length)
     b = IndexedDatasetBuilder(f"{path}.bin", dtype=np.uint16)
     rng = np.random.default_rng(seed)
-    for _ in range(400):
-        b.add_item(torch.from_numpy(rng.integers(0, 1000, length).astype(np.int64)))
+    for d in range(400):
+        b.add_item(torch.from_numpy(rng.integers(0, 1000, lengths[d % 2]).astype(np.int64)))
         b.end_document()
     b.finalize(f"{path}.idx")
     return str(path)
+
+
+def uneven(path, seed: int) -> str:
+    """The corpus's sizes (400 documents, 200,000 tokens) with other document lengths: 499
+    and 501 tokens in turn (another tokenization of the same text, say)."""
+    return corpus(path, seed, (499, 501))
 
 
 def apply_seams() -> list:
@@ -376,3 +384,20 @@ def test_the_sample_order_is_compared_besides_the_samples(tmp_path, seam):
     assert differ((n, samples, crc), (n, samples, crc + 1)).startswith(
         "the samples compared agree, their order differs"
     )
+
+
+def test_the_files_fingerprint_sees_other_document_lengths_at_the_same_sizes(tmp_path):
+    """datacheck.file_fingerprint, what nodes compare before the model is built: a copy of the
+    corpus fingerprints alike; one with the same sizes and other document lengths (499 and
+    501 tokens in turn), or one token shorter per document, does not."""
+    from megatron.md.train.datacheck import file_fingerprint
+
+    a, copy = corpus(tmp_path / "a"), tmp_path / "copy"
+    for ext in (".bin", ".idx"):
+        shutil.copy(a + ext, str(copy) + ext)
+    same_sizes, shorter = uneven(tmp_path / "u", 0), corpus(tmp_path / "s", 0, length=499)
+    fa = file_fingerprint(a)
+    assert fa == file_fingerprint(str(copy)) and fa[0] == 400 * 500 * 2
+    fu = file_fingerprint(same_sizes)
+    assert fu[:2] == fa[:2] and fu[2] != fa[2]
+    assert file_fingerprint(shorter)[0] == 400 * 499 * 2

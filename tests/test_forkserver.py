@@ -105,6 +105,8 @@ def test_a_forked_rank_is_the_process_a_fresh_start_makes(tmp_path, how):
         for f in (a, b):
             del f["ppid"], f["parent"], f["numpy"], f["env"]["MASTER_PORT"]
             del f["env"]["MEGATRON_MD_FORKSERVER"]
+            # each launch's own (localrun.py: a refusal repeated as its last line)
+            assert f["env"].pop("MEGATRON_MD_ERROR_FILE").endswith(".localrun/error")
         a["cwd"], a["path"][0], a["main"][1] = b["cwd"], b["path"][0], b["main"][1]
         a["argv"][0] = b["argv"][0]
         assert a == b

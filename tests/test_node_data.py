@@ -8,23 +8,23 @@ import socket
 
 import pytest
 from _nodes import NODES, ROOT, ranks
-from test_datacache import corpus
+from test_datacache import corpus, uneven
 
 from megatron.md import errors
 
 pytestmark = [pytest.mark.distributed, NODES]
 
 
-def run(tmp_path, seed: int | None) -> tuple[list, list]:
-    """4 iterations at 2 ranks on ``data/corpus``; rank 1's node holds a copy made with
-    ``seed`` (0: the same corpus; None: no copy). Returns the ranks' results and the metrics
-    file's rows."""
+def run(tmp_path, seed: int | None, build=corpus) -> tuple[list, list]:
+    """4 iterations at 2 ranks on ``data/corpus``; rank 1's node holds a copy made by
+    ``build(path, seed)`` (seed 0: the same corpus; None: no copy). Returns the ranks' results
+    and the metrics file's rows."""
     data, copy = tmp_path / "data", tmp_path / "copy"
     data.mkdir()
     copy.mkdir()
     prefix = corpus(data / "corpus")
     if seed is not None:
-        corpus(copy / "corpus", seed)
+        build(copy / "corpus", seed)
     metrics = tmp_path / "metrics.jsonl"
     argv = [str(ROOT / "pretrain_gpt.py"), "--preset=tiny", f"--data-path={prefix}",
             "--split=98,2,0", "--tokenizer-type=NullTokenizer", "--vocab-size=1024",
@@ -66,6 +66,25 @@ def test_a_second_node_with_another_corpus_stops_before_training(tmp_path):
     assert "Traceback" not in outs[0].stderr + outs[1].stderr, outs[1].stderr[-3000:]
     assert "error:" not in outs[1].stderr  # said once, by rank 0
     assert not [r for r in rows if r.get("type") == "train"]
+    assert " > number of parameters on " in outs[0].stdout  # found once the data was built
+
+
+def test_a_second_node_with_another_version_of_the_corpus_stops_before_the_model(tmp_path):
+    """Rank 1's node holds a copy of the same size whose documents have other lengths: found
+    before the model is built (datacheck.check_same_files: the .idx's pieces), in one line
+    from rank 0 naming the rank, the dataset and how it differs; it was found only after the
+    model, the checkpoint load and the datasets' build."""
+    outs, rows = run(tmp_path, seed=0, build=uneven)
+    assert [o.returncode for o in outs] == [errors.STATUS] * 2, outs[0].stderr[-3000:]
+    last = outs[0].stderr.strip().splitlines()[-1]
+    assert last == (f"pretrain_gpt.py: error: rank 1 on {socket.gethostname()} reads other "
+                    f"data than rank 0 on {socket.gethostname()}: {tmp_path}/data/corpus (the "
+                    "same sizes, other document lengths in its .idx): that node's copy of the "
+                    "corpus is not rank 0's (another version of it): give every node the same "
+                    "data"), last  # fmt: skip
+    assert " > number of parameters on " not in outs[0].stdout  # the model was not built
+    assert "Traceback" not in outs[0].stderr + outs[1].stderr and "error:" not in outs[1].stderr
+    assert [r["type"] for r in rows] == ["run"]  # the run's row at start-up, nothing trained
 
 
 def test_a_second_node_without_the_corpus_says_so(tmp_path):

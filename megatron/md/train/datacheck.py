@@ -168,6 +168,51 @@ def check_same_samples(splits) -> None:
             )
 
 
+#: pieces of each ``.idx`` read for ``file_fingerprint`` (4 KiB each, spread over the file)
+IDX_PIECES = 16
+
+
+def file_fingerprint(prefix: str) -> tuple[int, int, int]:
+    """(``.bin`` size, ``.idx`` size, CRC-32 of ``IDX_PIECES`` pieces of the ``.idx``): the
+    index holds every document's length, so another version of a corpus differs here almost
+    always, for 64 KiB read (the samples' tokens are compared once the datasets are built,
+    ``check_same_samples``)."""
+    size = os.path.getsize(prefix + ".idx")
+    crc = 0
+    with open(prefix + ".idx", "rb") as f:
+        for i in range(IDX_PIECES):
+            f.seek(i * max(size - 4096, 0) // max(IDX_PIECES - 1, 1))
+            crc = zlib.crc32(f.read(4096), crc)
+    return os.path.getsize(prefix + ".bin"), size, crc
+
+
+def check_same_files(args) -> None:
+    """Every rank's node holds rank 0's ``--data-path`` files (a collective, on every rank,
+    before the model is built; ``check_files`` has found them on each node). A node-local copy
+    of another version of the corpus was found only once the datasets were built, after the
+    model and the checkpoint load (``check_same_samples``, which stays for what this cannot
+    see: the same index over other tokens, a node-local cache built from other data)."""
+    dist = torch.distributed
+    if args.mock_data or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    prefixes = dict.fromkeys(p for _, ps in dataset_lists(args) for p in ps)
+    views = nodes.unlike_rank0({p: file_fingerprint(p) for p in prefixes})
+    host0 = views[0][0]
+    for rank, (host, unlike) in enumerate(views):
+        if not unlike:
+            continue
+        prefix, (b, i, _), (b0, i0, _) = unlike[0]
+        how = "the same sizes, other document lengths in its .idx"
+        if (b, i) != (b0, i0):
+            how = f".bin {b} bytes, rank 0's {b0}; .idx {i} bytes, rank 0's {i0}"
+        more = f" (and {len(unlike) - 1} more datasets)" if len(unlike) > 1 else ""
+        errors.fail(
+            f"rank {rank} on {host} reads other data than rank 0 on {host0}: {prefix} ({how})"
+            f"{more}: that node's copy of the corpus is not rank 0's (another version of it): "
+            "give every node the same data"
+        )
+
+
 def differ(a: tuple | None, b: tuple | None) -> str:
     """How split fingerprint ``b`` differs from rank 0's ``a``."""
     if not (a and b) or a[0] != b[0]:

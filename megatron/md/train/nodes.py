@@ -25,6 +25,16 @@ def gather(value) -> list[tuple[str, object]]:
     return views
 
 
+def unlike_rank0(mine: dict) -> list[tuple[str, list[tuple]]]:
+    """Every rank's (host name, [(key, its value, rank 0's)] where its ``mine`` differs from
+    rank 0's at a key both hold), in rank order (a collective, on every rank). Rank 0's dict
+    goes to every rank and each compares where it is: a gather of every rank's whole dict
+    would send each rank the whole job's."""
+    ref = [mine if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(ref, src=0)
+    return gather([(k, mine[k], v) for k, v in sorted(ref[0].items()) if mine.get(k, v) != v])
+
+
 @functools.cache
 def source_digest() -> str:
     """SHA-1 of megatron-md's own source (every ``.py`` under ``megatron/md``, with its path)."""
@@ -77,17 +87,13 @@ def check_same_software() -> None:
     dist = torch.distributed
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    # rank 0's module digests to every rank, each compared where it is (a gather of every
-    # rank's ~370 would send each rank the whole job's); a module one side has not imported
-    # is not compared
-    ref_modules = [module_digests() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(ref_modules, src=0)
-    here = module_digests()
-    differ = sorted(m for m, d in ref_modules[0].items() if here.get(m, d) != d)
-    views = gather((software(), differ))
-    host0, (ref, _) = views[0]
-    for rank, (host, (mine, modules)) in enumerate(views):
+    views = gather(software())
+    host0, ref = views[0]
+    # a module one side has not imported is not compared
+    sources = unlike_rank0(module_digests())
+    for rank, ((host, mine), (_, unlike)) in enumerate(zip(views, sources)):
         diff = [f"{k} {mine.get(k)} (rank 0: {v})" for k, v in ref.items() if mine.get(k) != v]
+        modules = [m for m, _, _ in unlike]
         if modules:
             more = f" and {len(modules) - 3} more" if len(modules) > 3 else ""
             diff.append(f"the source of {', '.join(modules[:3])}{more} (not rank 0's: the "

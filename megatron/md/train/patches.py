@@ -265,17 +265,19 @@ def check_nodes_first(orig, run=None):
     """On every rank, once torch.distributed is set up and before megatron builds the model
     (``pretrain`` calls ``setup_model_and_optimizer`` first): every rank runs rank 0's software
     (a node with another megatron-core could fail or hang inside the model's set-up, naming
-    nothing), and ``--save`` and the logs are one directory for every node."""
+    nothing), ``--save`` and the logs are one directory for every node, and every node holds
+    rank 0's ``--data-path`` files."""
 
     @functools.wraps(orig)
     def setup_model_and_optimizer(*a, **kw):
         from megatron.training import get_args
 
-        from megatron.md.train import nodes, sharedsave
+        from megatron.md.train import datacheck, nodes, sharedsave
 
         args = get_args()
         nodes.check_same_software()
         sharedsave.check(args.save, sharedsave.log_dirs(args))
+        datacheck.check_same_files(args)
         _NODES_CHECKED.append(True)
         return orig(*a, **kw)
 
