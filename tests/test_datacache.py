@@ -19,6 +19,8 @@ from megatron.md import compat
 from megatron.md.launch import free_port
 from megatron.md.train import datacache
 
+ROOT = Path(__file__).resolve().parents[1]
+
 ROWS = [s for s in compat.SEAMS if s.replace == "megatron.md.train.datacache:atomic_build"]
 
 
@@ -54,14 +56,14 @@ READ = textwrap.dedent(r"""
 """)
 
 
-def corpus(path: Path, seed: int = 0, length: int | tuple[int, int] = 500) -> str:
-    """400 documents of ``length`` random tokens (a pair: its lengths in turn)."""
+def corpus(path: Path, seed: int = 0, length: int | tuple[int, int] = 500, docs: int = 400) -> str:
+    """``docs`` documents of ``length`` random tokens (a pair: its lengths in turn)."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     lengths = length if isinstance(length, tuple) else (length, length)
     b = IndexedDatasetBuilder(f"{path}.bin", dtype=np.uint16)
     rng = np.random.default_rng(seed)
-    for d in range(400):
+    for d in range(docs):
         b.add_item(torch.from_numpy(rng.integers(0, 1000, lengths[d % 2]).astype(np.int64)))
         b.end_document()
     b.finalize(f"{path}.idx")
@@ -401,3 +403,34 @@ def test_the_files_fingerprint_sees_other_document_lengths_at_the_same_sizes(tmp
     fu = file_fingerprint(same_sizes)
     assert fu[:2] == fa[:2] and fu[2] != fa[2]
     assert file_fingerprint(shorter)[0] == 400 * 499 * 2
+
+
+@pytest.mark.distributed
+def test_one_validation_set_per_dataset_trains_and_is_compared_across_ranks(tmp_path):
+    """megatron's ``--multiple-validation-sets --full-validation`` with two validation
+    datasets (``--valid-data-path``) reaches the dataset config (data.DATASET_FLAGS; it was
+    ignored: megatron then took its one blended validation set for a list and stopped) and
+    trains at 2 ranks: the ranks' samples compared per validation set
+    (datacheck.check_same_samples), each set's evaluation logged with its index."""
+    from megatron.md.launch import local_ranks
+
+    # --full-validation reads each validation set whole: 4 samples of 64 tokens each
+    train = corpus(tmp_path / "train", 0)
+    a, b = (corpus(tmp_path / n, s, length=65, docs=4) for n, s in (("a", 1), ("b", 2)))
+    metrics = tmp_path / "m.jsonl"
+    argv = ["--preset=tiny", "--train-data-path", train, "--valid-data-path", a, b,
+            "--tokenizer-type=NullTokenizer", "--vocab-size=1024", "--seq-length=64",
+            "--max-position-embeddings=64", "--micro-batch-size=2", "--global-batch-size=4",
+            "--train-iters=4", "--eval-iters=1", "--eval-interval=2", "--lr=1e-3",
+            "--optimizer=adam", "--md-decoupling", "--use-distributed-optimizer",
+            "--multiple-validation-sets", "--full-validation", "--log-interval=1",
+            f"--metrics-file={metrics}"]  # fmt: skip
+    out = subprocess.run(local_ranks(ROOT / "pretrain_gpt.py", 2, argv), capture_output=True,
+                         text=True, timeout=600, cwd=tmp_path,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [json.loads(r) for r in metrics.read_text().splitlines()]
+    assert [r["iteration"] for r in rows if r["type"] == "train"] == [1, 2, 3, 4]
+    valid = [(r["iteration"], r["set"]) for r in rows if r["type"] == "valid"]
+    assert valid[:4] == [(2, 0), (2, 1), (4, 0), (4, 1)], valid
+    assert "validation-1 loss at iteration 4" in out.stdout

@@ -4,11 +4,46 @@ GPTDataset (``--data-path`` blends of ``tools/preprocess_data.py`` output) or Mo
 
 from __future__ import annotations
 
+import json
 from functools import partial
 
 import torch
 
 from megatron.md.train.datacheck import check_same_samples
+
+#: megatron's dataset flags (their argparse destinations) and the GPTDatasetConfig field each
+#: sets; megatron-core ships no function that maps them (Megatron-LM's own pretrain_gpt.py
+#: does), and the ones not passed here were ignored without a word
+DATASET_FLAGS = {
+    "seed": "random_seed",
+    "seq_length": "sequence_length",
+    "split": "split",
+    "data_cache_path": "path_to_cache",
+    "reset_position_ids": "reset_position_ids",
+    "reset_attention_mask": "reset_attention_mask",
+    "eod_mask_loss": "eod_mask_loss",
+    "create_attention_mask_in_dataloader": "create_attention_mask",
+    "multiple_validation_sets": "multiple_validation_sets",
+    "full_validation": "full_validation",
+    "num_dataset_builder_threads": "num_dataset_builder_threads",
+    "mmap_bin_files": "mmap_bin_files",
+    "mid_level_dataset_surplus": "mid_level_dataset_surplus",
+    "allow_ambiguous_pad_tokens": "allow_ambiguous_pad_tokens",
+    "dataloader_fast_cache_load": "fast_cache_load",
+    "dataloader_defer_npy_index_mmap": "defer_npy_index_mmap",
+    "object_storage_cache_path": "object_storage_cache_path",
+}
+
+
+def dataset_config(args) -> dict:
+    """GPTDatasetConfig's fields from megatron's flags (``DATASET_FLAGS``; a
+    ``--per-dataset-sequences-path`` file read as JSON: each dataset's sequence count, which
+    spares reading its index), but the blend and the tokenizer."""
+    out = {field: getattr(args, flag) for flag, field in DATASET_FLAGS.items()}
+    if getattr(args, "per_dataset_sequences_path", None):
+        with open(args.per_dataset_sequences_path) as f:
+            out["sequences_per_dataset"] = json.load(f)
+    return out
 
 
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
@@ -29,18 +64,9 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
                                       *train_val_test_num_samples[1:])  # fmt: skip
     blend, blend_per_split = get_blend_and_blend_per_split(args)
     config = GPTDatasetConfig(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
-        blend=blend,
-        blend_per_split=blend_per_split,
-        split=args.split,
-        path_to_cache=args.data_cache_path,
+        **dataset_config(args), blend=blend, blend_per_split=blend_per_split,
         tokenizer=get_tokenizer(),
-        reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask,
-        eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=args.create_attention_mask_in_dataloader,
-    )
+    )  # fmt: skip
     cls = MockGPTDataset if args.mock_data else GPTDataset
     train, valid, test = BlendedMegatronDatasetBuilder(
         cls, train_val_test_num_samples, lambda: True, config

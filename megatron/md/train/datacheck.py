@@ -153,10 +153,17 @@ def check_same_samples(splits) -> None:
     dist = torch.distributed
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    views = nodes.gather([fingerprint(ds) for ds in splits])
+    names, each = [], []
+    for name, ds in zip(("train", "valid", "test"), splits):
+        # --multiple-validation-sets: a list, one validation set per dataset of the blend
+        many = isinstance(ds, list)
+        for i, d in enumerate(ds if many else [ds]):
+            names.append(f"{name} {i}" if many else name)
+            each.append(d)
+    views = nodes.gather([fingerprint(ds) for ds in each])
     host0, ref = views[0]
     for rank, (host, theirs) in enumerate(views):
-        for split, a, b in zip(("train", "valid", "test"), ref, theirs):
+        for split, a, b in zip(names, ref, theirs):
             if a == b:
                 continue
             errors.fail(
@@ -174,9 +181,10 @@ IDX_PIECES = 16
 
 def file_fingerprint(prefix: str) -> tuple[int, int, int]:
     """(``.bin`` size, ``.idx`` size, CRC-32 of ``IDX_PIECES`` pieces of the ``.idx``): the
-    index holds every document's length, so another version of a corpus differs here almost
-    always, for 64 KiB read (the samples' tokens are compared once the datasets are built,
-    ``check_same_samples``)."""
+    index holds every sequence's length and its byte offset in the ``.bin``, a running sum
+    that one changed length shifts from there on, so another version of a corpus differs here
+    almost always, for 64 KiB read (the samples' tokens are compared once the datasets are
+    built, ``check_same_samples``)."""
     size = os.path.getsize(prefix + ".idx")
     crc = 0
     with open(prefix + ".idx", "rb") as f:
@@ -195,7 +203,8 @@ def check_same_files(args) -> None:
     dist = torch.distributed
     if args.mock_data or not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    prefixes = dict.fromkeys(p for _, ps in dataset_lists(args) for p in ps)
+    # (every node reads the same objects)
+    prefixes = dict.fromkeys(p for _, ps in dataset_lists(args) for p in ps if not remote(p))
     views = nodes.unlike_rank0({p: file_fingerprint(p) for p in prefixes})
     host0 = views[0][0]
     for rank, (host, unlike) in enumerate(views):
@@ -275,7 +284,10 @@ def check_files(args) -> None:
                 "only, and asserts one later): add e.g. --split 969,30,1"
             )
         every = []
-        for name, prefixes in lists:
+        for name, given in lists:
+            prefixes = [p for p in given if not remote(p)]
+            if len(prefixes) < len(given):
+                check_remote(name, args)
             every += prefixes
             for prefix in prefixes:
                 for ext in (".bin", ".idx"):
@@ -289,6 +301,26 @@ def check_files(args) -> None:
             if err:
                 errors.fail(f"{name}: {err}", node=True)
         check_data_cache(every, args.data_cache_path)
+
+
+def remote(prefix: str) -> bool:
+    """A dataset in object storage (``s3://``, ``msc://``: megatron-core reads it there)."""
+    from megatron.core.datasets.object_storage_utils import is_object_storage_path
+
+    return is_object_storage_path(prefix)
+
+
+def check_remote(name: str, args) -> None:
+    """What megatron needs to read datasets from object storage, before the model is built:
+    a local directory for their indices (``--object-storage-cache-path``: megatron-core
+    asserts it as it builds the datasets) and for the dataset cache (``--data-cache-path``:
+    without it megatron makes the cache directory beside the data, a local path beginning
+    ``s3:``). The objects themselves are not read here."""
+    for flag in ("object_storage_cache_path", "data_cache_path"):
+        if not getattr(args, flag, None):
+            errors.fail(f"{name} names datasets in object storage: give --"
+                        f"{flag.replace('_', '-')} a local directory (megatron keeps their "
+                        "index files there)")  # fmt: skip
 
 
 def check_data_cache(prefixes: list[str], cache_path: str | None) -> None:

@@ -304,7 +304,8 @@ def wrap_evaluate_and_print(orig):
     def evaluate_and_print_results(
         prefix, forward_step_func, data_iterator, model, iteration, *a, **k
     ):
-        _S["eval"] = ("test" if "test" in str(prefix) else "valid", iteration)
+        # [split, iteration, the next validation set's index (--multiple-validation-sets)]
+        _S["eval"] = ["test" if "test" in str(prefix) else "valid", iteration, 0]
         try:
             return orig(prefix, forward_step_func, data_iterator, model, iteration, *a, **k)
         finally:
@@ -320,9 +321,13 @@ def wrap_evaluate(orig):
         ctx = _S.get("eval")
         if ctx is not None and not timelimit and total:
             row = {"type": ctx[0], "iteration": ctx[1]}
+            if getattr(_S.get("args"), "multiple_validation_sets", False):
+                row["set"] = ctx[2]  # megatron's validation-<set>
             for key, v in total.items():
                 row[key] = float(v)
             _write(row)
+        if ctx is not None:
+            ctx[2] += 1
         return total, non_loss, timelimit
 
     return evaluate
