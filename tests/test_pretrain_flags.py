@@ -465,6 +465,7 @@ def test_megatrons_dataset_flags_reach_the_dataset_config(tmp_path):
     "extra,needle",
     [
         (["--multiple-validation-sets"], "--multiple-validation-sets needs --full-validation"),
+        (["--per-dataset-sequences-path=/nowhere.json"], "/nowhere.json cannot be read as JSON"),
         (["--dataloader-inter-document-masking"], "pretrain_gpt.py's reads none"),
         (
             ["--hybrid-context-parallel", "--calculate-per-token-loss"],
@@ -1021,3 +1022,12 @@ def test_a_log_directory_that_cannot_be_written_is_named_at_start_up(capsys, tmp
         f"{flag} {path.parent if flag == '--metrics-file' else path}: {tmp_path / 'afile'} "
         "is a file, not a directory" in msg
     ), msg
+
+
+def test_a_dataset_flag_megatron_no_longer_has_stops_at_start(capsys, monkeypatch):
+    """A megatron-core whose parser lost a flag data.DATASET_FLAGS maps stops at start-up,
+    naming it (it would fail as the datasets are built, after the model)."""
+    from megatron.md.train import args as md_args
+
+    monkeypatch.setattr(md_args, "DATASET_FLAGS", {**md_args.DATASET_FLAGS, "gone_flag": "x"})
+    assert "megatron's parser no longer has gone_flag" in fails(capsys)

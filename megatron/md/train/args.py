@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 
 from megatron.md import compatibility, errors
 from megatron.md.config import BARE, CHOICES, FROM_MEGATRON_FLAGS, MUON_SCALES, MDConfig
 from megatron.md.train import datacheck
+from megatron.md.train.data import DATASET_FLAGS
 from megatron.md.train.files import unwritable
 
 #: --muon-scale-mode values megatron-core's Muon knows; the rest are ours (see patches.py).
@@ -386,6 +388,16 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
             _fail(f"--{flag.replace('_', '-')} needs a forward step that reads packed "
                   "sequences' document boundaries (cu_seqlens); pretrain_gpt.py's reads none, "
                   "and attention would cross documents without a word")  # fmt: skip
+    if gone := [f for f in DATASET_FLAGS if not hasattr(args, f)]:  # else at the data's build
+        _fail(f"megatron's parser no longer has {', '.join(gone)} (megatron/md/train/data.py "
+              "maps them to its dataset config; written against megatron-core 0.19.2)")  # fmt: skip
+    if path := getattr(args, "per_dataset_sequences_path", None):
+        try:
+            with open(path) as f:
+                json.load(f)
+        except (OSError, ValueError) as e:
+            _fail(f"--per-dataset-sequences-path {path} cannot be read as JSON "
+                  f"({type(e).__name__}: {e})", node=True)  # fmt: skip
     # megatron-core 0.19.2's own stops for these come once the model is built
     if args.multiple_validation_sets and not args.full_validation:
         _fail("--multiple-validation-sets needs --full-validation (megatron-core 0.19.2 raises "
