@@ -1027,7 +1027,7 @@ def test_a_log_directory_that_cannot_be_written_is_named_at_start_up(capsys, tmp
 def test_a_dataset_flag_megatron_no_longer_has_stops_at_start(capsys, monkeypatch):
     """A megatron-core whose parser lost a flag data.DATASET_FLAGS maps stops at start-up,
     naming it (it would fail as the datasets are built, after the model)."""
-    from megatron.md.train import args as md_args
+    from megatron.md.train import data
 
-    monkeypatch.setattr(md_args, "DATASET_FLAGS", {**md_args.DATASET_FLAGS, "gone_flag": "x"})
+    monkeypatch.setattr(data, "DATASET_FLAGS", {**data.DATASET_FLAGS, "gone_flag": "x"})
     assert "megatron's parser no longer has gone_flag" in fails(capsys)

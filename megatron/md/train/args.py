@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 
 from megatron.md import compatibility, errors
 from megatron.md.config import BARE, CHOICES, FROM_MEGATRON_FLAGS, MUON_SCALES, MDConfig
-from megatron.md.train import datacheck
-from megatron.md.train.data import DATASET_FLAGS
+from megatron.md.train import data, datacheck
 from megatron.md.train.files import unwritable
 
 #: --muon-scale-mode values megatron-core's Muon knows; the rest are ours (see patches.py).
@@ -250,12 +248,6 @@ def _check_tensor_parallel(args) -> None:
         )
 
 
-def _test_share(split: str | None) -> float:
-    """The test split's share in megatron's ``--split`` ("969,30,1", "98/2/0")."""
-    parts = [float(x) for x in (split or "").replace("/", ",").split(",") if x.strip()]
-    return parts[2] if len(parts) > 2 else 0.0
-
-
 def _fail(msg: str, node: bool = False):
     """Refuse (``node``: a refusal about this node's files, which another node may not share:
     each node's first rank says it too, errors.say)."""
@@ -383,35 +375,7 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
         v = getattr(args, flag)
         if v is not None and not (math.isfinite(v) and v >= 0):
             _fail(f"--{flag.replace('_', '-')}={v} must be a number >= 0")
-    for flag in ("dataloader_inter_document_masking", "hybrid_context_parallel"):
-        if getattr(args, flag, False):
-            _fail(f"--{flag.replace('_', '-')} needs a forward step that reads packed "
-                  "sequences' document boundaries (cu_seqlens); pretrain_gpt.py's reads none, "
-                  "and attention would cross documents without a word")  # fmt: skip
-    if gone := [f for f in DATASET_FLAGS if not hasattr(args, f)]:  # else at the data's build
-        _fail(f"megatron's parser no longer has {', '.join(gone)} (megatron/md/train/data.py "
-              "maps them to its dataset config; written against megatron-core 0.19.2)")  # fmt: skip
-    if path := getattr(args, "per_dataset_sequences_path", None):
-        try:
-            with open(path) as f:
-                json.load(f)
-        except (OSError, ValueError) as e:
-            _fail(f"--per-dataset-sequences-path {path} cannot be read as JSON "
-                  f"({type(e).__name__}: {e})", node=True)  # fmt: skip
-    # megatron-core 0.19.2's own stops for these come once the model is built
-    if args.multiple_validation_sets and not args.full_validation:
-        _fail("--multiple-validation-sets needs --full-validation (megatron-core 0.19.2 raises "
-              "NotImplementedError without it)")  # fmt: skip
-    if args.multiple_validation_sets and (args.test_data_path or _test_share(args.split)):
-        _fail("--multiple-validation-sets with a test set: megatron-core 0.19.2's test "
-              "evaluation at the run's end then fails (a TypeError, after training): drop the "
-              "test set (--split with a test share of 0, no --test-data-path)")  # fmt: skip
-    if args.full_validation:
-        for flag in ("data_path", "valid_data_path"):
-            items = getattr(args, flag, None) or []
-            if datacheck.data_prefixes(items) != list(items):
-                _fail(f"--full-validation takes --{flag.replace('_', '-')} without weights "
-                      "(megatron asserts it as it builds the validation sets)")  # fmt: skip
+    data.check_flags(args)
     if check_data:
         datacheck.check_files(args)
     if args.lr_warmup_iters and args.train_iters and args.lr_warmup_iters >= args.train_iters:

@@ -9,7 +9,8 @@ from functools import partial
 
 import torch
 
-from megatron.md.train.datacheck import check_same_samples
+from megatron.md import errors
+from megatron.md.train.datacheck import check_same_samples, data_prefixes
 
 #: megatron's dataset flags (their argparse destinations) and the GPTDatasetConfig field each
 #: sets; megatron-core ships no function that maps them (Megatron-LM's own pretrain_gpt.py
@@ -44,6 +45,59 @@ def dataset_config(args) -> dict:
         with open(args.per_dataset_sequences_path) as f:
             out["sequences_per_dataset"] = json.load(f)
     return out
+
+
+def check_flags(args) -> None:
+    """The dataset flags' refusals, at start-up: a parser without one of ``DATASET_FLAGS``,
+    flags this forward step cannot honour, and the combinations megatron-core 0.19.2 stops
+    only once the model is built."""
+    if gone := [f for f in DATASET_FLAGS if not hasattr(args, f)]:  # else at the data's build
+        errors.fail(
+            f"megatron's parser no longer has {', '.join(gone)} (megatron/md/train/data.py "
+            "maps them to its dataset config; written against megatron-core 0.19.2)"
+        )
+    for flag in ("dataloader_inter_document_masking", "hybrid_context_parallel"):
+        if getattr(args, flag, False):
+            errors.fail(
+                f"--{flag.replace('_', '-')} needs a forward step that reads packed sequences' "
+                "document boundaries (cu_seqlens); pretrain_gpt.py's reads none, and attention "
+                "would cross documents without a word"
+            )
+    if path := getattr(args, "per_dataset_sequences_path", None):
+        try:
+            with open(path) as f:
+                json.load(f)
+        except (OSError, ValueError) as e:
+            errors.fail(
+                f"--per-dataset-sequences-path {path} cannot be read as JSON "
+                f"({type(e).__name__}: {e})",
+                node=True,
+            )
+    if args.multiple_validation_sets and not args.full_validation:
+        errors.fail(
+            "--multiple-validation-sets needs --full-validation (megatron-core 0.19.2 raises "
+            "NotImplementedError without it)"
+        )
+    if args.multiple_validation_sets and (args.test_data_path or _test_share(args.split)):
+        errors.fail(
+            "--multiple-validation-sets with a test set: megatron-core 0.19.2's test "
+            "evaluation at the run's end then fails (a TypeError, after training): drop the "
+            "test set (--split with a test share of 0, no --test-data-path)"
+        )
+    if args.full_validation:
+        for flag in ("data_path", "valid_data_path"):
+            items = getattr(args, flag, None) or []
+            if data_prefixes(items) != list(items):
+                errors.fail(
+                    f"--full-validation takes --{flag.replace('_', '-')} without weights "
+                    "(megatron asserts it as it builds the validation sets)"
+                )
+
+
+def _test_share(split: str | None) -> float:
+    """The test split's share in megatron's ``--split`` ("969,30,1", "98/2/0")."""
+    parts = [float(x) for x in (split or "").replace("/", ",").split(",") if x.strip()]
+    return parts[2] if len(parts) > 2 else 0.0
 
 
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
