@@ -123,6 +123,13 @@ def fingerprint(ds) -> tuple | None:
     return n, samples, order_crc(ds)
 
 
+def pieces_crc(b: np.ndarray, pieces: int, piece: int, crc: int = 0) -> int:
+    """CRC-32 of ``pieces`` evenly spaced pieces of ``piece`` bytes of the byte array ``b``."""
+    for start in range(0, b.size, max(b.size // pieces, 1))[:pieces]:
+        crc = zlib.crc32(b[start : start + piece].tobytes(), crc)
+    return crc
+
+
 def order_crc(ds, crc: int = 0) -> int:
     """CRC-32 of the indices that fix the order ``ds`` serves its samples in (a blend's, then
     each of its datasets'): the samples compared could agree where a node-local cache, built
@@ -135,9 +142,7 @@ def order_crc(ds, crc: int = 0) -> int:
         if a is None:
             continue
         b = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        crc = zlib.crc32(f"{name} {b.size}".encode(), crc)
-        for start in range(0, b.size, max(b.size // INDEX_PIECES, 1))[:INDEX_PIECES]:
-            crc = zlib.crc32(b[start : start + INDEX_PIECE].tobytes(), crc)
+        crc = pieces_crc(b, INDEX_PIECES, INDEX_PIECE, zlib.crc32(f"{name} {b.size}".encode(), crc))
     for sub in getattr(ds, "datasets", None) or []:
         crc = order_crc(sub, crc)
     return crc
@@ -185,13 +190,8 @@ def file_fingerprint(prefix: str) -> tuple[int, int, int]:
     that one changed length shifts from there on, so another version of a corpus differs here
     almost always, for 64 KiB read (the samples' tokens are compared once the datasets are
     built, ``check_same_samples``)."""
-    size = os.path.getsize(prefix + ".idx")
-    crc = 0
-    with open(prefix + ".idx", "rb") as f:
-        for i in range(IDX_PIECES):
-            f.seek(i * max(size - 4096, 0) // max(IDX_PIECES - 1, 1))
-            crc = zlib.crc32(f.read(4096), crc)
-    return os.path.getsize(prefix + ".bin"), size, crc
+    idx = np.memmap(prefix + ".idx", np.uint8, "r")  # (check_files: at least its header)
+    return os.path.getsize(prefix + ".bin"), idx.size, pieces_crc(idx, IDX_PIECES, 4096)
 
 
 def check_same_files(args) -> None:

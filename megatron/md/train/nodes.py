@@ -27,12 +27,13 @@ def gather(value) -> list[tuple[str, object]]:
 
 def unlike_rank0(mine: dict) -> list[tuple[str, list[tuple]]]:
     """Every rank's (host name, [(key, its value, rank 0's)] where its ``mine`` differs from
-    rank 0's at a key both hold), in rank order (a collective, on every rank). Rank 0's dict
+    rank 0's at a key both hold, in rank 0's key order), in rank order (a collective, on every
+    rank). Rank 0's dict
     goes to every rank and each compares where it is: a gather of every rank's whole dict
     would send each rank the whole job's."""
     ref = [mine if torch.distributed.get_rank() == 0 else None]
     torch.distributed.broadcast_object_list(ref, src=0)
-    return gather([(k, mine[k], v) for k, v in sorted(ref[0].items()) if mine.get(k, v) != v])
+    return gather([(k, mine[k], v) for k, v in ref[0].items() if mine.get(k, v) != v])
 
 
 @functools.cache
@@ -87,13 +88,13 @@ def check_same_software() -> None:
     dist = torch.distributed
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    views = gather(software())
-    host0, ref = views[0]
-    # a module one side has not imported is not compared
-    sources = unlike_rank0(module_digests())
-    for rank, ((host, mine), (_, unlike)) in enumerate(zip(views, sources)):
-        diff = [f"{k} {mine.get(k)} (rank 0: {v})" for k, v in ref.items() if mine.get(k) != v]
-        modules = [m for m, _, _ in unlike]
+    # one exchange for both: software() has every key on every rank; a module one side has
+    # not imported is not compared
+    views = unlike_rank0({**software(), **{(m,): d for m, d in module_digests().items()}})
+    host0 = views[0][0]
+    for rank, (host, unlike) in enumerate(views):
+        diff = [f"{k} {mine} (rank 0: {v})" for k, mine, v in unlike if isinstance(k, str)]
+        modules = sorted(k[0] for k, _, _ in unlike if isinstance(k, tuple))
         if modules:
             more = f" and {len(modules) - 3} more" if len(modules) > 3 else ""
             diff.append(f"the source of {', '.join(modules[:3])}{more} (not rank 0's: the "
