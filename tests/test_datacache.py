@@ -411,7 +411,8 @@ def test_one_validation_set_per_dataset_trains_and_is_compared_across_ranks(tmp_
     datasets (``--valid-data-path``) reaches the dataset config (data.DATASET_FLAGS; it was
     ignored: megatron then took its one blended validation set for a list and stopped) and
     trains at 2 ranks: the ranks' samples compared per validation set
-    (datacheck.check_same_samples), each set's evaluation logged with its index."""
+    (datacheck.check_same_samples), each set's evaluation logged with its
+    ``--validation-set-names`` name (without names: its index, metrics.wrap_evaluate)."""
     from megatron.md.launch import local_ranks
 
     # --full-validation reads each validation set whole: 4 samples of 64 tokens each
@@ -423,7 +424,8 @@ def test_one_validation_set_per_dataset_trains_and_is_compared_across_ranks(tmp_
             "--max-position-embeddings=64", "--micro-batch-size=2", "--global-batch-size=4",
             "--train-iters=4", "--eval-iters=1", "--eval-interval=2", "--lr=1e-3",
             "--optimizer=adam", "--md-decoupling", "--use-distributed-optimizer",
-            "--multiple-validation-sets", "--full-validation", "--log-interval=1",
+            "--multiple-validation-sets", "--validation-set-names", "wiki", "code",
+            "--full-validation", "--log-interval=1",
             f"--metrics-file={metrics}"]  # fmt: skip
     out = subprocess.run(local_ranks(ROOT / "pretrain_gpt.py", 2, argv), capture_output=True,
                          text=True, timeout=600, cwd=tmp_path,
@@ -432,5 +434,5 @@ def test_one_validation_set_per_dataset_trains_and_is_compared_across_ranks(tmp_
     rows = [json.loads(r) for r in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in rows if r["type"] == "train"] == [1, 2, 3, 4]
     valid = [(r["iteration"], r["set"]) for r in rows if r["type"] == "valid"]
-    assert valid[:4] == [(2, 0), (2, 1), (4, 0), (4, 1)], valid
-    assert "validation-1 loss at iteration 4" in out.stdout
+    assert valid[:4] == [(2, "wiki"), (2, "code"), (4, "wiki"), (4, "code")], valid
+    assert "validation-code loss at iteration 4" in out.stdout

@@ -433,12 +433,17 @@ def test_megatrons_dataset_flags_reach_the_dataset_config(tmp_path):
 
     counts = tmp_path / "sequences.json"
     counts.write_text(json.dumps({"/data/a": 400}))
-    args = parse("--multiple-validation-sets", "--full-validation", "--no-mmap-bin-files",
+    import megatron.training.global_vars as gv
+
+    gv.unset_global_variables()
+    sets = ["--train-data-path=/data/t", "--valid-data-path", "/data/a", "/data/b"]
+    args = pg.parse([a for a in BASE if a != "--mock-data"] + sets + [
+                 "--multiple-validation-sets", "--full-validation", "--no-mmap-bin-files",
                  "--num-dataset-builder-threads=3", "--mid-level-dataset-surplus=0.01",
                  "--allow-ambiguous-pad-tokens", "--dataloader-fast-cache-load",
                  "--dataloader-defer-npy-index-mmap", "--object-storage-cache-path=/tmp/o",
                  f"--per-dataset-sequences-path={counts}", "--seed=7",
-                 "--data-cache-path=/tmp/c")[0]  # fmt: skip
+                 "--data-cache-path=/tmp/c"], on_cpu=True, check_data=False)[0]  # fmt: skip
     got = dataset_config(args)
     assert {k: got[k] for k in ("multiple_validation_sets", "full_validation", "mmap_bin_files",
                                 "num_dataset_builder_threads", "mid_level_dataset_surplus",
@@ -479,14 +484,49 @@ def test_megatrons_dataset_flags_reach_the_dataset_config(tmp_path):
             ["--multiple-validation-sets", "--full-validation", "--split=90,5,5"],
             "--multiple-validation-sets with a test set",
         ),
+        (
+            ["--multiple-validation-sets", "--full-validation", "--split=100,0,0"],
+            "without --valid-data-path megatron-core 0.19.2 builds one validation set",
+        ),
+        (
+            ["--validation-set-names", "wiki", "--split=100,0,0"],
+            "--validation-set-names needs --multiple-validation-sets",
+        ),
+        (
+            [
+                "--multiple-validation-sets",
+                "--full-validation",
+                "--validation-set-names",
+                "a",
+                "--train-data-path",
+                "/d/t",
+                "--valid-data-path",
+                "/d/a",
+                "/d/b",
+            ],
+            "--validation-set-names names 1 set(s) for 2 validation datasets",
+        ),
     ],
 )
 def test_megatrons_own_late_data_refusals_come_first(capsys, extra, needle):
     """megatron-core stops these only once the model is built (NotImplementedError; an
     assert as it builds the validation sets); the packed-sequence flags would have trained
     with attention across documents (the forward step reads no cu_seqlens)."""
-    base = BASE if "--data-path" not in extra else [a for a in BASE if a != "--mock-data"]
+    paths = {"--data-path", "--valid-data-path"}
+    base = [a for a in BASE if a != "--mock-data"] if paths & set(extra) else BASE
     assert needle in fails(capsys, *extra, base=base)
+
+
+def test_validation_set_names_are_counted_in_a_per_split_data_args_file(capsys, tmp_path):
+    """``--per-split-data-args-path``'s ``valid`` list is what megatron builds the validation
+    sets from (get_blend_and_blend_per_split)."""
+    splits = tmp_path / "splits.json"
+    splits.write_text(json.dumps({"train": "/d/t", "valid": ["/d/a", "/d/b"], "test": None}))
+    base = [a for a in BASE if a != "--mock-data"]
+    msg = fails(capsys, f"--per-split-data-args-path={splits}",
+                "--multiple-validation-sets", "--full-validation", "--split=100,0,0",
+                "--validation-set-names", "a", "b", "c", base=base)  # fmt: skip
+    assert "--validation-set-names names 3 set(s) for 2 validation datasets" in msg
 
 
 def test_datasets_in_object_storage_are_not_refused_as_missing_files(capsys, tmp_path):

@@ -10,7 +10,7 @@ from functools import partial
 import torch
 
 from megatron.md import errors
-from megatron.md.train.datacheck import check_same_samples, data_prefixes
+from megatron.md.train.datacheck import check_same_samples, data_prefixes, valid_sets
 
 #: megatron's dataset flags (their argparse destinations) and the GPTDatasetConfig field each
 #: sets; megatron-core ships no function that maps them (Megatron-LM's own pretrain_gpt.py
@@ -83,6 +83,26 @@ def check_flags(args) -> None:
             "--multiple-validation-sets with a test set: megatron-core 0.19.2's test "
             "evaluation at the run's end then fails (a TypeError, after training): drop the "
             "test set (--split with a test share of 0, no --test-data-path)"
+        )
+    sets = valid_sets(args) if args.multiple_validation_sets or args.validation_set_names else None
+    if args.multiple_validation_sets and not sets:
+        errors.fail(
+            "--multiple-validation-sets evaluates each --valid-data-path dataset on its own; "
+            "without --valid-data-path megatron-core 0.19.2 builds one validation set (a "
+            "--data-path blend's share) and the run logs it as set 0: name the sets with "
+            "--valid-data-path (or --per-split-data-args-path)"
+        )
+    names = args.validation_set_names
+    if names and (not args.multiple_validation_sets or len(names) != len(sets or [])):
+        errors.fail(
+            (
+                f"--validation-set-names names {len(names)} set(s) for {len(sets or [])} "
+                "validation datasets"
+                if args.multiple_validation_sets
+                else "--validation-set-names needs --multiple-validation-sets"
+            )
+            + " (megatron-core 0.19.2 asserts it at the first evaluation, after training "
+            "has begun)"
         )
     if args.full_validation:
         for flag in ("data_path", "valid_data_path"):

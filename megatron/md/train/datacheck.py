@@ -267,6 +267,19 @@ def dataset_lists(args) -> list[tuple[str, list[str]]]:
     return out
 
 
+def valid_sets(args) -> list[str] | None:
+    """The validation datasets megatron builds as separate sets with
+    ``--multiple-validation-sets``: ``--per-split-data-args-path``'s ``valid``, else
+    ``--valid-data-path`` (``get_blend_and_blend_per_split``'s precedence); None where the
+    validation set is a share of one blend (``--data-path``, ``--data-args-path``) or mock."""
+    if args.mock_data or args.data_path or args.data_args_path:
+        return None
+    lists = dict(dataset_lists(args))
+    if path := args.per_split_data_args_path:
+        return lists[f"--per-split-data-args-path {path} (valid)"]
+    return lists.get("--valid-data-path")
+
+
 def check_files(args) -> None:
     """The files a run reads, on this node, before the model is built: the tokenizer folder, every
     dataset named by any of megatron's flags (present, whole, tokenized within the vocabulary)

@@ -322,7 +322,8 @@ def wrap_evaluate(orig):
         if ctx is not None and not timelimit and total:
             row = {"type": ctx[0], "iteration": ctx[1]}
             if getattr(_S.get("args"), "multiple_validation_sets", False):
-                row["set"] = ctx[2]  # megatron's validation-<set>
+                names = getattr(_S["args"], "validation_set_names", None)
+                row["set"] = names[ctx[2]] if names else ctx[2]  # megatron's validation-<set>
             for key, v in total.items():
                 row[key] = float(v)
             _write(row)
