@@ -14,7 +14,8 @@ from megatron.md.train.model import spec_call
 
 
 def _args(**kw):
-    base = dict(num_experts=None, qk_layernorm=True, normalization="RMSNorm")
+    base = dict(num_experts=None, qk_layernorm=True, normalization="RMSNorm", qk_l2_norm=False,
+                use_te_activation_func=False)  # fmt: skip
     return SimpleNamespace(**{**base, **kw})
 
 

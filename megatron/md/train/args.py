@@ -10,7 +10,7 @@ import os
 
 from megatron.md import compatibility, errors
 from megatron.md.config import BARE, CHOICES, FROM_MEGATRON_FLAGS, MUON_SCALES, MDConfig
-from megatron.md.train import data, datacheck
+from megatron.md.train import data, datacheck, model
 from megatron.md.train.files import unwritable
 
 #: --muon-scale-mode values megatron-core's Muon knows; the rest are ours (see patches.py).
@@ -376,6 +376,7 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
         if v is not None and not (math.isfinite(v) and v >= 0):
             _fail(f"--{flag.replace('_', '-')}={v} must be a number >= 0")
     data.check_flags(args)
+    model.check_flags(args)
     if check_data:
         datacheck.check_files(args)
     if args.lr_warmup_iters and args.train_iters and args.lr_warmup_iters >= args.train_iters:

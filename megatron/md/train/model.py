@@ -19,7 +19,47 @@ import math
 import torch
 import torch.nn.functional as F
 
+from megatron.md import errors
 from megatron.md.train import ngpt
+
+#: GPTModel's arguments set by megatron's flags, passed as megatron's own builder passes them
+#: (training/argument_utils.py ``gpt_config_from_args``, training/models/gpt.py
+#: ``GPTModelBuilder.build_model``); RoPE scaling and the interpolation factor were ignored.
+#: (megatron's builder leaves ``rope_scaling_factor`` at its default 8; the flag reaches it here)
+GPT_FLAGS = {
+    "fp16_lm_cross_entropy": "fp16_lm_cross_entropy",
+    "position_embedding_type": "position_embedding_type",
+    "rotary_percent": "rotary_percent",
+    "rotary_base": "rotary_base",
+    "rope_scaling": "use_rope_scaling",
+    "rope_scaling_factor": "rope_scaling_factor",
+    "seq_len_interpolation_factor": "rotary_seq_len_interpolation_factor",
+}
+
+#: megatron's flags for models this provider does not build, and what each asks for: they
+#: were parsed and ignored (or, multi-token prediction, failed in the first forward step);
+#: MD's roles (megatron/md/roles.py) know the local and Transformer Engine GPT layers' matrices
+NOT_BUILT = {
+    "mtp_num_layers": "multi-token prediction layers",
+    "multi_latent_attention": "multi-latent attention",
+    "experimental_attention_variant": "an experimental attention variant",
+    "spec": "a layer spec of its own",
+    "heterogeneous_layers_config_path": "heterogeneous layers",
+    "use_kitchen_attention": "Kitchen attention",
+    "use_grouped_gemm_for_dense_mlp": "grouped GEMMs for the dense MLP",
+    "use_transformer_engine_op_fuser": "Transformer Engine's fused operations",
+}
+
+
+def check_flags(args) -> None:
+    """At start-up: a flag for a model ``model_provider`` does not build (``NOT_BUILT``)."""
+    for flag, what in NOT_BUILT.items():
+        if getattr(args, flag, None):
+            errors.fail(
+                f"--{flag.replace('_', '-')}: pretrain_gpt.py builds megatron-core's GPT with "
+                f"its local or Transformer Engine layer spec (megatron/md/train/model.py), not "
+                f"{what}"
+            )
 
 
 class SandwichAdd(torch.nn.Module):
@@ -68,18 +108,26 @@ def spec_call(args, cfg, use_te: bool, vp_stage=None):
     if args.num_experts:
         fn = specs.get_gpt_decoder_block_spec
         kw = dict(config=cfg, use_transformer_engine=use_te, normalization=args.normalization,
-                  vp_stage=vp_stage)  # fmt: skip
+                  qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)  # fmt: skip
         return fn, fn, kw
     if use_te:
         return (
             specs.get_gpt_layer_with_transformer_engine_spec,
             specs.get_gpt_layer_with_transformer_engine_submodules,
-            dict(qk_layernorm=args.qk_layernorm),
+            dict(
+                qk_layernorm=args.qk_layernorm,
+                qk_l2_norm=args.qk_l2_norm,
+                use_te_activation_func=args.use_te_activation_func,
+            ),  # fmt: skip
         )
     return (
         specs.get_gpt_layer_local_spec,
         specs.get_gpt_layer_local_submodules,
-        dict(qk_layernorm=args.qk_layernorm, normalization=args.normalization),
+        dict(
+            qk_layernorm=args.qk_layernorm,
+            normalization=args.normalization,
+            qk_l2_norm=args.qk_l2_norm,
+        ),  # fmt: skip
     )
 
 
@@ -119,14 +167,11 @@ def model_provider(
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
-        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
         parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base,
         pg_collection=pg_collection,
         vp_stage=vp_stage,
+        **{arg: getattr(args, flag) for arg, flag in GPT_FLAGS.items()},
     )
     if args.embedding_scale and pre_process:
         scale = math.sqrt(cfg.hidden_size)

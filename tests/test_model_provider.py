@@ -1,0 +1,151 @@
+"""``pretrain_gpt.py``'s model (megatron/md/train/model.py) is megatron-core's own GPT for the
+flags megatron's own builder reads (training/models/gpt.py ``GPTModelBuilder``, from
+training/argument_utils.py ``gpt_config_from_args``): built both ways in one process, the
+parameters and the logits are equal. ``--use-rope-scaling``,
+``--rotary-seq-len-interpolation-factor`` and ``--qk-l2-norm`` were parsed and ignored; the
+flags for models the provider does not build are refused (test_pretrain_flags)."""
+
+import inspect
+import sys
+
+import pytest
+import torch
+from test_pretrain_flags import BASE, fails, parse
+
+from megatron.md.train import model as md_model
+
+#: what the paper adds to megatron's GPT (--paper-arch: Sandwich Norm, embeddings × sqrt(d),
+#: every matrix at init std 1/sqrt(d)), off: what is left is megatron's own model
+MEGATRONS = ["--no-sandwich-norm", "--no-embedding-scale", "--scaled-output-init"]
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    import megatron.training.global_vars as gv
+    from megatron.core import parallel_state as ps
+
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"])
+    if not torch.distributed.is_initialized():  # as megatron.md.testing.tiny_gpt starts one
+        torch.distributed.init_process_group(
+            "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+        )
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+    yield
+    gv.unset_global_variables()
+
+
+def _build_both(*flags):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.training.argument_utils import gpt_config_from_args
+    from megatron.training.arguments import core_transformer_config_from_args
+    from megatron.training.models.gpt import GPTModelBuilder
+
+    args, _ = parse(*MEGATRONS, *flags)
+    args.padded_vocab_size = args.vocab_size  # (megatron's tokenizer set-up sets it)
+    built = []
+    for build in (
+        lambda: md_model.model_provider(),
+        lambda: GPTModelBuilder(
+            gpt_config_from_args(args, core_transformer_config_from_args(args))
+        ).build_model(ProcessGroupCollection.use_mpu_process_groups()),
+    ):
+        torch.manual_seed(5)
+        model_parallel_cuda_manual_seed(5)
+        built.append(build().eval())
+    return args, built
+
+
+@pytest.mark.usefixtures("one_process")
+@pytest.mark.parametrize(
+    "flags",
+    [
+        [],
+        ["--use-rope-scaling"],
+        ["--rotary-seq-len-interpolation-factor=2"],
+        ["--preset=tiny-moe", "--qk-l2-norm"],
+    ],
+)
+def test_the_model_is_megatrons_own_gpt_for_its_flags(flags):
+    args, (ours, megatrons) = _build_both(*flags)
+    mine = dict(ours.named_parameters())
+    theirs = dict(megatrons.named_parameters())
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    tokens = torch.randint(0, args.vocab_size, (2, args.seq_length))
+    position = torch.arange(args.seq_length).expand(2, -1)
+    with torch.no_grad():
+        a, b = (m(tokens, position, None) for m in (ours, megatrons))
+    assert torch.equal(a, b)
+    if flags:  # the flag changes the model (so its being dropped would show here)
+        _, (plain, _) = _build_both(*[f for f in flags if f.startswith("--preset")])
+        with torch.no_grad():
+            assert not torch.equal(plain(tokens, position, None), a)
+
+
+@pytest.mark.usefixtures("one_process")
+def test_qk_l2_norm_reaches_the_dense_layers():
+    """megatron's builder passes ``qk_l2_norm`` to its MoE block spec and its Transformer
+    Engine layer spec but not to its local layer spec (training/models/gpt.py,
+    ``_te_or_local_layer_spec``); here every spec gets it: the queries' and keys' norm is
+    megatron-core's L2Norm (in place of the RMSNorm ``--qk-layernorm`` gives)."""
+    from megatron.core.transformer.torch_norm import L2Norm
+
+    _, (ours, megatrons) = _build_both("--qk-l2-norm")
+    for layer in ours.decoder.layers:
+        attention = layer.self_attention
+        assert isinstance(attention.q_layernorm, L2Norm)
+        assert isinstance(attention.k_layernorm, L2Norm)
+    assert not isinstance(megatrons.decoder.layers[0].self_attention.q_layernorm, L2Norm)
+
+
+@pytest.mark.usefixtures("one_process")
+def test_the_rope_scaling_factor_reaches_the_model():
+    """megatron's builder leaves ``rope_scaling_factor`` at its default (8); the flag counts
+    here."""
+    inv = []
+    for factor in ("8", "2"):
+        args, _ = parse(*MEGATRONS, "--use-rope-scaling", f"--rope-scaling-factor={factor}")
+        args.padded_vocab_size = args.vocab_size
+        inv.append(md_model.model_provider().rotary_pos_emb.inv_freq)
+        import megatron.training.global_vars as gv
+
+        gv.unset_global_variables()
+    assert not torch.equal(*inv)
+
+
+def test_every_gpt_model_argument_is_set_from_its_flag():
+    """A GPTModel argument megatron-core adds fails here until the provider sets it from its
+    flag (``GPT_FLAGS``) or refuses the model it asks for (``NOT_BUILT``)."""
+    from megatron.core.models.gpt import GPTModel
+
+    params = set(inspect.signature(GPTModel.__init__).parameters) - {"self"}
+    by_the_provider = {
+        *("config", "transformer_layer_spec", "vocab_size", "max_sequence_length"),
+        *("pre_process", "post_process", "parallel_output", "share_embeddings_and_output_weights"),
+        *("pg_collection", "vp_stage"),
+    }
+    left = {
+        "mtp_block_spec",  # refused: --mtp-num-layers (NOT_BUILT)
+        "scatter_embedding_sequence_parallel",  # no flag: megatron's builder's default
+    }
+    assert params == set(md_model.GPT_FLAGS) | by_the_provider | left
+
+
+@pytest.mark.parametrize(
+    "flag", ["--mtp-num-layers=1", "--spec", "--use-grouped-gemm-for-dense-mlp"]
+)
+def test_a_model_the_provider_does_not_build_is_refused(capsys, flag):
+    extra = [flag, "megatron.core.models.gpt.gpt_layer_specs"] if flag == "--spec" else [flag]
+    msg = fails(capsys, *extra, base=BASE)
+    assert f"{flag.split('=')[0]}: pretrain_gpt.py builds megatron-core's GPT" in msg, msg
+
+
+def test_a_yaml_config_is_refused_before_megatron_reads_it(capsys, tmp_path):
+    """megatron's ``--yaml-cfg`` replaces the parsed flags with the file's (the presets' and
+    MD's too): refused before megatron opens it."""
+    msg = fails(capsys, f"--yaml-cfg={tmp_path / 'none.yaml'}")
+    assert "--yaml-cfg: megatron then takes every setting from the YAML file" in msg, msg
