@@ -117,6 +117,24 @@ def test_the_rope_scaling_factor_reaches_the_model():
     assert not torch.equal(*inv)
 
 
+@pytest.mark.parametrize("backend", ["local", "auto"])
+def test_the_local_attention_backend_puts_megatrons_attention_in_the_layer(backend):
+    """``--attention-backend local`` with the Transformer Engine spec: megatron's builder puts
+    megatron-core's DotProductAttention in TE's place; so does ``layer_spec`` (TE cannot be
+    installed here: a local spec whose attention is something else stands for TE's)."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnBackend
+
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.self_attention.submodules.core_attention = torch.nn.Identity  # "TE's"
+    md_model.local_attention(spec, SimpleNamespace(attention_backend=AttnBackend[backend]))
+    got = spec.submodules.self_attention.submodules.core_attention
+    assert got is (DotProductAttention if backend == "local" else torch.nn.Identity)
+
+
 def test_every_gpt_model_argument_is_set_from_its_flag():
     """A GPTModel argument megatron-core adds fails here until the provider sets it from its
     flag (``GPT_FLAGS``) or refuses the model it asks for (``NOT_BUILT``)."""

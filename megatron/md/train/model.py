@@ -118,7 +118,7 @@ def spec_call(args, cfg, use_te: bool, vp_stage=None):
                 qk_layernorm=args.qk_layernorm,
                 qk_l2_norm=args.qk_l2_norm,
                 use_te_activation_func=args.use_te_activation_func,
-            ),  # fmt: skip
+            ),
         )
     return (
         specs.get_gpt_layer_local_spec,
@@ -127,7 +127,7 @@ def spec_call(args, cfg, use_te: bool, vp_stage=None):
             qk_layernorm=args.qk_layernorm,
             normalization=args.normalization,
             qk_l2_norm=args.qk_l2_norm,
-        ),  # fmt: skip
+        ),
     )
 
 
@@ -140,7 +140,18 @@ def layer_spec(args, cfg, use_te: bool, vp_stage=None):
         if args.sandwich_norm:
             spec.layer_specs = [_with_sandwich(s, cfg, alpha) for s in spec.layer_specs]
         return spec
+    local_attention(spec, args)
     return _with_sandwich(spec, cfg, alpha) if args.sandwich_norm else spec
+
+
+def local_attention(spec, args) -> None:
+    """``--attention-backend local``: megatron-core's own dot-product attention in a layer spec
+    (the TE spec's is TE's), as megatron's builder does (training/models/gpt.py:296)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnBackend
+
+    if args.attention_backend == AttnBackend.local:
+        spec.submodules.self_attention.submodules.core_attention = DotProductAttention
 
 
 def model_provider(
