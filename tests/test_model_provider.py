@@ -3,7 +3,8 @@ flags megatron's own builder reads (training/models/gpt.py ``GPTModelBuilder``, 
 training/argument_utils.py ``gpt_config_from_args``): built both ways in one process, the
 parameters and the logits are equal. ``--use-rope-scaling``,
 ``--rotary-seq-len-interpolation-factor`` and ``--qk-l2-norm`` were parsed and ignored; the
-flags for models the provider does not build are refused (test_pretrain_flags)."""
+flags for models the provider does not build are refused. Under context parallelism the forward
+step feeds each rank its chunks of the sequence, as megatron's own does."""
 
 import inspect
 import sys
@@ -167,3 +168,35 @@ def test_a_yaml_config_is_refused_before_megatron_reads_it(capsys, tmp_path):
     MD's too): refused before megatron opens it."""
     msg = fails(capsys, f"--yaml-cfg={tmp_path / 'none.yaml'}")
     assert "--yaml-cfg: megatron then takes every setting from the YAML file" in msg, msg
+
+
+@pytest.mark.distributed
+def test_each_context_parallel_rank_gets_its_chunks_of_the_sequence(tmp_path):
+    """CP 2 (2 gloo ranks): rank r's tokens, labels, loss mask and positions are chunks r and
+    3 − r of the sequence's four (causal attention's work even across the ranks), the
+    attention mask's query rows the same; megatron-core's CP attention takes this cut
+    (Transformer Engine's: the local attention refuses CP, so no CP model runs here). Without
+    it every rank fed the whole sequence."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from megatron.md.launch import local_ranks
+
+    script = Path(__file__).parent / "distributed" / "cp_batch_check.py"
+    out = subprocess.run(local_ranks(script, 2), capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    s, chunk = 16, 4
+    for r in (0, 1):
+        mine = [*range(r * chunk, (r + 1) * chunk), *range((3 - r) * chunk, (4 - r) * chunk)]
+        batch = got[r]
+        assert batch["position_ids"] == [mine, mine]
+        assert batch["tokens"] == [mine, [100 + p for p in mine]]
+        assert batch["labels"] == [[1000 + p for p in mine]] * 2
+        assert batch["loss_mask"] == [[float(p % 3 != 0) for p in mine]] * 2
+        rows = batch["attention_mask"][0][0]  # [queries of this rank, every key]
+        assert rows == [[k <= q for k in range(s)] for q in mine]
+    assert sorted(got[0]["position_ids"][0] + got[1]["position_ids"][0]) == list(range(s))

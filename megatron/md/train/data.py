@@ -167,12 +167,23 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def get_batch(data_iterator) -> dict:
-    """The next micro-batch on this rank's device (TP = 1: no broadcast needed)."""
+    """The next micro-batch on this rank's device (every rank reads its own: no broadcast over
+    TP), and under context parallelism this rank's two of the sequence's 2 × CP chunks, as
+    megatron's own GPT forward step cuts it (core/utils.py ``get_batch_on_this_cp_rank``:
+    chunks r and 2·CP − 1 − r, so causal attention's work is even across the ranks). Without
+    the cut every CP rank fed the whole sequence to the context-parallel attention."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
     from megatron.md import cpu_mode
 
     batch = next(data_iterator)
     dev = "cpu" if cpu_mode.is_active() else torch.device("cuda", torch.cuda.current_device())
-    return {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+    batch = {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+    if mpu.get_context_parallel_world_size() > 1:
+        group = mpu.get_context_parallel_group()
+        batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=group)
+    return batch
 
 
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
