@@ -188,6 +188,17 @@ def get_batch(data_iterator) -> dict:
 
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     batch = get_batch(data_iterator)
+    if return_schedule_plan:  # megatron's combined 1F1B schedule (--overlap-moe-expert-parallel-
+        # comm; core/pipeline_parallel/combined_1f1b.py:384) takes the model's plan for the
+        # output
+        plan = model.build_schedule_plan(
+            batch["tokens"],
+            batch["position_ids"],
+            batch.get("attention_mask"),
+            labels=batch["labels"],
+            loss_mask=batch["loss_mask"],
+        )
+        return plan, partial(loss_func, batch["loss_mask"])
     output = model(
         batch["tokens"],
         batch["position_ids"],
