@@ -200,3 +200,38 @@ def test_each_context_parallel_rank_gets_its_chunks_of_the_sequence(tmp_path):
         rows = batch["attention_mask"][0][0]  # [queries of this rank, every key]
         assert rows == [[k <= q for k in range(s)] for q in mine]
     assert sorted(got[0]["position_ids"][0] + got[1]["position_ids"][0]) == list(range(s))
+
+
+@pytest.mark.usefixtures("one_process")
+def test_megatrons_rerun_machinery_sees_the_loss(tmp_path):
+    """``--check-for-spiky-loss`` reports a loss 10× the largest of the first 100 (megatron's
+    tracker file names it, at its iteration), and a NaN loss stops the step
+    (``--check-for-nan-in-loss-and-grad``): the loss function hands each micro-batch's loss to
+    megatron's rerun machinery, as megatron's own does (here with re-runs off, the machinery's
+    plain check). Red without: nothing reported, nothing raised."""
+    from megatron.core.rerun_state_machine import (
+        RerunMode,
+        destroy_rerun_state_machine,
+        initialize_rerun_state_machine,
+    )
+
+    from megatron.md.train.data import loss_func
+
+    parse("--check-for-spiky-loss")
+    tracker = tmp_path / "rejected.txt"
+    initialize_rerun_state_machine(
+        mode=RerunMode.DISABLED, result_rejected_tracker_filename=str(tracker)
+    )
+    try:
+        mask = torch.ones(2, 8)
+        for i in range(100):  # the machinery's sample of the largest loss (1.0 per token)
+            loss_func(mask, torch.full((2, 8), 1.0 - i / 1000))
+        assert tracker.read_text() == ""  # (the machinery makes the file at its start)
+        loss_func(mask, torch.full((2, 8), 9.0))  # 9× the largest: not a spike
+        assert tracker.read_text() == ""
+        loss_func(mask, torch.full((2, 8), 10.0))
+        assert "message='Spiky loss'" in tracker.read_text()
+        with pytest.raises(RuntimeError, match="found NaN in local forward loss calculation"):
+            loss_func(mask, torch.full((2, 8), float("nan")))
+    finally:
+        destroy_rerun_state_machine()

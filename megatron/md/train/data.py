@@ -156,14 +156,55 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
 datasets_provider.is_distributed = True  # every rank builds (TP = PP = 1)
 
 
+#: --check-for-spiky-loss: a loss this many times the largest of the first 100 seen is a spike
+#: (the factor megatron-core's own large-gradient check uses:
+#: core/distributed/param_and_grad_buffer.py:369)
+SPIKY_LOSS_FACTOR = 10
+
+
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Token-summed LM loss, the token count, and [sum, count] for megatron's averaging."""
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
+    check_loss(loss)
     num_tokens = mask.sum().clone().detach().to(torch.int)
     report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1).float()])
     return loss, num_tokens, {"lm loss": report}
+
+
+def check_loss(loss: torch.Tensor) -> None:
+    """megatron's rerun machinery (core/rerun_state_machine.py) sees each micro-batch's loss,
+    as megatron's own GPT loss function shows it: a NaN or Inf is fatal
+    (``--check-for-nan-in-loss-and-grad``, on by default), a spike is reported and, with
+    ``--rerun-mode validate_results``, re-run to tell a transient fault from the data
+    (``--check-for-spiky-loss``); ``--error-injection-rate`` and
+    ``--result-rejected-tracker-filename`` act on these. Without it only megatron's gradient
+    checks saw the run, and ``--check-for-spiky-loss`` did nothing."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    from megatron.training import get_args
+
+    args = get_args()
+    machine = get_rerun_state_machine()
+    if args.check_for_nan_in_loss_and_grad:
+        for bad, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            machine.validate_result(
+                result=loss,
+                rejection_func=bad,
+                message=f"found {what} in local forward loss calculation",
+                tolerance=0.0,  # the forward step is deterministic
+                fatal=True,
+            )
+    if args.check_for_spiky_loss:
+        machine.validate_result(
+            result=loss,
+            rejection_func=partial(
+                machine.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR, context="loss"
+            ),
+            message="Spiky loss",
+            tolerance=0.0,
+            fatal=False,
+        )
 
 
 def get_batch(data_iterator) -> dict:
