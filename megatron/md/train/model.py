@@ -53,6 +53,12 @@ NOT_BUILT = {
 
 def check_flags(args) -> None:
     """At start-up: a flag for a model ``model_provider`` does not build (``NOT_BUILT``)."""
+    if args.transformer_impl not in ("local", "transformer_engine"):
+        errors.fail(
+            f"--transformer-impl {args.transformer_impl}: pretrain_gpt.py builds the local or "
+            "the transformer_engine layer spec (the inference-optimized one is megatron's "
+            "inference engine's)"
+        )
     for flag, what in NOT_BUILT.items():
         if getattr(args, flag, None):
             errors.fail(
