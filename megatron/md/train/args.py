@@ -290,6 +290,12 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
             ": it is not supported here (a MoE checkpoint upcycled elsewhere loads with --load "
             "and --finetune)"
         )
+    if getattr(args, "inprocess_restart", False):  # (Megatron-LM's own entry wraps pretrain)
+        _fail(
+            "--inprocess-restart: pretrain_gpt.py does not wrap its training for "
+            "nvidia-resiliency-ext's in-process restart (megatron/training/inprocess_restart.py)"
+            "; a stopped run is requeued by the launcher and resumes from its last checkpoint"
+        )
     if args.muon_scale_mode not in UPSTREAM_MUON_SCALES + MUON_SCALES:
         _fail(
             f"--muon-scale-mode={args.muon_scale_mode!r} is not one of "
