@@ -9,6 +9,10 @@ Both, and init std 1/sqrt(d) for every matrix (``--init-method-std`` defaults to
 scaled σ/sqrt(2L) output-projection init only with ``--scaled-output-init``), come with
 ``--paper-arch`` (every ``--preset``); without it the model is megatron's own. ``--arch ngpt``
 builds the normalized Transformer instead (ngpt.py).
+
+Without them the model is the one megatron-core's own builder makes from the same flags
+(``GPT_FLAGS``, the specs' arguments; tests/test_model_provider.py builds both); the flags for
+models it does not build are refused at start-up (``NOT_BUILT``).
 """
 
 from __future__ import annotations
