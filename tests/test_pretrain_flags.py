@@ -472,6 +472,8 @@ def test_megatrons_dataset_flags_reach_the_dataset_config(tmp_path):
         (["--multiple-validation-sets"], "--multiple-validation-sets needs --full-validation"),
         (["--per-dataset-sequences-path=/nowhere.json"], "/nowhere.json cannot be read as JSON"),
         (["--dataloader-inter-document-masking"], "pretrain_gpt.py's reads none"),
+        (["--sft"], "--sft: pretrain_gpt.py builds megatron-core's GPTDataset"),
+        (["--fim-data", "--data-path", "/d/a"], "not megatron's GPTFIMDataset"),
         (
             ["--hybrid-context-parallel", "--calculate-per-token-loss"],
             "--hybrid-context-parallel needs a forward step",

@@ -56,6 +56,13 @@ def check_flags(args) -> None:
             f"megatron's parser no longer has {', '.join(gone)} (megatron/md/train/data.py "
             "maps them to its dataset config; written against megatron-core 0.19.2)"
         )
+    for flag, what in (("sft", "SFTDataset"), ("fim_data", "GPTFIMDataset")):
+        if getattr(args, flag, False):  # (Megatron-LM's own entry point picks them)
+            errors.fail(
+                f"--{flag.replace('_', '-')}: pretrain_gpt.py builds megatron-core's GPTDataset "
+                f"(or the mock one), not megatron's {what} (megatron/training/datasets/): the "
+                "flag would train on plain pretraining samples"
+            )
     for flag in ("dataloader_inter_document_masking", "hybrid_context_parallel"):
         if getattr(args, flag, False):
             errors.fail(
