@@ -77,7 +77,14 @@ CLUSTER_ROWS = (
      "after the optimizer is built, so MD's state (fp32 params) would be the random weights'. "
      "Our check of the loaded checkpoint named it \"a model of another shape\""),
     ("`--no-check-for-nan-in-loss-and-grad` (megatron checks by default)",
-     "tested both ways (docs/troubleshooting.md, the fault table)"),
+     "tested both ways (docs/troubleshooting.md, the fault table); with the check on, each "
+     "micro-batch's loss goes to megatron's rerun machinery as megatron's own forward step "
+     "sends it (a NaN or Inf is fatal; one host read of the loss per micro-batch, as "
+     "megatron's own)"),
+    ("`--check-for-spiky-loss`",
+     "tested (the loss function, in one process): a loss ≥ 10× the largest of the first 100 is "
+     "reported (`--result-rejected-tracker-filename` names it) and, with `--rerun-mode "
+     "validate_results`, re-run; it did nothing before 2026-11-29"),
     ("megatron's TE/apex fused Adam (`HAVE_APEX_OR_TE`) with MD", "untested: the MD step "
      "replaces the inner optimizer, but such checkpoints have never been loaded"),
 )  # fmt: skip
