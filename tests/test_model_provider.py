@@ -161,7 +161,6 @@ def test_every_gpt_model_argument_is_set_from_its_flag():
         "--spec",
         "--use-grouped-gemm-for-dense-mlp",
         "--transformer-impl=inference_optimized",
-        "--inprocess-restart",
     ],
 )
 def test_a_model_the_provider_does_not_build_is_refused(capsys, flag):
@@ -170,8 +169,6 @@ def test_a_model_the_provider_does_not_build_is_refused(capsys, flag):
     said = f"{flag.split('=')[0]}: pretrain_gpt.py builds"
     if "transformer-impl" in flag:
         said = "--transformer-impl inference_optimized: pretrain_gpt.py builds"
-    if flag == "--inprocess-restart":  # (not a model, but the same kind: read by no one)
-        said = "--inprocess-restart: pretrain_gpt.py does not wrap its training"
     assert said in msg, msg
 
 

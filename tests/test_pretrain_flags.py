@@ -172,6 +172,11 @@ def test_bad_choice_names_the_flag(capsys, flag):
             ["--md-decoupling", "--pretrained-checkpoint=/nonexistent/pre"],
             "--pretrained-checkpoint /nonexistent/pre holds no checkpoint",
         ),
+        # Megatron-LM's own entry point wraps pretrain for it; this one does not (2026-11-29)
+        (
+            ["--inprocess-restart"],
+            "--inprocess-restart: pretrain_gpt.py does not wrap its training",
+        ),
     ],
 )
 def test_bad_input_stops_with_a_message(capsys, extra, needle):
