@@ -526,7 +526,8 @@ def test_megatrons_own_late_data_refusals_come_first(capsys, extra, needle):
 
 def test_validation_set_names_are_counted_in_a_per_split_data_args_file(capsys, tmp_path):
     """``--per-split-data-args-path``'s ``valid`` list is what megatron builds the validation
-    sets from (get_blend_and_blend_per_split)."""
+    sets from (get_blend_and_blend_per_split), and its ``test`` a test set (refused with
+    ``--multiple-validation-sets``, as ``--test-data-path`` is)."""
     splits = tmp_path / "splits.json"
     splits.write_text(json.dumps({"train": "/d/t", "valid": ["/d/a", "/d/b"], "test": None}))
     base = [a for a in BASE if a != "--mock-data"]
@@ -534,6 +535,10 @@ def test_validation_set_names_are_counted_in_a_per_split_data_args_file(capsys, 
                 "--multiple-validation-sets", "--full-validation", "--split=100,0,0",
                 "--validation-set-names", "a", "b", "c", base=base)  # fmt: skip
     assert "--validation-set-names names 3 set(s) for 2 validation datasets" in msg
+    splits.write_text(json.dumps({"train": "/d/t", "valid": ["/d/a", "/d/b"], "test": "/d/c"}))
+    msg = fails(capsys, f"--per-split-data-args-path={splits}", "--multiple-validation-sets",
+                "--full-validation", "--split=100,0,0", base=base)  # fmt: skip
+    assert "--multiple-validation-sets with a test set" in msg  # the file's test set counts
 
 
 def test_datasets_in_object_storage_are_not_refused_as_missing_files(capsys, tmp_path):

@@ -10,7 +10,12 @@ from functools import partial
 import torch
 
 from megatron.md import errors
-from megatron.md.train.datacheck import check_same_samples, data_prefixes, valid_sets
+from megatron.md.train.datacheck import (
+    check_same_samples,
+    data_prefixes,
+    dataset_lists,
+    valid_sets,
+)
 
 #: megatron's dataset flags (their argparse destinations) and the GPTDatasetConfig field each
 #: sets; megatron-core ships no function that maps them (Megatron-LM's own pretrain_gpt.py
@@ -85,7 +90,9 @@ def check_flags(args) -> None:
             "--multiple-validation-sets needs --full-validation (megatron-core 0.19.2 raises "
             "NotImplementedError without it)"
         )
-    if args.multiple_validation_sets and (args.test_data_path or _test_share(args.split)):
+    if args.multiple_validation_sets and (
+        args.test_data_path or _test_share(args.split) or split_file_has_test(args)
+    ):
         errors.fail(
             "--multiple-validation-sets with a test set: megatron-core 0.19.2's test "
             "evaluation at the run's end then fails (a TypeError, after training): drop the "
@@ -119,6 +126,13 @@ def check_flags(args) -> None:
                     f"--full-validation takes --{flag.replace('_', '-')} without weights "
                     "(megatron asserts it as it builds the validation sets)"
                 )
+
+
+def split_file_has_test(args) -> bool:
+    """``--per-split-data-args-path`` names a test dataset (its ``test`` not null or empty)."""
+    path = getattr(args, "per_split_data_args_path", None)
+    lists = dict(dataset_lists(args)) if path else {}
+    return bool(lists.get(f"--per-split-data-args-path {path} (test)"))
 
 
 def _test_share(split: str | None) -> float:
