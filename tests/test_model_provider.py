@@ -23,17 +23,13 @@ MEGATRONS = ["--no-sandwich-norm", "--no-embedding-scale", "--scaled-output-init
 @pytest.fixture
 def one_process(monkeypatch):
     import megatron.training.global_vars as gv
-    from megatron.core import parallel_state as ps
+
+    from megatron.md.testing import one_process_group
 
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"])
-    if not torch.distributed.is_initialized():  # as megatron.md.testing.tiny_gpt starts one
-        torch.distributed.init_process_group(
-            "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
-        )
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(1, 1)
+    one_process_group()
     yield
     gv.unset_global_variables()
 

@@ -13,6 +13,20 @@ import torch.nn.functional as F
 DISTS = ("zero1", "layerwise", "replicated")
 
 
+def one_process_group() -> None:
+    """A one-process gloo group and megatron's model parallelism (1, 1), unless some are set up:
+    what megatron-core wants before it builds a model."""
+    from megatron.core import parallel_state as ps
+
+    if not torch.distributed.is_initialized():  # megatron-core wants a process group
+        # an in-memory store: a file:// one left a file in /tmp behind every process
+        torch.distributed.init_process_group(
+            "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+        )
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+
+
 def tiny_gpt(seed: int, hidden: int, layers: int, seq: int, experts: int = 0):
     """Paper-style GPT on the local spec (4 heads, 2 query groups, SwiGLU, RMSNorm, QK-norm,
     RoPE, byte vocabulary, init std 1/sqrt(d)); ``experts > 0``: DeepSeekMoE-style layers
@@ -29,13 +43,7 @@ def tiny_gpt(seed: int, hidden: int, layers: int, seq: int, experts: int = 0):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
-    if not torch.distributed.is_initialized():  # megatron-core wants a process group
-        # an in-memory store: a file:// one left a file in /tmp behind every process
-        torch.distributed.init_process_group(
-            "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
-        )
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(1, 1)
+    one_process_group()
     torch.default_generator.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     moe = {}

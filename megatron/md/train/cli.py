@@ -130,7 +130,7 @@ def parse(argv: list[str], on_cpu: bool, check_data: bool = True, check_save: bo
     tok = flag_value(argv, "--tokenizer-model")  # megatron loads it while validating its args
     if check_data and flag_value(argv, "--tokenizer-type") == "HuggingFaceTokenizer":
         datacheck.check_tokenizer_dir(tok)
-    if any(a == "--yaml-cfg" or a.startswith("--yaml-cfg=") for a in argv):
+    if flag_value(argv, "--yaml-cfg") is not None:
         errors.fail(
             "--yaml-cfg: megatron then takes every setting from the YAML file in place of the "
             "command line's (training/arguments.py:136), the presets' and MD's flags with them: "

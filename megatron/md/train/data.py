@@ -10,12 +10,7 @@ from functools import partial
 import torch
 
 from megatron.md import errors
-from megatron.md.train.datacheck import (
-    check_same_samples,
-    data_prefixes,
-    dataset_lists,
-    valid_sets,
-)
+from megatron.md.train.datacheck import check_same_samples, data_prefixes, split_sets
 
 #: megatron's dataset flags (their argparse destinations) and the GPTDatasetConfig field each
 #: sets; megatron-core ships no function that maps them (Megatron-LM's own pretrain_gpt.py
@@ -90,15 +85,17 @@ def check_flags(args) -> None:
             "--multiple-validation-sets needs --full-validation (megatron-core 0.19.2 raises "
             "NotImplementedError without it)"
         )
+    asked = args.multiple_validation_sets or args.validation_set_names
+    per_split = (split_sets(args) if asked else None) or {}  # each split's own datasets
     if args.multiple_validation_sets and (
-        args.test_data_path or _test_share(args.split) or split_file_has_test(args)
+        args.test_data_path or _test_share(args.split) or per_split.get("test")
     ):
         errors.fail(
             "--multiple-validation-sets with a test set: megatron-core 0.19.2's test "
             "evaluation at the run's end then fails (a TypeError, after training): drop the "
             "test set (--split with a test share of 0, no --test-data-path)"
         )
-    sets = valid_sets(args) if args.multiple_validation_sets or args.validation_set_names else None
+    sets = per_split.get("valid")
     if args.multiple_validation_sets and not sets:
         errors.fail(
             "--multiple-validation-sets evaluates each --valid-data-path dataset on its own; "
@@ -126,13 +123,6 @@ def check_flags(args) -> None:
                     f"--full-validation takes --{flag.replace('_', '-')} without weights "
                     "(megatron asserts it as it builds the validation sets)"
                 )
-
-
-def split_file_has_test(args) -> bool:
-    """``--per-split-data-args-path`` names a test dataset (its ``test`` not null or empty)."""
-    path = getattr(args, "per_split_data_args_path", None)
-    lists = dict(dataset_lists(args)) if path else {}
-    return bool(lists.get(f"--per-split-data-args-path {path} (test)"))
 
 
 def _test_share(split: str | None) -> float:

@@ -235,6 +235,7 @@ def differ(a: tuple | None, b: tuple | None) -> str:
 #: get_blend_and_blend_per_split); the per-split ones were not checked, and a missing file
 #: stopped the run with megatron's traceback after the model was built
 DATA_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+SPLITS = ("train", "valid", "test")
 
 
 def dataset_lists(args) -> list[tuple[str, list[str]]]:
@@ -257,7 +258,7 @@ def dataset_lists(args) -> list[tuple[str, list[str]]]:
                 out.append((name, data_prefixes(text.split())))
                 continue
             splits = json.loads(text)
-            for split in ("train", "valid", "test"):
+            for split in SPLITS:
                 items = splits[split] or []  # (megatron: no dataset for a null split)
                 out.append((f"{name} ({split})", data_prefixes(
                     items.split() if isinstance(items, str) else list(items))))  # fmt: skip
@@ -267,17 +268,17 @@ def dataset_lists(args) -> list[tuple[str, list[str]]]:
     return out
 
 
-def valid_sets(args) -> list[str] | None:
-    """The validation datasets megatron builds as separate sets with
-    ``--multiple-validation-sets``: ``--per-split-data-args-path``'s ``valid``, else
-    ``--valid-data-path`` (``get_blend_and_blend_per_split``'s precedence); None where the
-    validation set is a share of one blend (``--data-path``, ``--data-args-path``) or mock."""
+def split_sets(args) -> dict[str, list[str] | None] | None:
+    """Each split's own datasets (``train``, ``valid``, ``test``: ``--per-split-data-args-path``'s,
+    else ``--train/valid/test-data-path``, ``get_blend_and_blend_per_split``'s precedence;
+    ``--multiple-validation-sets`` builds one set per ``valid`` dataset); None where the splits
+    are shares of one blend (``--data-path``, ``--data-args-path``) or mock data."""
     if args.mock_data or args.data_path or args.data_args_path:
         return None
     lists = dict(dataset_lists(args))
     if path := args.per_split_data_args_path:
-        return lists[f"--per-split-data-args-path {path} (valid)"]
-    return lists.get("--valid-data-path")
+        return {s: lists[f"--per-split-data-args-path {path} ({s})"] for s in SPLITS}
+    return {s: lists.get(f"--{s}-data-path") for s in SPLITS}
 
 
 def check_files(args) -> None:
