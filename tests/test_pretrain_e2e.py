@@ -665,6 +665,23 @@ def test_bad_checkpoints_are_named(runs, tmp_path):
         ckpt_checks.check_all(torch_fmt, args)
 
 
+def check_saved_without_optimizer(ckpt: Path) -> None:
+    """A checkpoint saved with --no-save-optim is named as such (megatron's load failed on it
+    with a KeyError; an MD run was told it had been trained without MD), and loads with
+    --no-load-optim."""
+    import copy
+
+    from megatron.md.train import ckpt_checks
+
+    args = copy.copy(saved_args(ckpt))
+    args.no_load_optim = args.finetune = args.md_from_plain_checkpoint = False
+    with pytest.raises(SystemExit, match=r"holds no optimizer state \(saved with --no-save-optim"
+                       r"\): add --no-load-optim .*MD state is made from the weights"):  # fmt: skip
+        ckpt_checks.check_all(ckpt_checks.Checkpoint(str(ckpt), "torch_dist"), args)
+    args.no_load_optim = True
+    assert ckpt_checks.check_all(ckpt_checks.Checkpoint(str(ckpt), "torch_dist"), args) is False
+
+
 def inject(ckpt: Path, key_part: str, value: float, suffix: str = "") -> str:
     """Write ``value`` into element 0 of the first tensor whose checkpoint key contains
     ``key_part`` and ends with ``suffix``, in place in its shard, as if it had been saved so
@@ -768,10 +785,20 @@ def test_weights_only_load_keeps_the_loaded_weights(runs, tmp_path, name, mode, 
     load = [f"--load={save}", mode]
     if mode == "--pretrained-checkpoint":
         load = [f"--load={tmp_path / f'{name}-md'}", f"{mode}={save}"]
+    if mode == "--no-load-optim":  # and its checkpoint saved without: refused, then loaded
+        load.append("--no-save-optim")
     flags = ["--train-iters=%d" % iters, *load, "--lr=1e-9", "--save-interval=2"]
     md, md_save = pretrain(tmp_path, f"{name}-md", *flags, *_lr_free(RUNS[name]), nproc=1)
     md = train_rows(md)
     assert len(md) == 2
+    if mode == "--no-load-optim":
+        # the LR schedule continues at iteration 20's step (linear decay over 22 iterations:
+        # 1e-9 · (1 − 21/22) at iteration 21); megatron alone restarted it (1e-9 · 21/22)
+        assert md[21]["lr"]["default"] == pytest.approx(1e-9 / 22, rel=1e-6), md[21]["lr"]
+        log = (tmp_path / f"{name}-md.log").read_text()
+        assert "LR schedule continues at the checkpoint's step (160 samples, iteration 20" in log
+        assert "--no-save-optim: the checkpoints hold the weights only" in log
+        check_saved_without_optimizer(md_save / f"iter_{iters:07d}")
     assert max(r["lm loss"] for r in md.values()) < train_rows(rows)[1]["lm loss"] - 1.0
     loaded = read_checkpoint(save / "iter_0000020")
     after = read_checkpoint(md_save / f"iter_{iters:07d}")

@@ -807,6 +807,27 @@ def test_paper_architecture_is_explicit_and_announced():
                          "(--md-cuda-graph)")  # fmt: skip
 
 
+def test_weights_only_resume_and_save_are_announced():
+    """--no-load-optim continues the LR schedule where megatron restarts it (a row of the
+    differences, with megatron's --finetune as the new schedule); --no-save-optim warns that
+    its checkpoints resume only with a fresh optimizer (under MD without the gains)."""
+    from megatron.md.train import startup
+
+    args, md = parse("--md-decoupling", "--optimizer=muon")
+    assert "--no-load-optim" not in startup.banner(args, md)
+    args.load, args.no_load_optim = "ckpt", True
+    assert ("--finetune: iteration 0, a new schedule") in [
+        f for _, f in startup.differences(args, md)
+    ]
+    args.finetune = True
+    assert "--no-load-optim" not in startup.banner(args, md)
+    args.save, args.no_save_optim = "ckpt", True
+    assert "--no-save-optim: the checkpoints hold the weights only (no optimizer state, no LR " \
+        "schedule; not MD's gains and radii): a resume from them needs --no-load-optim" in \
+        startup.banner(args, md)  # fmt: skip
+    assert "gains" not in startup.banner(args, None).split("--no-save-optim")[1]
+
+
 def test_torchrun_killing_the_ranks_after_a_signal_is_named(monkeypatch):
     """torchrun kills its ranks 30 s after passing on a SIGTERM unless told to wait longer
     (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, torch >= 2.12, or megatron.md.torchrun on any torch;

@@ -243,6 +243,24 @@ def check_optimizer(path: str, saved_args, args) -> None:
     )  # fmt: skip
 
 
+def check_saved_optimizer(path: str, keys, common: dict, args) -> None:
+    """A checkpoint saved with ``--no-save-optim`` holds no optimizer state (nor the LR
+    schedule's): megatron's load failed on it with a KeyError, and an MD run was told it had
+    been trained without MD."""
+    if args.no_load_optim or args.finetune:
+        return
+    if "optimizer" in common or any(k.startswith("optimizer.") for k in keys):
+        return
+    fail(
+        path,
+        "it holds no optimizer state (saved with --no-save-optim): add --no-load-optim to "
+        "continue from its weights with a fresh optimizer (the LR schedule continues at its "
+        "iteration"
+        + ("; MD state is made from the weights: radius = their norm, gains 1)"
+           if args.md_decoupling else ")"),
+    )  # fmt: skip
+
+
 def check_md(path: str, keys, args) -> bool:
     """Whether the checkpoint has MD state; refuses a silent switch between MD and plain."""
     has_md = any(MD_KEY_PREFIX in k for k in keys)
@@ -285,4 +303,5 @@ def check_all(ckpt: Checkpoint, args) -> bool:
     if saved is not None:
         check_shape(ckpt.path, saved, args)
         check_optimizer(ckpt.path, saved, args)
+    check_saved_optimizer(ckpt.path, ckpt.keys, ckpt.common if saved is not None else {}, args)
     return check_md(ckpt.path, ckpt.keys, args)

@@ -328,7 +328,7 @@ def wrap_load(orig, run: Run):
         from megatron.training.utils import print_rank_0
 
         from megatron.md.checkpoint import prepare_md_load
-        from megatron.md.train import ckpt_checks, nonfinite, rewind, savefail
+        from megatron.md.train import ckpt_checks, nonfinite, rewind, savefail, schedule
         from megatron.md.wrappers import begin_model_load, finish_model_load
 
         args = get_args()
@@ -374,6 +374,10 @@ def wrap_load(orig, run: Run):
                          "weights")  # fmt: skip
         if ckpt is not None:
             nonfinite.check_loaded(model, optimizer, ckpt.path, args.load)
+            said = schedule.continue_after_weights_only(a[0] if a else kw.get(
+                "opt_param_scheduler"), ckpt.common, args, out[0])  # fmt: skip
+            if said:
+                print_rank_0("[megatron-md] " + said)
             if line := rewind.mark(args, torch.distributed.get_rank()):
                 print("[megatron-md] " + line, flush=True)
         return out

@@ -43,6 +43,10 @@ def differences(args, md) -> list[tuple[str, str]]:
     if getattr(args, "eval_interval_defaulted", False):
         out.append(("--eval-interval 1000 (megatron-core 0.19.2 has none and fails)",
                     "--eval-interval"))  # fmt: skip
+    if args.load and args.no_load_optim and not args.finetune:
+        out.append(("--no-load-optim: the LR schedule continues at the checkpoint's step "
+                    "(upstream restarts it at step 0)", "--finetune: iteration 0, a new "
+                    "schedule"))  # fmt: skip
     if md is not None:
         out.append(("MD recipe: weight decay 0, Adam beta2 0.99, Muon momentum 0.95 Nesterov",
                     "the flags themselves"))  # fmt: skip
@@ -144,6 +148,12 @@ def banner(args, md) -> str:
         lines += [f"  {w:<{width}}  ({flag})" for w, flag in rows]
     if never:
         lines.append("[megatron-md] never run by the maintainers: " + "; ".join(never))
+    if args.save and args.no_save_optim:
+        lines.append(
+            "[megatron-md] warning: --no-save-optim: the checkpoints hold the weights only (no "
+            "optimizer state, no LR schedule" + ("; not MD's gains and radii" if md else "")
+            + "): a resume from them needs --no-load-optim and starts a fresh optimizer"
+        )  # fmt: skip
     if grace := stop_grace(args):
         lines.append("[megatron-md] warning: " + grace)
     return "\n".join(lines)
