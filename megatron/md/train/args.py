@@ -10,7 +10,7 @@ import os
 
 from megatron.md import compatibility, errors
 from megatron.md.config import BARE, CHOICES, FROM_MEGATRON_FLAGS, MUON_SCALES, MDConfig
-from megatron.md.train import data, datacheck, model
+from megatron.md.train import data, datacheck, model, schedule
 from megatron.md.train.files import unwritable
 
 #: --muon-scale-mode values megatron-core's Muon knows; the rest are ours (see patches.py).
@@ -117,7 +117,8 @@ def add_md_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--wsd-cooldown-fraction",
         type=float,
         default=None,
-        help="with --lr-decay-style WSD: cooldown over this fraction of --train-iters",
+        help="with --lr-decay-style WSD: cooldown over this fraction of the run (--train-iters, "
+        "or --train-samples)",
     )
     g.add_argument(
         "--paper-arch",
@@ -385,11 +386,7 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
     model.check_flags(args)
     if check_data:
         datacheck.check_files(args)
-    if args.lr_warmup_iters and args.train_iters and args.lr_warmup_iters >= args.train_iters:
-        _fail(
-            f"--lr-warmup-iters={args.lr_warmup_iters} is not shorter than the run "
-            f"(--train-iters={args.train_iters})"
-        )
+    schedule.check_flags(args)
     if args.arch == "ngpt":
         from megatron.md.train.ngpt import check_args
 

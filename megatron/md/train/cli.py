@@ -109,8 +109,13 @@ def finalize(args, argv: list[str]) -> None:
         # megatron-core 0.19.2 has no default here and divides by it while sizing the datasets
         # (TypeError); 1000 is Megatron-LM's long-standing default
         args.eval_interval = 1000
-    if args.wsd_cooldown_fraction is not None:
-        args.lr_wsd_decay_iters = max(1, round(args.wsd_cooldown_fraction * args.train_iters))
+    if args.wsd_cooldown_fraction is not None:  # of the run, in its unit (iters or samples)
+        if args.train_iters:
+            args.lr_wsd_decay_iters = max(1, round(args.wsd_cooldown_fraction * args.train_iters))
+        elif args.train_samples:
+            args.lr_wsd_decay_samples = max(
+                1, round(args.wsd_cooldown_fraction * args.train_samples)
+            )
     if args.tokenizer_type is None:
         errors.fail(
             "give --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR "

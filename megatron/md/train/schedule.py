@@ -1,4 +1,7 @@
-"""The LR schedule of a run resumed with ``--no-load-optim``: megatron-core 0.19.2 skips the
+"""The LR schedule: its flags checked at start-up (``check_flags``), and its place in a run
+resumed with ``--no-load-optim`` (``continue_after_weights_only``).
+
+A run resumed with ``--no-load-optim``: megatron-core 0.19.2 skips the
 schedule's state with the optimizer's (training/checkpointing.py:2598, inside ``if not
 no_load_optim``), so the resumed run kept the checkpoint's iteration but began its warmup and
 decay again at step 0 (measured on CPU, 2026-11-29: AdamW at LR 1e-2 over 20 iterations resumed
@@ -33,3 +36,39 @@ def continue_after_weights_only(scheduler, common: dict | None, args, iteration:
     scheduler.step(increment=steps)
     return (f"--no-load-optim: the LR schedule continues at the checkpoint's step ({steps} "
             f"samples, iteration {iteration}; megatron would restart it at 0)")  # fmt: skip
+
+
+def check_flags(args) -> None:
+    """Refuse at start-up the schedules megatron-core 0.19.2 asserts on only once the model and
+    optimizer are built (training/training.py:1906 ``get_optimizer_param_scheduler``, core/
+    optimizer_param_scheduler.py ``__init__``; the assertions named no flag): the same steps,
+    computed as megatron computes them, in the unit of the flags that set them."""
+    from megatron.md import errors
+
+    by_iters = bool(args.train_iters)
+    unit, per = ("iters", args.global_batch_size) if by_iters else ("samples", 1)
+    if not by_iters and not args.train_samples:
+        return  # (megatron's own parser refuses it)
+    if getattr(args, f"lr_decay_{unit}") is not None:
+        decay_flag, decay = f"--lr-decay-{unit}", getattr(args, f"lr_decay_{unit}")
+    else:
+        decay_flag, decay = f"--train-{unit}", getattr(args, f"train_{unit}")
+    if args.lr_warmup_fraction is not None:
+        warmup_flag, warmup = "--lr-warmup-fraction", args.lr_warmup_fraction * decay
+    else:
+        warmup_flag, warmup = f"--lr-warmup-{unit}", getattr(args, f"lr_warmup_{unit}")
+    if decay * per <= 0:
+        errors.fail(f"{decay_flag}={decay}: the learning rate would decay over no step")
+    if warmup * per >= decay * per:
+        given = getattr(args, warmup_flag[2:].replace("-", "_"))
+        errors.fail(
+            f"{warmup_flag}={given} is not shorter than the decay ({decay_flag}={decay}): the "
+            "warmup must end before the schedule does"
+        )
+    if args.lr_decay_style == "WSD" and getattr(args, f"lr_wsd_decay_{unit}") is None:
+        errors.fail(
+            f"--lr-decay-style WSD needs its cooldown: --lr-wsd-decay-{unit} N or "
+            "--wsd-cooldown-fraction F"
+        )
+    if args.lr_warmup_init > args.lr:
+        errors.fail(f"--lr-warmup-init={args.lr_warmup_init} is above --lr={args.lr}")
