@@ -297,6 +297,13 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
             "nvidia-resiliency-ext's in-process restart (megatron/training/inprocess_restart.py)"
             "; a stopped run is requeued by the launcher and resumes from its last checkpoint"
         )
+    if args.rampup_batch_size is not None:  # (training/global_vars.py:127 does not pass it)
+        _fail(
+            "--rampup-batch-size is parsed and not used by megatron-core 0.19.2 (the batch "
+            "stays --global-batch-size from the first iteration): give the ramp as "
+            "--step-batch-size-schedule 'TOKENS:BATCH ...' without --global-batch-size "
+            "(thresholds in tokens, e.g. '0:256 10B:512')"
+        )
     if args.muon_scale_mode not in UPSTREAM_MUON_SCALES + MUON_SCALES:
         _fail(
             f"--muon-scale-mode={args.muon_scale_mode!r} is not one of "
