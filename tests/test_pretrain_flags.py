@@ -175,6 +175,7 @@ def test_bad_choice_names_the_flag(capsys, flag):
         # parsed, never read by megatron-core 0.19.2: the batch was --global-batch-size from
         # iteration 1 (seen, 2026-11-29; --step-batch-size-schedule ramps it)
         (["--rampup-batch-size", "2", "2", "40"], "--rampup-batch-size is parsed and not used"),
+        (["--openai-gelu"], "--openai-gelu is parsed and read nowhere"),  # (likewise)
         # Megatron-LM's own entry point wraps pretrain for it; this one does not (2026-11-29)
         (
             ["--inprocess-restart"],

@@ -66,6 +66,12 @@ def check_flags(args) -> None:
             "the transformer_engine layer spec (the inference-optimized one is megatron's "
             "inference engine's)"
         )
+    if getattr(args, "openai_gelu", False):  # (core/transformer/utils.py has the function;
+        # nothing in megatron-core 0.19.2 or its training package reads the flag)
+        errors.fail(
+            "--openai-gelu is parsed and read nowhere by megatron-core 0.19.2: the MLP would "
+            "keep its activation (GELU, or SwiGLU with --swiglu); drop it"
+        )
     for flag, what in NOT_BUILT.items():
         if getattr(args, flag, None):
             errors.fail(
