@@ -405,6 +405,26 @@ def test_the_files_fingerprint_sees_other_document_lengths_at_the_same_sizes(tmp
     assert file_fingerprint(shorter)[0] == 400 * 499 * 2
 
 
+def tiny_run(tmp_path, nproc: int, *extra: str) -> tuple[subprocess.CompletedProcess, list]:
+    """pretrain_gpt.py, tiny AdamMD, 4 iterations evaluated whole (--full-validation) at 2 and
+    4 on ``nproc`` ranks: its output and metrics rows (the 4 training rows asserted)."""
+    from megatron.md.launch import local_ranks
+
+    metrics = tmp_path / "m.jsonl"
+    argv = ["--preset=tiny", "--tokenizer-type=NullTokenizer", "--vocab-size=1024",
+            "--seq-length=64", "--max-position-embeddings=64", "--micro-batch-size=2",
+            "--train-iters=4", "--eval-iters=1", "--eval-interval=2", "--lr=1e-3",
+            "--optimizer=adam", "--md-decoupling", "--full-validation", "--log-interval=1",
+            f"--metrics-file={metrics}", *extra]  # fmt: skip
+    out = subprocess.run(local_ranks(ROOT / "pretrain_gpt.py", nproc, argv),
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [json.loads(r) for r in metrics.read_text().splitlines()]
+    assert [r["iteration"] for r in rows if r["type"] == "train"] == [1, 2, 3, 4]
+    return out, rows
+
+
 @pytest.mark.distributed
 def test_one_validation_set_per_dataset_trains_and_is_compared_across_ranks(tmp_path):
     """megatron's ``--multiple-validation-sets --full-validation`` with two validation
@@ -413,26 +433,29 @@ def test_one_validation_set_per_dataset_trains_and_is_compared_across_ranks(tmp_
     trains at 2 ranks: the ranks' samples compared per validation set
     (datacheck.check_same_samples), each set's evaluation logged with its
     ``--validation-set-names`` name (without names: its index, metrics.wrap_evaluate)."""
-    from megatron.md.launch import local_ranks
 
     # --full-validation reads each validation set whole: 4 samples of 64 tokens each
     train = corpus(tmp_path / "train", 0)
     a, b = (corpus(tmp_path / n, s, length=65, docs=4) for n, s in (("a", 1), ("b", 2)))
-    metrics = tmp_path / "m.jsonl"
-    argv = ["--preset=tiny", "--train-data-path", train, "--valid-data-path", a, b,
-            "--tokenizer-type=NullTokenizer", "--vocab-size=1024", "--seq-length=64",
-            "--max-position-embeddings=64", "--micro-batch-size=2", "--global-batch-size=4",
-            "--train-iters=4", "--eval-iters=1", "--eval-interval=2", "--lr=1e-3",
-            "--optimizer=adam", "--md-decoupling", "--use-distributed-optimizer",
-            "--multiple-validation-sets", "--validation-set-names", "wiki", "code",
-            "--full-validation", "--log-interval=1",
-            f"--metrics-file={metrics}"]  # fmt: skip
-    out = subprocess.run(local_ranks(ROOT / "pretrain_gpt.py", 2, argv), capture_output=True,
-                         text=True, timeout=600, cwd=tmp_path,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    rows = [json.loads(r) for r in metrics.read_text().splitlines()]
-    assert [r["iteration"] for r in rows if r["type"] == "train"] == [1, 2, 3, 4]
+    out, rows = tiny_run(tmp_path, 2, "--train-data-path", train, "--valid-data-path", a, b,
+                         "--global-batch-size=4", "--use-distributed-optimizer",
+                         "--multiple-validation-sets", "--validation-set-names", "wiki",
+                         "code")  # fmt: skip
     valid = [(r["iteration"], r["set"]) for r in rows if r["type"] == "valid"]
     assert valid[:4] == [(2, "wiki"), (2, "code"), (4, "wiki"), (4, "code")], valid
     assert "validation-code loss at iteration 4" in out.stdout
+
+
+@pytest.mark.distributed
+def test_full_validation_of_one_set_evaluates_and_trains_on(tmp_path):
+    """``--full-validation`` with one validation set: megatron-core 0.19.2 stopped at its first
+    evaluation (``TypeError: 'int' object is not subscriptable``, training/training.py:4382,
+    seen 2026-11-29) after training to it; metrics.wrap_evaluate_and_print gives it the list it
+    indexes. Each evaluation reads the whole set: 4 samples, 2 micro-batches of 2."""
+
+    train = corpus(tmp_path / "train", 0)
+    a = corpus(tmp_path / "a", 1, length=65, docs=4)
+    out, rows = tiny_run(tmp_path, 1, "--train-data-path", train, "--valid-data-path", a,
+                         "--global-batch-size=2")  # fmt: skip
+    assert [r["iteration"] for r in rows if r["type"] == "valid"][:2] == [2, 4]
+    assert "validation loss at iteration 4" in out.stdout

@@ -248,6 +248,19 @@ def test_a_schedule_megatron_would_assert_on_later_is_named(capsys, extra, needl
     assert needle in fails(capsys, *extra, base=base)
 
 
+def test_full_validation_of_one_set_needs_the_line_it_works_around(capsys, monkeypatch):
+    """The one-set --full-validation workaround (metrics.wrap_evaluate_and_print) fits
+    megatron-core 0.19.2's evaluation; a release without that line is refused at start-up."""
+    from megatron.md.train import metrics
+
+    assert metrics.one_set_full_validation_fits()
+    args, _ = parse("--full-validation")
+    assert args.full_validation
+    monkeypatch.setattr(metrics, "FULL_VALIDATION_LINE", "eval_iters = not megatron's line")
+    assert "--full-validation with one validation set: megatron-core's evaluation no longer" \
+        in fails(capsys, "--full-validation")  # fmt: skip
+
+
 def test_wsd_cooldown_fraction_of_a_run_counted_in_samples():
     """--wsd-cooldown-fraction with --train-samples: megatron's WSD cooldown in samples (it
     multiplied the fraction by the unset --train-iters: a TypeError at start-up, seen)."""

@@ -83,7 +83,8 @@ SEAMS: tuple[Seam, ...] = (
     Seam("megatron.training.training", "evaluate", "training/training.py:4402", "training",
          "validation rows", _P + "wrap_evaluate"),
     Seam("megatron.training.training", "evaluate_and_print_results", "training/training.py:4040",
-         "training", "valid/test label of a validation row", _P + "wrap_evaluate_and_print",
+         "training", "valid/test label of a validation row; one validation set's "
+         "--full-validation (metrics.FULL_VALIDATION_LINE)", _P + "wrap_evaluate_and_print",
          params=("prefix", "forward_step_func", "data_iterator", "model", "iteration")),
     Seam("megatron.core.optimizer.optimizer", "get_grad_norm_fp32",
          "core/optimizer/optimizer.py:52", "training",

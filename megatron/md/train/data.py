@@ -115,6 +115,15 @@ def check_flags(args) -> None:
             + " (megatron-core 0.19.2 asserts it at the first evaluation, after training "
             "has begun)"
         )
+    if args.full_validation and not args.multiple_validation_sets:
+        from megatron.md.train.metrics import one_set_full_validation_fits
+
+        if not one_set_full_validation_fits():
+            errors.fail(
+                "--full-validation with one validation set: megatron-core's evaluation no "
+                "longer holds the line megatron-md works around (train/metrics.py, "
+                "FULL_VALIDATION_LINE): check the workaround against this release"
+            )
     if args.full_validation:
         for flag in ("data_path", "valid_data_path"):
             items = getattr(args, flag, None) or []

@@ -299,17 +299,44 @@ def _flops(args) -> float:
     return _S["flops"]
 
 
+#: megatron-core 0.19.2's ``evaluate_and_print_results`` under ``--full-validation`` with one
+#: validation set (training/training.py:4377): it makes a 0-d tensor of the int
+#: ``args.eval_iters``, whose ``tolist()`` is an int, then indexes it (``TypeError: 'int' object
+#: is not subscriptable`` at the first evaluation, after training to it: seen, 2026-11-29)
+FULL_VALIDATION_LINE = "eval_iters = torch.tensor(args.eval_iters, dtype=torch.long"
+
+
+def one_set_full_validation_fits() -> bool:
+    """Whether megatron's evaluation still holds the line the one-set workaround is for (a
+    megatron-core that changed it: the run is refused at start-up, data.check_flags)."""
+    import inspect
+
+    from megatron.training import training
+
+    return FULL_VALIDATION_LINE in inspect.getsource(training.evaluate_and_print_results)
+
+
 def wrap_evaluate_and_print(orig):
     @functools.wraps(orig)
     def evaluate_and_print_results(
         prefix, forward_step_func, data_iterator, model, iteration, *a, **k
     ):
+        from megatron.training import get_args
+
+        args = get_args()
+        # one validation set under --full-validation: its count as the one-element list
+        # megatron's broadcast expects (FULL_VALIDATION_LINE); megatron sets it back to the int
+        one_set = args.full_validation and not args.multiple_validation_sets
+        if one_set and isinstance(args.eval_iters, int):
+            args.eval_iters = [args.eval_iters]
         # [split, iteration, the next validation set's index (--multiple-validation-sets)]
         _S["eval"] = ["test" if "test" in str(prefix) else "valid", iteration, 0]
         try:
             return orig(prefix, forward_step_func, data_iterator, model, iteration, *a, **k)
         finally:
             _S["eval"] = None
+            if one_set and isinstance(args.eval_iters, list):
+                args.eval_iters = args.eval_iters[0]
 
     return evaluate_and_print_results
 
