@@ -160,6 +160,17 @@ def parse(argv: list[str], on_cpu: bool, check_data: bool = True, check_save: bo
             "device in a process of its own (dist_checkpointing/strategies/async_utils.py); "
             "drop it on a CPU"
         )
+    if on_cpu and args.profile and not args.use_pytorch_profiler:
+        errors.fail(
+            "--profile needs CUDA without --use-pytorch-profiler (megatron starts the CUDA "
+            "profiler for nsys: 'Found no NVIDIA driver' at --profile-step-start): add "
+            "--use-pytorch-profiler on a CPU"
+        )
+    if on_cpu and args.log_memory_to_tensorboard:
+        errors.fail(
+            "--log-memory-to-tensorboard reads CUDA's memory statistics (a KeyError on a CPU "
+            "at the first log): drop it on a CPU"
+        )
     md = md_args.validate(args, check_data=check_data)
     if check_data and check_save:
         md_args.check_run_dirs(args)
