@@ -682,6 +682,30 @@ def check_saved_without_optimizer(ckpt: Path) -> None:
     assert ckpt_checks.check_all(ckpt_checks.Checkpoint(str(ckpt), "torch_dist"), args) is False
 
 
+def test_tensor_metadata_reads_on_this_torch(runs):
+    """A checkpoint's tensor metadata (what every --dist-ckpt-strictness load but the default
+    reads first) through dcpmeta: megatron-core 0.19.2's own read fails on a torch whose
+    TensorProperties has strides (torch 2.15: a TypeError, seen); this one gives every tensor
+    of the checkpoint at its saved shape. (A resume under log_all: by hand, 2026-11-29.)"""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    from megatron.md.train import dcpmeta
+
+    ckpt = runs["adam_md"][1] / "iter_0000010"
+    cls = TorchDistLoadShardedStrategy
+    orig = getattr(cls.load_tensors_metadata, "__md_seam__", cls.load_tensors_metadata)
+    if "strides" in TensorProperties.__dataclass_fields__:
+        with pytest.raises(TypeError, match="strides"):
+            orig(cls(), ckpt)
+    meta = dcpmeta.tensors_metadata(orig)(cls(), ckpt)
+    saved = read_checkpoint(ckpt)
+    weights = [k for k in saved if k.endswith(".weight") and "optimizer." not in k]
+    assert "decoder.layers.self_attention.linear_qkv.weight" in weights
+    for k in weights:
+        assert tuple(meta[k].global_shape) == tuple(saved[k].shape), k
+
+
 def inject(ckpt: Path, key_part: str, value: float, suffix: str = "") -> str:
     """Write ``value`` into element 0 of the first tensor whose checkpoint key contains
     ``key_part`` and ends with ``suffix``, in place in its shard, as if it had been saved so

@@ -297,6 +297,17 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
             "nvidia-resiliency-ext's in-process restart (megatron/training/inprocess_restart.py)"
             "; a stopped run is requeued by the launcher and resumes from its last checkpoint"
         )
+    strict = args.dist_ckpt_strictness
+    if strict == "raise_all" or strict.startswith("return_"):  # (each seen on a resume)
+        _fail(
+            f"--dist-ckpt-strictness {strict}: "
+            + ("megatron-core 0.19.2 reports its own checkpoints' rerun_state_machine_state "
+               "as missing, so every resume stops"
+               if strict == "raise_all" else
+               "the load returns the mismatches to its caller, which megatron's training load "
+               "does not take (an AttributeError at every resume)")
+            + "; log_all logs every mismatch, raise_unexpected stops on a key the model lacks"
+        )  # fmt: skip
     if args.rampup_batch_size is not None:  # (training/global_vars.py:127 does not pass it)
         _fail(
             "--rampup-batch-size is parsed and not used by megatron-core 0.19.2 (the batch "
