@@ -295,6 +295,15 @@ def test_export_refuses_what_the_hf_model_cannot_compute():
         "LayerNorm (normalization='LayerNorm')",
         "mixture-of-experts layers (num_experts=8)",
     ]
+    # flags that reach megatron's model since 2026-11-29 (or through its TransformerConfig)
+    # and that the exported model does not compute: its logits would differ, unnamed
+    other = argparse.Namespace(**{**ok, "qk_l2_norm": True, "window_size": (8, 0),
+                                  "rotary_seq_len_interpolation_factor": 2})  # fmt: skip
+    assert hf_export.unsupported(other) == [
+        "RoPE position interpolation (rotary_seq_len_interpolation_factor=2)",
+        "QK L2 normalization (qk_l2_norm=True)",
+        "sliding-window attention (window_size=(8, 0))",
+    ]
 
 
 def test_replayed_args_are_parser_destinations():

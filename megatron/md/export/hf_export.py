@@ -32,6 +32,12 @@ NEEDS = (
     ("layernorm_zero_centered_gamma", False, "zero-centred norm weights"),
     ("attention_output_gate", False, "an attention output gate"),
     ("use_rope_scaling", False, "RoPE scaling"),
+    ("rotary_seq_len_interpolation_factor", None, "RoPE position interpolation"),
+    ("no_rope_freq", None, "layers without RoPE"),
+    ("qk_l2_norm", False, "QK L2 normalization"),
+    ("window_size", None, "sliding-window attention"),
+    ("softmax_type", "vanilla", "a softmax other than the vanilla one"),
+    ("apply_residual_connection_post_layernorm", False, "residuals taken after the norm"),
     ("mtp_num_layers", None, "multi-token prediction layers"),
     ("arch", "gpt", "the nGPT architecture"),
 )
