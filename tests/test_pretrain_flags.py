@@ -459,6 +459,7 @@ def test_a_gpu_job_stops_and_cpu_mode_on_purpose_runs(capsys, monkeypatch):
         (["--md-adam-layer-wise"], "--md-adam-layer-wise needs --md-decoupling"),
         (["--md-cuda-graph"], "--md-cuda-graph needs --md-decoupling"),
         (["--md-decoupling", "--md-cuda-graph"], "--md-cuda-graph needs CUDA"),
+        (["--md-decoupling", "--attention-output-gate"], "add --muon-no-split-qkv (the fused"),
         # on a CPU megatron failed at the profile's start / the first log (seen, 2026-11-29)
         (["--profile"], "--profile needs CUDA without --use-pytorch-profiler"),
         (["--log-memory-to-tensorboard"], "--log-memory-to-tensorboard reads CUDA's memory"),

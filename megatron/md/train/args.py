@@ -330,6 +330,13 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
         why = compatibility.refusal(compatibility.Setup.from_args(args))
         if why is not None:
             _fail(why)
+        if md.split_qkv and getattr(args, "attention_output_gate", False):  # (the model's
+            # build, then a ValueError blaming TP: seen, 2026-11-29)
+            _fail(
+                "--attention-output-gate adds a gate (one per attention head) to linear_qkv's "
+                "rows, which MD's Q/K/V split (megatron's Muon's q, k, v shapes) does not "
+                "know: add --muon-no-split-qkv (the fused matrix on one sphere), or drop the gate"
+            )
         if args.optimizer == "muon" and args.muon_extra_scale_factor != 1.0:  # (whole.py's
             # check, which came after the model was built, with a traceback)
             _fail(f"--muon-extra-scale-factor={args.muon_extra_scale_factor}: MuonMD sets the "
