@@ -889,6 +889,49 @@ def test_weights_only_resume_and_save_are_announced():
     assert "gains" not in startup.banner(args, None).split("--no-save-optim")[1]
 
 
+def test_weights_only_resume_continues_the_schedule_where_the_checkpoint_left_it():
+    """schedule.continue_after_weights_only on megatron's own scheduler: at the saved step
+    (the checkpoint's num_steps; where it saved none, the samples trained on but the skipped
+    ones), with this run's values, or the checkpoint's with
+    --use-checkpoint-opt_param-scheduler; nothing under --finetune or a loaded schedule."""
+    import types
+
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron.md.train import schedule
+
+    def scheduler(lr=1e-2, steps=100):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+        return OptimizerParamScheduler(
+            opt, init_lr=0.0, max_lr=lr, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=steps,
+            lr_decay_style="linear", start_wd=0.0, end_wd=0.0, wd_incr_steps=steps,
+            wd_incr_style="constant",
+        )  # fmt: skip
+
+    args = types.SimpleNamespace(finetune=False, no_load_optim=True, consumed_train_samples=48,
+                                 skipped_train_samples=8)  # fmt: skip
+    saved = scheduler(lr=4e-2)
+    saved.step(30)
+    common = {"opt_param_scheduler": saved.state_dict()}
+    s = scheduler()
+    assert "(30 samples, iteration 5;" in schedule.continue_after_weights_only(s, common, args, 5)
+    assert s.num_steps == 30 and s.optimizer.param_groups[0]["lr"] == pytest.approx(7e-3)
+    s = scheduler()  # saved with --no-save-optim: no schedule in it
+    schedule.continue_after_weights_only(s, {}, args, 5)
+    assert s.num_steps == 40 and s.optimizer.param_groups[0]["lr"] == pytest.approx(6e-3)
+    args.use_checkpoint_opt_param_scheduler = True
+    s = scheduler()
+    assert "the checkpoint's LR schedule" in schedule.continue_after_weights_only(
+        s, common, args, 5)  # fmt: skip
+    assert s.num_steps == 30 and s.optimizer.param_groups[0]["lr"] == pytest.approx(2.8e-2)
+    for done in ({"finetune": True}, {"no_load_optim": False}):
+        s = scheduler()
+        assert schedule.continue_after_weights_only(
+            s, common, types.SimpleNamespace(**{**vars(args), **done}), 5) is None  # fmt: skip
+        assert s.num_steps == 0
+
+
 def test_torchrun_killing_the_ranks_after_a_signal_is_named(monkeypatch):
     """torchrun kills its ranks 30 s after passing on a SIGTERM unless told to wait longer
     (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, torch >= 2.12, or megatron.md.torchrun on any torch;

@@ -26,10 +26,17 @@ def steps_done(common: dict | None, args) -> int:
 
 def continue_after_weights_only(scheduler, common: dict | None, args, iteration: int) -> str | None:
     """After megatron loaded a checkpoint with ``--no-load-optim`` (not ``--finetune``): put
-    ``scheduler``, still at step 0, at the checkpoint's step with this run's schedule values.
+    ``scheduler``, still at step 0, at the checkpoint's step with this run's schedule values
+    (the checkpoint's with ``--use-checkpoint-opt_param-scheduler``, where it saved them).
     Returns the line to print, or None where there was nothing to do."""
     if scheduler is None or args.finetune or not args.no_load_optim or scheduler.num_steps:
         return None
+    saved = (common or {}).get("opt_param_scheduler")
+    if saved and getattr(args, "use_checkpoint_opt_param_scheduler", False):
+        scheduler.load_state_dict(saved)  # (megatron's own load: its values and step)
+        return (f"--no-load-optim --use-checkpoint-opt_param-scheduler: the checkpoint's LR "
+                f"schedule, at its step ({scheduler.num_steps} samples, iteration "
+                f"{iteration})")  # fmt: skip
     steps = steps_done(common, args)
     if steps <= 0:
         return None
