@@ -17,7 +17,9 @@ from __future__ import annotations
 def steps_done(common: dict | None, args) -> int:
     """The schedule's steps (samples) at the loaded checkpoint: its saved scheduler's
     ``num_steps``, else (saved with ``--no-save-optim``, or megatron's torch format) the samples
-    it trained on (megatron steps the schedule on every update but the skipped ones)."""
+    it trained on less those of ``--iterations-to-skip`` (an update megatron dropped for a
+    non-finite gradient did not step the schedule either, and is not known here: the schedule
+    is then that many batches ahead)."""
     saved = (common or {}).get("opt_param_scheduler") or {}
     if "num_steps" in saved:
         return int(saved["num_steps"])
