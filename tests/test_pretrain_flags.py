@@ -536,6 +536,10 @@ def test_megatrons_dataset_flags_reach_the_dataset_config(tmp_path):
     "extra,needle",
     [
         (["--multiple-validation-sets"], "--multiple-validation-sets needs --full-validation"),
+        (
+            ["--phase-transition-iterations=2"],
+            "--phase-transition-iterations needs --train-samples",
+        ),
         (["--per-dataset-sequences-path=/nowhere.json"], "/nowhere.json cannot be read as JSON"),
         (["--dataloader-inter-document-masking"], "pretrain_gpt.py's reads none"),
         (["--sft"], "--sft: pretrain_gpt.py builds megatron-core's GPTDataset"),

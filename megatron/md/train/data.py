@@ -115,6 +115,12 @@ def check_flags(args) -> None:
             + " (megatron-core 0.19.2 asserts it at the first evaluation, after training "
             "has begun)"
         )
+    if args.phase_transition_iterations and not args.train_samples:  # (training.py:4491)
+        errors.fail(
+            "--phase-transition-iterations needs --train-samples: megatron-core 0.19.2 sizes "
+            "each phase's datasets from it (with --train-iters: a TypeError once the model is "
+            "built)"
+        )
     if args.full_validation and not args.multiple_validation_sets:
         from megatron.md.train.metrics import one_set_full_validation_fits
 
