@@ -72,6 +72,14 @@ def check_flags(args) -> None:
             "--openai-gelu is parsed and read nowhere by megatron-core 0.19.2: the MLP would "
             "keep its activation (GELU, or SwiGLU with --swiglu); drop it"
         )
+    fsdp = getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False)
+    if getattr(args, "init_model_with_meta_device", False) and not fsdp:
+        errors.fail(  # (training/training.py:1826: to_empty, never initialized)
+            "--init-model-with-meta-device without FSDP: megatron-core 0.19.2 then makes the "
+            "model's memory with torch's to_empty and never initializes it: only a loaded "
+            "checkpoint fills it, a first launch trains from it (a plain run's gradient norm "
+            "was nan at iteration 1, MD's sphere radius nan: seen); drop it"
+        )
     for flag, what in NOT_BUILT.items():
         if getattr(args, flag, None):
             errors.fail(
