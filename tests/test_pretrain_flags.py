@@ -873,15 +873,18 @@ def test_paper_architecture_is_explicit_and_announced():
                          "(--md-cuda-graph)")  # fmt: skip
 
 
-def test_weights_only_resume_and_save_are_announced():
+def test_weights_only_resume_and_save_are_announced(tmp_path):
     """--no-load-optim continues the LR schedule where megatron restarts it (a row of the
-    differences, with megatron's --finetune as the new schedule); --no-save-optim warns that
-    its checkpoints resume only with a fresh optimizer (under MD without the gains)."""
+    differences where --load holds a checkpoint, with megatron's --finetune as the new
+    schedule); --no-save-optim warns that its checkpoints resume only with a fresh optimizer
+    (under MD without the gains)."""
     from megatron.md.train import startup
 
     args, md = parse("--md-decoupling", "--optimizer=muon")
     assert "--no-load-optim" not in startup.banner(args, md)
-    args.load, args.no_load_optim = "ckpt", True
+    args.load, args.no_load_optim = str(tmp_path), True
+    assert "--no-load-optim" not in startup.banner(args, md)  # a first launch: nothing to resume
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("10")
     assert ("--finetune: iteration 0, a new schedule") in [
         f for _, f in startup.differences(args, md)
     ]

@@ -59,7 +59,8 @@ NOT_BUILT = {
 
 
 def check_flags(args) -> None:
-    """At start-up: a flag for a model ``model_provider`` does not build (``NOT_BUILT``)."""
+    """At start-up: a flag for a model ``model_provider`` does not build (``NOT_BUILT``), or
+    one megatron-core 0.19.2 would not honour for the model it builds."""
     if args.transformer_impl not in ("local", "transformer_engine"):
         errors.fail(
             f"--transformer-impl {args.transformer_impl}: pretrain_gpt.py builds the local or "

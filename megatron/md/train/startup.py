@@ -5,6 +5,7 @@ that differs from upstream Megatron-LM's, in one block."""
 from __future__ import annotations
 
 import math
+import os
 
 
 def check_stack(args) -> None:
@@ -43,7 +44,12 @@ def differences(args, md) -> list[tuple[str, str]]:
     if getattr(args, "eval_interval_defaulted", False):
         out.append(("--eval-interval 1000 (megatron-core 0.19.2 has none and fails)",
                     "--eval-interval"))  # fmt: skip
-    if args.load and args.no_load_optim and not args.finetune:
+    if (
+        args.load
+        and args.no_load_optim
+        and not args.finetune
+        and os.path.isfile(os.path.join(args.load, "latest_checkpointed_iteration.txt"))
+    ):  # (a run that resumes; a first launch has nothing to continue)
         out.append(("--no-load-optim: the LR schedule continues at the checkpoint's step "
                     "(upstream restarts it at step 0)", "--finetune: iteration 0, a new "
                     "schedule"))  # fmt: skip
@@ -62,7 +68,6 @@ def differences(args, md) -> list[tuple[str, str]]:
 
 def untested(args, md) -> list[str]:
     """Settings of this run that the maintainers have never run (README, "Tested where")."""
-    import os
 
     out = []
     if args.transformer_impl == "transformer_engine":
@@ -109,7 +114,6 @@ def stop_grace(args) -> str | None:
     wait is set (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, read from torch 2.12 on and by
     ``megatron.md.torchrun`` on any torch; launch.sbatch sets it and starts that) or the run is
     not torchrun's (no ``TORCHELASTIC_RUN_ID``)."""
-    import os
 
     if not args.exit_signal_handler or "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
