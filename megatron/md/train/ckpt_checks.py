@@ -299,9 +299,10 @@ def check_all(ckpt: Checkpoint, args) -> bool:
         ckpt.common = dist_checkpointing.load_common_state_dict(ckpt.path)
     except Exception as e:
         fail(ckpt.path, f"its common state is unreadable ({type(e).__name__}: {e})")
-    saved = ckpt.common.get("args") if isinstance(ckpt.common, dict) else None
+    common = ckpt.common if isinstance(ckpt.common, dict) else {}
+    saved = common.get("args")
     if saved is not None:
         check_shape(ckpt.path, saved, args)
         check_optimizer(ckpt.path, saved, args)
-    check_saved_optimizer(ckpt.path, ckpt.keys, ckpt.common if saved is not None else {}, args)
+    check_saved_optimizer(ckpt.path, ckpt.keys, common, args)
     return check_md(ckpt.path, ckpt.keys, args)

@@ -14,13 +14,12 @@ this project's refusals name for another optimizer and for a checkpoint saved wi
 from __future__ import annotations
 
 
-def steps_done(common: dict | None, args) -> int:
-    """The schedule's steps (samples) at the loaded checkpoint: its saved scheduler's
-    ``num_steps``, else (saved with ``--no-save-optim``, or megatron's torch format) the samples
-    it trained on less those of ``--iterations-to-skip`` (an update megatron dropped for a
-    non-finite gradient did not step the schedule either, and is not known here: the schedule
-    is then that many batches ahead)."""
-    saved = (common or {}).get("opt_param_scheduler") or {}
+def steps_done(saved: dict, args) -> int:
+    """The schedule's steps (samples) at the loaded checkpoint: ``saved`` (its scheduler's
+    state) ``num_steps``, else (saved with ``--no-save-optim``, or megatron's torch format) the
+    samples it trained on less those of ``--iterations-to-skip`` (an update megatron dropped for
+    a non-finite gradient did not step the schedule either, and is not known here: the
+    schedule is then that many batches ahead)."""
     if "num_steps" in saved:
         return int(saved["num_steps"])
     return int(args.consumed_train_samples - getattr(args, "skipped_train_samples", 0))
@@ -33,13 +32,13 @@ def continue_after_weights_only(scheduler, common: dict | None, args, iteration:
     Returns the line to print, or None where there was nothing to do."""
     if scheduler is None or args.finetune or not args.no_load_optim or scheduler.num_steps:
         return None
-    saved = (common or {}).get("opt_param_scheduler")
+    saved = (common or {}).get("opt_param_scheduler") or {}
     if saved and getattr(args, "use_checkpoint_opt_param_scheduler", False):
         scheduler.load_state_dict(saved)  # (megatron's own load: its values and step)
         return (f"--no-load-optim --use-checkpoint-opt_param-scheduler: the checkpoint's LR "
                 f"schedule, at its step ({scheduler.num_steps} samples, iteration "
                 f"{iteration})")  # fmt: skip
-    steps = steps_done(common, args)
+    steps = steps_done(saved, args)
     if steps <= 0:
         return None
     scheduler.step(increment=steps)
@@ -54,27 +53,28 @@ def check_flags(args) -> None:
     computed as megatron computes them, in the unit of the flags that set them."""
     from megatron.md import errors
 
-    by_iters = bool(args.train_iters)
-    unit, per = ("iters", args.global_batch_size) if by_iters else ("samples", 1)
-    if not by_iters and not args.train_samples:
+    def value(flag: str):
+        return getattr(args, flag[2:].replace("-", "_"))
+
+    if not (args.train_iters or args.train_samples):
         return  # (megatron's own parser refuses it)
-    if getattr(args, f"lr_decay_{unit}") is not None:
-        decay_flag, decay = f"--lr-decay-{unit}", getattr(args, f"lr_decay_{unit}")
-    else:
-        decay_flag, decay = f"--train-{unit}", getattr(args, f"train_{unit}")
+    unit = "iters" if args.train_iters else "samples"  # (steps: iters × the batch, a factor > 0)
+    decay_flag = f"--lr-decay-{unit}"
+    if value(decay_flag) is None:
+        decay_flag = f"--train-{unit}"
+    decay = value(decay_flag)
+    warmup_flag = f"--lr-warmup-{unit}"
+    warmup = value(warmup_flag)
     if args.lr_warmup_fraction is not None:
         warmup_flag, warmup = "--lr-warmup-fraction", args.lr_warmup_fraction * decay
-    else:
-        warmup_flag, warmup = f"--lr-warmup-{unit}", getattr(args, f"lr_warmup_{unit}")
-    if decay * per <= 0:
+    if decay <= 0:
         errors.fail(f"{decay_flag}={decay}: the learning rate would decay over no step")
-    if warmup * per >= decay * per:
-        given = getattr(args, warmup_flag[2:].replace("-", "_"))
+    if warmup >= decay:
         errors.fail(
-            f"{warmup_flag}={given} is not shorter than the decay ({decay_flag}={decay}): the "
-            "warmup must end before the schedule does"
+            f"{warmup_flag}={value(warmup_flag)} is not shorter than the decay "
+            f"({decay_flag}={decay}): the warmup must end before the schedule does"
         )
-    if args.lr_decay_style == "WSD" and getattr(args, f"lr_wsd_decay_{unit}") is None:
+    if args.lr_decay_style == "WSD" and value(f"--lr-wsd-decay-{unit}") is None:
         errors.fail(
             f"--lr-decay-style WSD needs its cooldown: --lr-wsd-decay-{unit} N or "
             "--wsd-cooldown-fraction F"

@@ -25,6 +25,8 @@ def check_stack(args) -> None:
 
 def differences(args, md) -> list[tuple[str, str]]:
     """(what this run does that upstream Megatron does not, the flag that changes it)."""
+    from megatron.md.train.ckpt_checks import TRACKER
+
     out = []
     if args.arch == "ngpt":
         out.append((f"nGPT architecture: hidden states on the unit sphere, residual steps "
@@ -48,7 +50,7 @@ def differences(args, md) -> list[tuple[str, str]]:
         args.load
         and args.no_load_optim
         and not args.finetune
-        and os.path.isfile(os.path.join(args.load, "latest_checkpointed_iteration.txt"))
+        and os.path.isfile(os.path.join(args.load, TRACKER))
     ):  # (a run that resumes; a first launch has nothing to continue)
         out.append(("--no-load-optim: the LR schedule continues at the checkpoint's step "
                     "(upstream restarts it at step 0)", "--finetune: iteration 0, a new "
