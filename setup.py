@@ -18,6 +18,9 @@ setup(
         "wandb>=0.31",
         "tensorboard",  # megatron logs to wandb only beside a TensorBoard writer
         "numpy",
+        # megatron-core's groups for --num-distributed-optimizer-instances > 1
+        # (parallel_state.py, create_hierarchical_groups); not among megatron-core's own
+        "einops",
     ],
     extras_require={
         "torch": ["torch>=2.15,<2.16"],

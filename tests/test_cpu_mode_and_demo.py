@@ -45,6 +45,17 @@ class _GatherLike(torch.autograd.Function):
         return out.copy_(g).mul_(2)
 
 
+@pytest.mark.distributed
+def test_cpu_mode_gathers_uneven_sizes():
+    """gloo refuses an all_gather into tensors of different sizes, which NCCL takes and
+    megatron's layer-wise optimizer without its param layout makes (plain Muon's 2-rank run with
+    --no-use-layer-wise-param-layout failed at its first step, "invalid tensor size"; with the
+    CPU mode's padding its losses equal the default layout's, by hand, 2026-11-29)."""
+    from _torchrun import torchrun
+
+    assert torchrun("gather_check.py", 3)["gathered_right"]
+
+
 @pytest.mark.parametrize("entry", ["tensor", "autograd", "autograd-grad-tensors"])
 def test_cpu_mode_redirects_inside_the_backward_pass(entry):
     """The backward pass runs under the redirection whichever entry starts it (loss.backward(),

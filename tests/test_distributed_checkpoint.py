@@ -18,6 +18,9 @@ CONFIGS = {
     # checkpoints need bf16 params, as real runs use
     "layerwise-muon-bf16": ("--optimizer", "muon", "--dist", "layerwise", "--dtype", "bf16"),
     "replicated-fp32": ("--dist", "replicated"),
+    # megatron's partial distributed optimizer (--num-distributed-optimizer-instances 2): at 2
+    # ranks one rank per instance, each holding every matrix
+    "zero1-instances": ("--dist", "zero1", "--instances", "2"),
 }
 LOADS = {
     "zero1-fp32": (1, 2, 4),
@@ -25,6 +28,7 @@ LOADS = {
     "zero1-moe": (4,),
     "layerwise-muon-bf16": (4,),
     "replicated-fp32": (4,),
+    "zero1-instances": (4,),  # two ranks per instance
 }
 # fp32: ≤ 1e-6 relative (seen ≤ 1.3e-7; 0.0 at the same world size). bf16 weights: within one
 # bf16 rounding (2^-8) relative (seen ≤ 3e-10).
@@ -42,6 +46,7 @@ def ckpt(tmp_path_factory):
     jobs += [(4, "continue", d["zero1-fp32"], *CONFIGS["zero1-fp32"])]
     jobs += [(4, "continue", d["zero1-fp32"], *CONFIGS["zero1-fp32"], "--md-row-norms", "none")]
     jobs += [(2, "load", d["zero1-fp32"], *CONFIGS["zero1-fp32"], "--fused-step")]
+    jobs += [(1, "load", d["zero1-instances"], *CONFIGS["zero1-fp32"])]
     run = Batches("md_ckpt.py", jobs)
     for n, c in CONFIGS.items():
         assert run(2, "save", d[n], *c)["world"] == 2
@@ -65,6 +70,15 @@ def test_eager_checkpoint_resumes_with_fused_kernels(ckpt):
     compiled kernels (and the uninterrupted run they are compared with uses them too)."""
     run, d = ckpt
     res = run(2, "load", d["zero1-fp32"], *CONFIGS["zero1-fp32"], "--fused-step")
+    assert res["has_md"] and res["worst_rel"] <= TOL["fp32"]
+
+
+def test_partial_distributed_optimizer_checkpoint_loads_without_instances(ckpt):
+    """A checkpoint of 2 distributed-optimizer instances (only instance 0 writes MD's state, as
+    megatron's own: before, both instances wrote it as replica 0 and megatron refused the save)
+    resumes in one instance, the uninterrupted run's weights to fp32 rounding."""
+    run, d = ckpt
+    res = run(1, "load", d["zero1-instances"], *CONFIGS["zero1-fp32"])
     assert res["has_md"] and res["worst_rel"] <= TOL["fp32"]
 
 

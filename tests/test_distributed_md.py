@@ -50,6 +50,11 @@ CP = {
     "dp2xcp2-zero1": (4, "--dist", "zero1"),
     "dp2xcp2-zero1-moe": (4, "--dist", "zero1", "--experts", "4"),
 }
+# megatron's partial distributed optimizer at 4 ranks: ZeRO-1 within 2 instances of 2 ranks
+INSTANCES = {
+    "fp32": ("--dist", "zero1", "--instances", "2"),
+    "bf16-moe": ("--dist", "zero1", "--instances", "2", "--dtype", "bf16", "--experts", "4"),
+}
 # --md-cuda-graph's arithmetic (the step count and LRs read from the device), a decaying LR
 DEVICE = {
     "zero1-bf16": ("--dist", "zero1", "--dtype", "bf16"),
@@ -77,6 +82,7 @@ md_check = Batches(
         *[(n, "--dist", "zero1", "--fused-step", *a) for n, a in FUSED.items()],
         (2, *MUON_LW, "--fused-step"),
         *[(n, "--cp", "2", *a) for n, *a in CP.values()],
+        *[(4, *a) for a in INSTANCES.values()],
         *[(2, *a, "--device-scalars", "--lr-decay") for a in DEVICE.values()],
     ],
 )
@@ -181,6 +187,19 @@ def test_muon_md_layerwise_fused_kernels():
     res = md_check(2, *MUON_LW, "--fused-step")
     check(res, 2)
     assert res["compiled_groups"] > 0 and res["split_qkv_matrices"] == 2
+
+
+@pytest.mark.parametrize("job", INSTANCES)
+def test_adam_md_zero1_in_distributed_optimizer_instances(job):
+    """--num-distributed-optimizer-instances 2: megatron all-reduces the gradients between the
+    instances and shards the optimizer within each, so MD sums its partials over the 2 ranks of
+    its instance (a sum over all 4 counts every matrix twice)."""
+    res = md_check(4, *INSTANCES[job])
+    check(res, 4, job.split("-")[0])
+    assert res["md_group_sizes"] == [2]
+    assert res["collectives_per_step"] == 1.0
+    assert res["payload"] == res["expected_payload"]
+    assert res["extra_collectives"] == md_collectives(res, 4)
 
 
 @pytest.mark.parametrize("job", DEVICE)

@@ -176,6 +176,15 @@ def test_bad_choice_names_the_flag(capsys, flag):
         # iteration 1 (seen, 2026-11-29; --step-batch-size-schedule ramps it)
         (["--rampup-batch-size", "2", "2", "40"], "--rampup-batch-size is parsed and not used"),
         (["--openai-gelu"], "--openai-gelu is parsed and read nowhere"),  # (likewise)
+        (
+            [
+                "--md-decoupling",
+                "--optimizer=muon",
+                "--use-distributed-optimizer",
+                "--no-use-layer-wise-param-layout",
+            ],
+            "--no-use-layer-wise-param-layout: MuonMD steps as with the layout, but a resume",
+        ),
         (["--init-model-with-meta-device"], "then makes the model's memory with torch's to_"),
         # every resume stopped (each seen by hand, 2026-11-29)
         (["--dist-ckpt-strictness=raise_all"], "reports its own checkpoints' rerun_state_"),
@@ -663,6 +672,55 @@ def test_md_under_expert_tensor_parallelism(capsys, monkeypatch):
     err = fails(capsys, *etp, "--optimizer=muon", "--muon-tp-mode=blockwise")
     assert "--muon-tp-mode duplicated" in err
     assert "(Muown) with (expert) TP > 1" in fails(capsys, *etp, "--optimizer=muown")
+
+
+def test_distributed_optimizer_instances(capsys, monkeypatch):
+    """--num-distributed-optimizer-instances: AdamMD's ZeRO-1 within each instance runs
+    (tests/test_distributed_md.py, tests/test_distributed_checkpoint.py); what megatron-core
+    0.19.2 asserts after the build or per rank, and what MD cannot sum over, is named first
+    (each seen by hand, 2026-11-29, 4 ranks: the layer-wise assert after the model's build)."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    base = ["--md-decoupling", "--use-distributed-optimizer", "--micro-batch-size=1",
+            "--global-batch-size=8"]  # fmt: skip
+    args, md = parse(*base, "--num-distributed-optimizer-instances=2")
+    assert md is not None and args.num_distributed_optimizer_instances == 2
+    parse(
+        *base,
+        "--num-distributed-optimizer-instances=4",
+        "--tensor-model-parallel-size=2",
+        "--num-query-groups=2",
+        "--global-batch-size=4",
+    )  # one data-parallel rank per instance: MD's TP × DP group is the instance's
+    for extra, needle in (
+        (["--num-distributed-optimizer-instances=3"], "does not divide the 8 data-parallel"),
+        (
+            ["--optimizer=muon", "--bf16", "--num-distributed-optimizer-instances=2"],
+            "its layer-wise optimizer, which Muon and --md-adam-layer-wise use, asserts one",
+        ),
+        (["--md-adam-layer-wise", "--num-distributed-optimizer-instances=2"], "asserts one"),
+        (
+            [
+                "--tensor-model-parallel-size=2",
+                "--num-query-groups=2",
+                "--num-distributed-optimizer-instances=2",
+                "--global-batch-size=4",
+            ],
+            "with TP 2: MD sums its partials over megatron's TP × data-parallel group",
+        ),
+        (
+            [
+                "--num-experts=4",
+                "--expert-model-parallel-size=4",
+                "--num-distributed-optimizer-instances=4",
+            ],
+            "divide the 2 expert data-parallel",
+        ),
+    ):
+        assert needle in fails(capsys, *base, *extra)
+    plain = [a for a in base if a != "--md-decoupling"]
+    assert "splits megatron's ZeRO-1" in fails(
+        capsys, *plain[1:], "--num-distributed-optimizer-instances=2"
+    )
 
 
 def test_save_or_load_pointing_at_a_file(capsys, tmp_path):

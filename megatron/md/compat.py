@@ -306,6 +306,7 @@ def apply(layer: str, context=None) -> None:
 DISTRIBUTED_OPTIMIZER_ATTRS = (
     "buffers", "model_param_gbuf_map", "data_parallel_group", "shard_fp32_from_float16_groups",
     "model_float16_groups", "shard_fp32_groups", "model_fp32_groups", "is_stub_optimizer",
+    "distributed_optimizer_instance_id",
 )  # fmt: skip
 
 

@@ -78,6 +78,8 @@ class _CpuRedirect(TorchFunctionMode):
                 )
             if len(args) > 1 and isinstance(args[1], str):
                 args = (args[0], args[1].replace("torch.cuda.", "torch."), *args[2:])
+        if func is _ALL_GATHER and _uneven(args, kwargs):
+            return _all_gather_uneven(*args, **kwargs)
         if func is _ALL_TO_ALL_SINGLE:
             # Expert parallelism: megatron turns the split sizes into numpy arrays only for CUDA
             # tensors (core/transformer/moe/moe_utils.py, maybe_move_tensor_to_cpu); gloo wants int
@@ -89,6 +91,30 @@ class _CpuRedirect(TorchFunctionMode):
 
 
 _ALL_TO_ALL_SINGLE = getattr(torch.distributed, "all_to_all_single", None)  # resolved once
+_ALL_GATHER = getattr(torch.distributed, "all_gather", None)
+
+
+def _uneven(args, kwargs) -> bool:
+    out = kwargs.get("tensor_list", args[0] if args else None)
+    return isinstance(out, list | tuple) and len({t.shape for t in out}) > 1
+
+
+def _all_gather_uneven(tensor_list, tensor, group=None, async_op=False):
+    """``all_gather`` into tensors of different sizes, which NCCL takes and gloo refuses
+    ("invalid tensor size"): megatron's layer-wise optimizer gathers each rank's flat params so
+    (core/optimizer/layer_wise_optimizer.py, ``allgather_params``, its path without a param
+    layout). Each rank's tensor is padded to the largest, gathered, and cut back."""
+    if async_op:
+        raise NotImplementedError("CPU mode: an asynchronous all_gather of uneven sizes")
+    n = max(t.numel() for t in tensor_list)
+    flat = torch.zeros(n, dtype=tensor.dtype)
+    flat[: tensor.numel()] = tensor.reshape(-1)
+    got = [torch.empty_like(flat) for _ in tensor_list]
+    torch.distributed.all_gather(got, flat, group=group)
+    for out, g in zip(tensor_list, got):
+        out.copy_(g[: out.numel()].view(out.shape))
+
+
 _BACKWARDS = (torch.Tensor.backward, torch.autograd.backward)
 
 

@@ -103,12 +103,17 @@ def tiny_gpt(seed: int, hidden: int, layers: int, seq: int, experts: int = 0):
     )
 
 
-def megatron_optimizer(module, config, dist: str, world: int, optimizer: str, **opt_kwargs):
+def megatron_optimizer(
+    module, config, dist: str, world: int, optimizer: str, instances: int = 1, **opt_kwargs
+):
     """megatron's DDP around ``module`` and megatron's optimizer for it, as megatron.training
     builds them (not yet MD): ``dist`` zero1 (DistributedOptimizer), layerwise
     (LayerWiseDistributedOptimizer: megatron builds it for Muon only, so layer-wise AdamMD is
     built as Muon and swapped by ``enable_md``) or replicated; ``world``: the data-parallel
-    size. ``opt_kwargs`` go to megatron's OptimizerConfig (lr, betas, muon_* ...).
+    size; ``instances``: megatron's ``num_distributed_optimizer_instances`` (ZeRO-1 within each
+    of that many slices of the data-parallel ranks; its groups made by
+    ``initialize_model_parallel``). ``opt_kwargs`` go to megatron's OptimizerConfig (lr, betas,
+    muon_* ...).
     Returns (the DDP model, the optimizer)."""
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -124,6 +129,7 @@ def megatron_optimizer(module, config, dist: str, world: int, optimizer: str, **
         use_distributed_optimizer=dist != "replicated",
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
+        num_distributed_optimizer_instances=instances,
     )
     from megatron.core.transformer.module import Float16Module
 

@@ -109,7 +109,11 @@ def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
     summed = group is not None and dist.get_world_size(group) > 1
     inner.reduce_group = group if summed else None
     inner.timers = getattr(opt.config, "timers", None)
-    dp_rank = dp_group.rank() if dp_group is not None else 0
+    dp_rank, dp_size = (dp_group.rank(), dp_group.size()) if dp_group is not None else (0, 1)
+    # --num-distributed-optimizer-instances: each instance (a slice of the DP ranks) holds every
+    # matrix, so only instance 0 writes checkpoints, as megatron's own state
+    # (distrib_optimizer.py, sharded_param_state_fs_model_space: replica (instance, 0, dp rank))
+    instance = opt.distributed_optimizer_instance_id
     # Every rank lays out partials for ALL MD matrices of the instance in buffer order, so one
     # all-reduce lines up even though ranks own different slices.
     index, specs = {}, {}
@@ -137,8 +141,9 @@ def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
         sm = SliceMD(shape, mp.start, end, specs[mp.model], "adam", tp=tp, counts=counts)
         slot = MDSlot(sm, mp.is_model_weight, index[mp.model], names[mp.model], mp.model)
         # gains/radius are replicated over the ranks owning a slice of this matrix;
-        # the first of them writes them to checkpoints (replica 0)
-        slot.replica, slot.dir_replica = dp_rank - _first_owner(opt, mp.model), 0
+        # the first of them in instance 0 writes them to checkpoints (replica 0)
+        owner = dp_rank - _first_owner(opt, mp.model)
+        slot.replica, slot.dir_replica = instance * dp_size + owner, instance
         slot.replica = tensor_parallel.replica_id(slot.replica, expert)
         slot.domain = "zero1"
         # ordered by its range of the param buffer (and so of the grad buffer, laid out alike)

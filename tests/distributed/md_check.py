@@ -81,6 +81,9 @@ def parse(argv=None):
     )
     ap.add_argument("--cp", type=int, default=1, help="context-parallel size (DP = W / cp)")
     ap.add_argument(
+        "--instances", type=int, default=1, help="--num-distributed-optimizer-instances (ZeRO-1)"
+    )
+    ap.add_argument(
         "--no-split-qkv", dest="split_qkv", action="store_false", help="--muon-no-split-qkv"
     )
     ap.add_argument(
@@ -146,6 +149,7 @@ def build(args, world):
         inner = Float16Module(model.config, model)
     dmodel, opt = testing.megatron_optimizer(
         inner, model.config, args.dist, world, args.optimizer,
+        instances=getattr(args, "instances", 1),  # (md_tp_check.py's jobs have none)
         lr=LR, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99, adam_eps=1e-8,
         clip_grad=getattr(args, "clip", CLIP),
         # LayerWise needs bf16=True even for fp32 params (layer_wise_optimizer.py,
@@ -313,13 +317,16 @@ def main():
     run_jobs(parse, check)
 
 
-def init_model_parallel(cp: int) -> None:
-    """megatron's model-parallel groups for one job: TP = PP = 1, context parallel ``cp``."""
+def init_model_parallel(cp: int, instances: int = 1) -> None:
+    """megatron's model-parallel groups for one job: TP = PP = 1, context parallel ``cp``,
+    ``instances`` distributed-optimizer instances."""
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(1, 1, context_parallel_size=cp)
+    ps.initialize_model_parallel(
+        1, 1, context_parallel_size=cp, num_distributed_optimizer_instances=instances
+    )
 
 
 def cp_share(x, y):
@@ -359,7 +366,7 @@ def check(args) -> dict:
 
     torch.use_deterministic_algorithms(args.deterministic)
     md = md_config(args)
-    init_model_parallel(args.cp)
+    init_model_parallel(args.cp, args.instances)
     model, dmodel, opt = build(args, world)
     # every weight's storage as megatron's DDP buffer holds it (the fused write goes in place)
     where = {n: (p.data_ptr(), p.stride()) for n, p in model.named_parameters()}
@@ -427,7 +434,8 @@ def check(args) -> dict:
             buf = torch.zeros(offs[-1], device=DEV)
             for main, (i, d) in sq.items():
                 inner.slots[main].md.norm_partials(d.view(-1).float(), buf[offs[i] : offs[i + 1]])
-            dist.all_reduce(buf)
+            if inner.reduce_group is not None:  # the ranks sharing the matrices (one instance)
+                dist.all_reduce(buf, group=inner.reduce_group)
             for main, (i, _) in sq.items():
                 r = inner.md_state[main]["radius"]
                 if r is not None and inner.slots[main].md.spec.sphere == "frobenius":

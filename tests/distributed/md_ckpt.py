@@ -89,6 +89,7 @@ def main():
 def run(ours, args) -> dict:
     """One job (fresh model and optimizers); the result rank 0 prints."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    md_check.init_model_parallel(args.cp, args.instances)
     from megatron.md import maps
     from megatron.md.enable import enable_md
     from megatron.md.leaves import leaf_optimizers

@@ -249,6 +249,46 @@ def _check_tensor_parallel(args) -> None:
         )
 
 
+def _check_optimizer_instances(args) -> None:
+    """``--num-distributed-optimizer-instances N``: megatron's ZeRO-1 optimizer sharded within N
+    slices of the data-parallel ranks, the gradients all-reduced between them. What megatron
+    asserts after the model is built (distributed_data_parallel.py:293, optimizer/__init__.py:835)
+    or with a traceback per rank (parallel_state.py:922, 1447), and what MD cannot sum over."""
+    n = args.num_distributed_optimizer_instances
+    if n == 1:
+        return
+    if n < 1:
+        _fail(f"--num-distributed-optimizer-instances={n} must be >= 1")
+    if not args.use_distributed_optimizer or args.use_layer_wise_distributed_optimizer:
+        _fail(
+            f"--num-distributed-optimizer-instances {n} splits megatron's ZeRO-1 distributed "
+            "optimizer (Adam with --use-distributed-optimizer) into instances; megatron-core "
+            "0.19.2 has it for nothing else (its layer-wise optimizer, which Muon and "
+            "--md-adam-layer-wise use, asserts one instance): drop the flag"
+        )
+    dp_cp = args.data_parallel_size * args.context_parallel_size
+    ep = args.expert_model_parallel_size
+    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    edp = args.world_size // (etp * ep * args.pipeline_model_parallel_size)
+    sizes = [("data-parallel (× context-parallel)", dp_cp)]
+    if args.num_experts:
+        sizes.append(("expert data-parallel", edp))
+    for what, size in sizes:
+        if size % n:
+            _fail(f"--num-distributed-optimizer-instances {n} does not divide the {size} "
+                  f"{what} ranks: give a divisor of {size}")  # fmt: skip
+    tp_split = [(args.tensor_model_parallel_size, dp_cp, "TP")]
+    if args.num_experts:
+        tp_split.append((etp, edp, "expert TP"))
+    for tp, size, what in tp_split if args.md_decoupling else ():
+        if tp > 1 and size // n > 1:  # (tensor_parallel.reduce_group)
+            _fail(
+                f"--num-distributed-optimizer-instances {n} with {what} {tp}: MD sums its "
+                f"partials over megatron's {what} × data-parallel group, which spans every "
+                f"instance; give N = {size} (one data-parallel rank per instance) or 1"
+            )
+
+
 def _fail(msg: str, node: bool = False):
     """Refuse (``node``: a refusal about this node's files, which another node may not share:
     each node's first rank says it too, errors.say)."""
@@ -365,6 +405,13 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
             # layer-wise Muon
             args.use_layer_wise_distributed_optimizer = True
             args.use_distributed_optimizer = False
+        if args.use_layer_wise_distributed_optimizer and not args.use_layer_wise_param_layout:
+            _fail(  # (seen by hand, 2026-11-29, MuonMD bf16 at 2 ranks)
+                "--no-use-layer-wise-param-layout: MuonMD steps as with the layout, but a "
+                "resume on megatron's layer-wise path without it is not exact (iteration 5's "
+                "loss 4.2460 where the run had 4.2495) and its checkpoints do not load with the "
+                "layout (megatron's KeyError): drop the flag"
+            )
         if args.optimizer_cuda_graph:
             _fail(
                 "--optimizer-cuda-graph captures megatron's whole optimizer step, where MD's "
@@ -387,6 +434,7 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
               "sphere radius)")  # fmt: skip
     if args.optimizer == "muon" and not args.md_decoupling and args.muon_scale_mode == "none":
         _fail("--muon-scale-mode none is only for --md-decoupling")
+    _check_optimizer_instances(args)
     if args.use_layer_wise_distributed_optimizer and args.save and not args.bf16:
         _fail(
             "Muon with --use-distributed-optimizer (layer-wise) saves checkpoints only for bf16 "
