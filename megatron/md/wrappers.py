@@ -48,13 +48,25 @@ def _load_fixed(base_cls, self, state_dict, fix_step: bool) -> None:
             st["step"] = torch.tensor(float(step))
 
 
+def set_states_without_step(base_cls, self, model_param, tensors: dict) -> None:
+    """megatron's ``_set_main_param_and_optimizer_states`` for a fully-reshardable load
+    (``--dist-ckpt-optim-fully-reshardable``): that load leaves out torch Adam's "step"
+    (distrib_optimizer.py:2392, ``load_parameter_state_from_fully_reshardable``) and the method
+    then reads every tensor of the param's state from it (:1223) — torch's Adam and MD's inner
+    optimizer keep the step as a tensor there: a KeyError at every resume. A missing step is
+    skipped as megatron skips a non-tensor; the step is restored after the load
+    (``_load_fixed``)."""
+    base_cls._set_main_param_and_optimizer_states(self, model_param, {"step": None, **tensors})
+
+
 def fix_plain_resume(optimizer) -> None:
-    """Resume of megatron's own (non-MD) DistributedOptimizer without TE/Apex, the three
+    """Resume of megatron's own (non-MD) DistributedOptimizer without TE/Apex, the four
     upstream bugs worked around here in one place: the load template needs torch AdamW state
     before the first step (``DistributedOptimizer.state_dict`` asserts one step value), the
     load writes into views of leaf params (``_set_main_param_and_optimizer_states``, needs
-    no_grad), and every param ends up sharing ONE step tensor, advanced N times per step
-    (``load_state_dict``, ``_set_main_param_and_optimizer_states``)."""
+    no_grad), every param ends up sharing ONE step tensor, advanced N times per step
+    (``load_state_dict``, ``_set_main_param_and_optimizer_states``), and a fully-reshardable
+    load has no step for that tensor (``set_states_without_step``)."""
     from megatron.core.optimizer import distrib_optimizer as dopt
 
     if dopt.HAVE_APEX_OR_TE:
@@ -77,9 +89,12 @@ def fix_plain_resume(optimizer) -> None:
         def load_state_dict(self, state_dict, _base=base):
             _load_fixed(_base, self, state_dict, fix_step=True)
 
-        o.__class__ = type(
-            f"Resumable{base.__name__}", (base,), {"load_state_dict": load_state_dict}
-        )
+        def set_states(self, model_param, tensors, _base=base):
+            set_states_without_step(_base, self, model_param, tensors)
+
+        methods = {"load_state_dict": load_state_dict,
+                   "_set_main_param_and_optimizer_states": set_states}  # fmt: skip
+        o.__class__ = type(f"Resumable{base.__name__}", (base,), methods)
 
 
 # ---- the MD wrapper classes' shared methods ----

@@ -24,7 +24,7 @@ from megatron.md.inner import MDInner, MDSlot
 from megatron.md.mains import main_params
 from megatron.md.roles import residual_write, split_blocks
 from megatron.md.sliced import SliceMD
-from megatron.md.wrappers import md_wrapper
+from megatron.md.wrappers import md_wrapper, set_states_without_step
 
 
 def _copy_main_params_to_model_params(self):
@@ -81,6 +81,9 @@ class MDDistributedOptimizer(DistributedOptimizer):
 
     _md_fix_step = True  # see wrappers.py
     _copy_main_params_to_model_params = _copy_main_params_to_model_params
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        set_states_without_step(DistributedOptimizer, self, model_param, tensors)
 
 
 def _first_owner(opt, model_param) -> int:

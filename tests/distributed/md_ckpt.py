@@ -3,6 +3,7 @@
     save:     train 2 steps, save (model + optimizer, dp_reshardable), train 3 more, write the
               final weights to DIR/final.pt (the uninterrupted run)
     load:     at any world size, load DIR/ckpt, train the same 3 steps, compare to final.pt
+              (``--plain``: megatron's own optimizer from DIR/plain, compared to plain_final.pt)
     continue: load a checkpoint saved WITHOUT MD (plain megatron optimizer) into an MD run:
               the weights must be unchanged and the MD state fresh (gains 1, radius = norm)
 
@@ -23,7 +24,7 @@ import md_check  # noqa: E402
 
 from megatron.md.config import MDConfig  # noqa: E402
 
-SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
+SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}  # (--sharding)
 
 
 def save(dmodel, opt, path: Path) -> None:
@@ -78,6 +79,13 @@ def parse(argv: list[str]):
     ap.add_argument("dir", type=Path)
     ap.add_argument("--md-gains", default="rowcol")
     ap.add_argument("--md-row-norms", default="row", help="embedding and LM-head rows")
+    ap.add_argument(
+        "--sharding",
+        default="dp_reshardable",
+        choices=["dp_reshardable", "fully_reshardable"],
+        help="the distributed optimizer's checkpoint format (--dist-ckpt-optim-fully-reshardable)",
+    )
+    ap.add_argument("--plain", action="store_true", help="load: megatron's optimizer, no MD")
     ours, rest = ap.parse_known_args(argv)
     return ours, md_check.parse(rest)
 
@@ -90,6 +98,7 @@ def run(ours, args) -> dict:
     """One job (fresh model and optimizers); the result rank 0 prints."""
     rank, world = dist.get_rank(), dist.get_world_size()
     md_check.init_model_parallel(args.cp, args.instances)
+    SHARDING["distrib_optim_sharding_type"] = ours.sharding
     from megatron.md import maps
     from megatron.md.enable import enable_md
     from megatron.md.leaves import leaf_optimizers
@@ -123,15 +132,24 @@ def run(ours, args) -> dict:
         save(dmodel2, opt2, ours.dir / "plain")
         if rank == 0:
             torch.save(full_params(model2), ours.dir / "plain.pt")
+        for x, y in batches[2:]:
+            md_check.step(dmodel2, opt2, x, y)
+        if rank == 0:
+            torch.save(full_params(model2), ours.dir / "plain_final.pt")
 
     elif ours.mode == "load":
         model, dmodel, opt = md_check.build(args, world)
-        enable_md(opt, [dmodel], md)
+        if ours.plain:  # megatron's own optimizer, resumable as pretrain_gpt.py makes it
+            from megatron.md.wrappers import fix_plain_resume
+
+            fix_plain_resume(opt)
+        else:
+            enable_md(opt, [dmodel], md)
         md_check.step(dmodel, opt, *batches[4])  # a step before loading must not leak through
-        out["has_md"] = load(dmodel, opt, ours.dir / "ckpt")
+        out["has_md"] = load(dmodel, opt, ours.dir / ("plain" if ours.plain else "ckpt"))
         for x, y in batches[2:]:
             md_check.step(dmodel, opt, x, y)
-        final = torch.load(ours.dir / "final.pt")
+        final = torch.load(ours.dir / ("plain_final.pt" if ours.plain else "final.pt"))
         out["worst_rel"] = max(
             float((p.detach().float() - final[n]).norm() / final[n].norm())
             for n, p in model.named_parameters()
