@@ -1117,11 +1117,19 @@ def test_tensor_and_pipeline_parallel_md_reshards_to_one_rank(tmp_path):
 def test_muown_trains_in_megatrons_layer_wise_optimizer(tmp_path):
     """--optimizer muown (the Muown baseline as the authors ran it) end to end: megatron's
     layer-wise Muon with the weight-normalized per-row step; the loss falls, the magnitudes are
-    checkpointed, and the saved W is g · v/‖v‖ row by row (bf16: one rounding)."""
-    flags = ["--train-iters=10", "--preset=tiny", "--optimizer=muown", "--lr=1e-3",
-             "--matrix-lr=2e-2", "--bf16"]  # fmt: skip
-    rows, save = pretrain(tmp_path, "muown", *flags)
+    checkpointed, and the saved W is g · v/‖v‖ row by row (bf16: one rounding); 12 iterations =
+    10 + a resume for 2, bit for bit (rank 1's Adam shard holds only the embedding, which keeps
+    no MD tensors and so gets no MD state back: the resume stopped, "has MD state, but none
+    for" it; MuonMD with --md-embedding-norm none hung there, rank 1 alone making MD state
+    afresh, a collective; checkpoint.load_md)."""
+    flags = ["--preset=tiny", "--optimizer=muown", "--lr=1e-3", "--matrix-lr=2e-2", "--bf16"]
+    rows, save = pretrain(tmp_path, "muown", "--train-iters=12", *flags)
     train = train_rows(rows)
+    part, _ = pretrain(tmp_path, "muown_resumed", "--train-iters=12", f"--load={save}",
+                       "--ckpt-step=10", *flags)  # fmt: skip
+    resumed = train_rows(part)
+    assert sorted(resumed) == [11, 12]
+    assert all(resumed[i]["lm loss"] == train[i]["lm loss"] for i in (11, 12))
     assert rows[0]["md_config"]["variant"] == "muown"
     assert train[10]["lm loss"] < 0.9 * train[1]["lm loss"]
     sd = read_checkpoint(save / "iter_0000010")

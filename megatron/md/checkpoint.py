@@ -237,16 +237,22 @@ def md_entry(self, model_sharded_state_dict) -> dict:
 
 def load_md(self, md: dict | None) -> None:
     inner = self.optimizer
-    loaded = (md or {}).get("state") or {}
     if not inner.slots:
         return
-    if not loaded:  # checkpoint without MD state: continual training from its weights
+    if md is None or not self.md_expect_state:  # a checkpoint without MD state: continual
+        # training from its weights (every rank alike: prepare_md_load read the checkpoint's
+        # keys; reinit_from_weights is collective)
         inner.reinit_from_weights()
         return
+    # a rank whose matrices keep no MD tensors (Muown's or --md-embedding-norm none's
+    # embedding) gets no "state" back: it loads nothing, and must not make state afresh
+    loaded = md.get("state") or {}
     check_same_config(md.get("config"), inner.md)
     with torch.no_grad():
         for key, main in self._md_keys.items():
             if key not in loaded:
+                if all(t is None for t in inner.md_state[main].values()):
+                    continue
                 raise ValueError(f"the checkpoint has MD state, but none for {key}")
             for name, t in inner.md_state[main].items():
                 got = loaded[key][name] if t is not None else None
