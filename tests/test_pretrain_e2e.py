@@ -648,6 +648,14 @@ def test_bad_checkpoints_are_named(runs, tmp_path):
     muon.no_load_optim = True
     assert check(md_ckpt, muon) is True
 
+    tp2 = copy.copy(args)  # megatron's RuntimeError after the build (checkpointing.py:2246)
+    tp2.tensor_model_parallel_size = 2
+    said = r"dp_reshardable format, which loads only at the \(TP, PP\) it was saved with, \(1, 1\)"
+    with pytest.raises(SystemExit, match=said + r" \(this run \(2, 1\)\)"):
+        check(md_ckpt, tp2)
+    tp2.no_load_optim = True
+    assert check(md_ckpt, tp2) is True
+
     plain = copy.copy(args)
     plain.md_decoupling = False
     with pytest.raises(SystemExit, match="--no-load-optim to start a plain optimizer"):
@@ -1050,8 +1058,11 @@ def test_tensor_parallel_follows_the_single_rank_run_on_cpu(tmp_path):
         # (bf16: Ŵ is megatron's main param, as for AdamMD bf16)
         ["--bf16", "--optimizer=muon", "--matrix-lr=2e-2", "--num-query-groups=2"],
         [],  # fp32: the direction is MD's own copy, saved as rectangles of the full matrix
+        # the same in megatron's ZeRO-1 optimizer, whose fully reshardable checkpoint format
+        # loads at another TP (its default, dp_reshardable, does not: refused by name)
+        ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"],
     ],
-    ids=["muon_md", "adam_md_fp32"],
+    ids=["muon_md", "adam_md_fp32", "adam_md_fp32_zero1"],
 )
 def test_tensor_parallel_md_resumes_exactly_and_reshards(tmp_path, method):
     """AdamMD and MuonMD (Q/K/V split; the full matrix orthogonalized, the MD recipe's
@@ -1059,7 +1070,8 @@ def test_tensor_parallel_md_resumes_exactly_and_reshards(tmp_path, method):
     at TP2·DP1 it repeats iterations 3-4 exactly; at TP1·DP2 (gains, radius and MuonMD's
     momentum are the full matrix's; Ŵ is megatron's main param with bf16, MD's fp32 copy saved
     in full-matrix coordinates otherwise) it follows within the TP1-vs-TP2 arithmetic (seen:
-    AdamMD 6e-6, 1.3e-4; MuonMD 3.8e-5, 3.5e-6; AdamMD fp32 1.1e-7, 7e-8 relative)."""
+    AdamMD 6e-6, 1.3e-4; MuonMD 3.8e-5, 3.5e-6; AdamMD fp32 1.1e-7, 7e-8 relative). The
+    replicated optimizer, or ZeRO-1 saving --dist-ckpt-optim-fully-reshardable."""
     ck = tmp_path / "ck"
     flags = ["--md-decoupling", "--train-iters=4", *method]
     full = tp_run(tmp_path, "full", 2, *flags, "--tensor-model-parallel-size=2", f"--save={ck}",

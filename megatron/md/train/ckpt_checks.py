@@ -243,6 +243,34 @@ def check_optimizer(path: str, saved_args, args) -> None:
     )  # fmt: skip
 
 
+def check_resharding(path: str, saved_args, common: dict, args) -> None:
+    """megatron's distributed optimizer loads its state at another (TP, PP) only from the
+    fully reshardable formats (training/checkpointing.py:2246, a RuntimeError after the model's
+    build naming a flag that is already the default)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if args.no_load_optim or args.finetune or not args.use_distributed_optimizer:
+        return
+    was = (getattr(saved_args, "tensor_model_parallel_size", 1),
+           getattr(saved_args, "pipeline_model_parallel_size", 1))  # fmt: skip
+    now = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    kind = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
+    if (
+        was == now
+        or kind is None
+        or kind in DistributedOptimizer.checkpoint_fully_reshardable_formats
+    ):
+        return
+    fail(
+        path,
+        f"its distributed-optimizer state is in megatron's {kind} format, which loads only at "
+        f"the (TP, PP) it was saved with, {was} (this run {now}): resume at TP {was[0]}, PP "
+        f"{was[1]} (the data-parallel size may change), or add --no-load-optim to continue "
+        "from its weights with a fresh optimizer. A run saving with "
+        "--dist-ckpt-optim-fully-reshardable can change TP and PP at a resume",
+    )
+
+
 def check_saved_optimizer(path: str, keys, common: dict, args) -> None:
     """A checkpoint saved with ``--no-save-optim`` holds no optimizer state (nor the LR
     schedule's): megatron's load failed on it with a KeyError, and an MD run was told it had
@@ -304,5 +332,6 @@ def check_all(ckpt: Checkpoint, args) -> bool:
     if saved is not None:
         check_shape(ckpt.path, saved, args)
         check_optimizer(ckpt.path, saved, args)
+        check_resharding(ckpt.path, saved, common, args)
     check_saved_optimizer(ckpt.path, ckpt.keys, common, args)
     return check_md(ckpt.path, ckpt.keys, args)
