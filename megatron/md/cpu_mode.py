@@ -95,6 +95,7 @@ _ALL_GATHER = getattr(torch.distributed, "all_gather", None)
 
 
 def _uneven(args, kwargs) -> bool:
+    """An ``all_gather(tensor_list, tensor, ...)`` call whose output tensors differ in shape."""
     out = kwargs.get("tensor_list", args[0] if args else None)
     return isinstance(out, list | tuple) and len({t.shape for t in out}) > 1
 

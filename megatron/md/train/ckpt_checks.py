@@ -1,7 +1,8 @@
 """The checkpoint a run resumes from, found and checked before megatron reads anything:
 which directory (``locate``: the tracker or ``--ckpt-step``), in which format, complete files,
-the same model shape, the same optimizer, MD state that matches ``--md-decoupling``, and the
-shards' checksums (``digest.py``). Each failure is a refusal naming the checkpoint and the way
+the same model shape, the same optimizer, a (TP, PP) layout its optimizer state's format
+loads at, MD state that matches ``--md-decoupling``, and the shards' checksums
+(``digest.py``). Each failure is a refusal naming the checkpoint and the way
 out; nothing on disk is touched."""
 
 from __future__ import annotations
