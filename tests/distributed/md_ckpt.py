@@ -24,19 +24,18 @@ import md_check  # noqa: E402
 
 from megatron.md.config import MDConfig  # noqa: E402
 
-SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}  # (--sharding)
 
-
-def save(dmodel, opt, path: Path) -> None:
+def save(dmodel, opt, path: Path, meta: dict) -> None:
+    """``meta``: the sharded state dict's metadata (the distributed optimizer's format)."""
     from megatron.core import dist_checkpointing
 
-    msd = dmodel.module.sharded_state_dict(metadata=SHARDING)
-    osd = opt.sharded_state_dict(msd, metadata=SHARDING)
+    msd = dmodel.module.sharded_state_dict(metadata=meta)
+    osd = opt.sharded_state_dict(msd, metadata=meta)
     path.mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save({"model": msd, "optimizer": osd}, str(path))
 
 
-def load(dmodel, opt, path: Path) -> bool:
+def load(dmodel, opt, path: Path, meta: dict) -> bool:
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -44,8 +43,8 @@ def load(dmodel, opt, path: Path) -> bool:
 
     keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     has_md = prepare_md_load(opt, keys, dist_checkpointing.load_common_state_dict(str(path)))
-    msd = dmodel.module.sharded_state_dict(metadata=SHARDING)
-    osd = opt.sharded_state_dict(msd, is_loading=True, metadata=SHARDING)
+    msd = dmodel.module.sharded_state_dict(metadata=meta)
+    osd = opt.sharded_state_dict(msd, is_loading=True, metadata=meta)
     sd = dist_checkpointing.load({"model": msd, "optimizer": osd}, str(path))
     dmodel.module.load_state_dict(sd["model"])
     opt.load_state_dict(sd["optimizer"])
@@ -98,7 +97,7 @@ def run(ours, args) -> dict:
     """One job (fresh model and optimizers); the result rank 0 prints."""
     rank, world = dist.get_rank(), dist.get_world_size()
     md_check.init_model_parallel(args.cp, args.instances)
-    SHARDING["distrib_optim_sharding_type"] = ours.sharding
+    meta = {"distrib_optim_sharding_type": ours.sharding}
     from megatron.md import maps
     from megatron.md.enable import enable_md
     from megatron.md.leaves import leaf_optimizers
@@ -120,7 +119,7 @@ def run(ours, args) -> dict:
         enable_md(opt, [dmodel], md)
         for x, y in batches[:2]:
             md_check.step(dmodel, opt, x, y)
-        save(dmodel, opt, ours.dir / "ckpt")
+        save(dmodel, opt, ours.dir / "ckpt", meta)
         for x, y in batches[2:]:
             md_check.step(dmodel, opt, x, y)
         if rank == 0:
@@ -129,7 +128,7 @@ def run(ours, args) -> dict:
         model2, dmodel2, opt2 = md_check.build(args, world)
         for x, y in batches[:2]:
             md_check.step(dmodel2, opt2, x, y)
-        save(dmodel2, opt2, ours.dir / "plain")
+        save(dmodel2, opt2, ours.dir / "plain", meta)
         if rank == 0:
             torch.save(full_params(model2), ours.dir / "plain.pt")
         for x, y in batches[2:]:
@@ -146,7 +145,7 @@ def run(ours, args) -> dict:
         else:
             enable_md(opt, [dmodel], md)
         md_check.step(dmodel, opt, *batches[4])  # a step before loading must not leak through
-        out["has_md"] = load(dmodel, opt, ours.dir / ("plain" if ours.plain else "ckpt"))
+        out["has_md"] = load(dmodel, opt, ours.dir / ("plain" if ours.plain else "ckpt"), meta)
         for x, y in batches[2:]:
             md_check.step(dmodel, opt, x, y)
         final = torch.load(ours.dir / ("plain_final.pt" if ours.plain else "final.pt"))
@@ -158,7 +157,7 @@ def run(ours, args) -> dict:
     else:  # continue: a checkpoint without MD state
         model, dmodel, opt = md_check.build(args, world)
         enable_md(opt, [dmodel], md)
-        out["has_md"] = load(dmodel, opt, ours.dir / "plain")
+        out["has_md"] = load(dmodel, opt, ours.dir / "plain", meta)
         plain = torch.load(ours.dir / "plain.pt")
         out["weights_changed"] = max(
             float((p.detach().float() - plain[n]).abs().max()) for n, p in model.named_parameters()

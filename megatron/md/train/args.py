@@ -270,21 +270,18 @@ def _check_optimizer_instances(args) -> None:
     ep = args.expert_model_parallel_size
     etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
     edp = args.world_size // (etp * ep * args.pipeline_model_parallel_size)
-    sizes = [("data-parallel (× context-parallel)", dp_cp)]
+    # (the ranks an instance splits, their name, the TP size MD's reduction folds in)
+    groups = [(dp_cp, "data-parallel (× context-parallel)", args.tensor_model_parallel_size, "TP")]
     if args.num_experts:
-        sizes.append(("expert data-parallel", edp))
-    for what, size in sizes:
+        groups.append((edp, "expert data-parallel", etp, "expert TP"))
+    for size, what, tp, tp_name in groups:
         if size % n:
             _fail(f"--num-distributed-optimizer-instances {n} does not divide the {size} "
                   f"{what} ranks: give a divisor of {size}")  # fmt: skip
-    tp_split = [(args.tensor_model_parallel_size, dp_cp, "TP")]
-    if args.num_experts:
-        tp_split.append((etp, edp, "expert TP"))
-    for tp, size, what in tp_split if args.md_decoupling else ():
-        if tp > 1 and size // n > 1:  # (tensor_parallel.reduce_group)
+        if args.md_decoupling and tp > 1 and size // n > 1:  # (tensor_parallel.reduce_group)
             _fail(
-                f"--num-distributed-optimizer-instances {n} with {what} {tp}: MD sums its "
-                f"partials over megatron's {what} × data-parallel group, which spans every "
+                f"--num-distributed-optimizer-instances {n} with {tp_name} {tp}: MD sums its "
+                f"partials over megatron's {tp_name} × data-parallel group, which spans every "
                 f"instance; give N = {size} (one data-parallel rank per instance) or 1"
             )
 
