@@ -1,6 +1,7 @@
 """enable_md in one process: bad settings are refused up front, MD timers are recorded."""
 
 import contextlib
+import copy
 import sys
 import traceback
 from pathlib import Path
@@ -316,3 +317,68 @@ def test_the_device_scalar_step_reads_nothing_back_to_the_host(optimizer):
             opt.step()
     assert reads and not any(reads), reads  # megatron's reads seen, none of MD's
     assert all(i.engine.steps == 4 for i in inners)
+
+
+def _vectors_only_inner(seed: int):
+    """MD's inner optimizer over 1-D parameters only: a ZeRO-1 or layer-wise shard that holds
+    no MD matrix (megatron's layer-wise path without its param layout puts the norms of rank 0
+    in one such optimizer)."""
+    from megatron.md.inner import MDInner
+
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(n, generator=g) for n in (8, 5)]
+    inner = MDInner([dict(params=params, lr=1e-2, betas=(0.9, 0.95))], MDConfig(), None)
+    inner.init_state()
+    return inner, params
+
+
+def _adam_steps(inner, params, n: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        inner.step()
+
+
+def test_a_shard_without_md_matrices_resumes_its_step_count():
+    """Its vectors' Adam steps with the engine's count, which a load took from the MD
+    matrices' state only: with none, the count went back to 0 and the first step after a
+    resume used step 1's bias correction (seen: `--md-adam-layer-wise
+    --no-use-layer-wise-param-layout` at 2 ranks, iteration 5's loss 2.998 where the run had
+    3.008). Resumed after 3 steps, the 4th step equals the uninterrupted run's bit for bit."""
+    run, p_run = _vectors_only_inner(0)
+    _adam_steps(run, p_run, 3, seed=1)
+    saved = copy.deepcopy(run.state_dict())  # a load keeps the tensors it is given
+    resumed, p_res = _vectors_only_inner(0)
+    with torch.no_grad():
+        for a, b in zip(p_res, p_run):
+            a.copy_(b)
+    resumed.load_state_dict(saved)
+    assert resumed.engine.steps == 3
+    _adam_steps(run, p_run, 1, seed=2)
+    _adam_steps(resumed, p_res, 1, seed=2)
+    assert all(torch.equal(a, b) for a, b in zip(p_res, p_run))
+
+
+def test_fresh_moments_restart_the_step_count():
+    """``--init-fresh-moments`` zeroes the moments and steps (the authors'
+    ``reset_optimizer_moments``, feat/scaling-sweeps core/optimizer/master.py, sets each group's
+    step to 0): MD's engine counts the steps on the host too, and its next step is step 1."""
+    from megatron.md.enable import enable_md
+    from megatron.md.leaves import leaf_optimizers
+    from megatron.md.train.continual import reset_moments
+
+    dmodel, opt = _build()
+    enable_md(opt, [dmodel], MDConfig())
+    x = torch.randint(0, 256, (2, 16))
+    for _ in range(3):
+        dmodel.zero_grad_buffer()
+        cpu_demo.lm_loss(dmodel, x, x).backward()
+        dmodel.finish_grad_sync()
+        opt.step()
+    inners = [o.optimizer for o in leaf_optimizers(opt) if hasattr(o.optimizer, "slots")]
+    assert inners and all(i.engine.steps == 3 for i in inners)
+    assert reset_moments(opt) > 0
+    assert all(i.engine.steps == 0 for i in inners)
+    opt.step()
+    assert all(int(st["step"]) == 1 for i in inners for st in i.state.values())

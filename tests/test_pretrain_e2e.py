@@ -656,6 +656,18 @@ def test_bad_checkpoints_are_named(runs, tmp_path):
     tp2.no_load_optim = True
     assert check(md_ckpt, tp2) is True
 
+    # layer-wise AdamMD across megatron's layer-wise param layout: megatron's KeyError after
+    # the build, both ways (seen at 2 ranks, 2026-11-29); Muon and MuonMD load across
+    lw = [copy.copy(args) for _ in range(2)]
+    for a, layout in zip(lw, (False, True)):
+        a.md_adam_layer_wise, a.use_layer_wise_param_layout = True, layout
+    said = r"saved with --no-use-layer-wise-param-layout and this run is on megatron's layer-w"
+    with pytest.raises(SystemExit, match=said + r"ise param layout.*--no-load-optim"):
+        ckpt_checks.check_param_layout(str(md_ckpt), *lw)
+    ckpt_checks.check_param_layout(str(md_ckpt), lw[0], lw[0])
+    lw[1].no_load_optim = True
+    ckpt_checks.check_param_layout(str(md_ckpt), *lw)
+
     plain = copy.copy(args)
     plain.md_decoupling = False
     with pytest.raises(SystemExit, match="--no-load-optim to start a plain optimizer"):

@@ -176,15 +176,6 @@ def test_bad_choice_names_the_flag(capsys, flag):
         # iteration 1 (seen, 2026-11-29; --step-batch-size-schedule ramps it)
         (["--rampup-batch-size", "2", "2", "40"], "--rampup-batch-size is parsed and not used"),
         (["--openai-gelu"], "--openai-gelu is parsed and read nowhere"),  # (likewise)
-        (
-            [
-                "--md-decoupling",
-                "--optimizer=muon",
-                "--use-distributed-optimizer",
-                "--no-use-layer-wise-param-layout",
-            ],
-            "--no-use-layer-wise-param-layout: MuonMD steps as with the layout, but a resume",
-        ),
         (["--init-model-with-meta-device"], "then makes the model's memory with torch's to_"),
         # every resume stopped (each seen by hand, 2026-11-29)
         (["--dist-ckpt-strictness=raise_all"], "reports its own checkpoints' rerun_state_"),

@@ -130,6 +130,9 @@ class MDInner(torch.optim.Optimizer):
                 if p not in self.slots:
                     yield i, p
 
+    def _vector_states(self) -> list[dict]:
+        return [self.state[p] for _, p in self._vectors()]
+
     def init_state(self, keep_base: bool = False) -> None:
         """Create all state now (megatron's checkpoint code needs it before the first step):
         zero moments, gains at 1, radii from the current weights (one reduction per domain).
@@ -147,8 +150,7 @@ class MDInner(torch.optim.Optimizer):
         if self.graph is not None:
             self.graph.drop()
         with self._uncounted():
-            self.engine.init_state(self._reduce, keep_base=keep_base)
-        self.engine.share_step([self.state[p] for _, p in self._vectors()])
+            self.engine.init_state(self._reduce, keep_base, self._vector_states())
 
     def reinit_from_weights(self) -> None:
         """MD state from the current main params, which hold W (continual training from a
@@ -163,10 +165,9 @@ class MDInner(torch.optim.Optimizer):
             for m in self.engine.members:
                 m.state = self.state[m.main]
                 m.md_state = self.md_state[m.main]
-            self.engine.rebind()
+            self.engine.rebind(self._vector_states())
             if self.graph is not None:
                 self.graph.drop()
-            self.engine.share_step([self.state[p] for _, p in self._vectors()])
 
     def load_state_dict(self, state_dict) -> None:
         """torch's load (it replaces the state tensors), then adopted by the engine; megatron

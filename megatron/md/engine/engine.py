@@ -213,18 +213,20 @@ class Engine:
                 reduce_fn(key, buf)
 
     # ---- state ----
-    def rebind(self) -> None:
+    def rebind(self, others: list[dict] = ()) -> None:
         """After anything replaced the members' tensors (a checkpoint load): copy them into
-        the groups' storage and view them again; the step count from the loaded state."""
+        the groups' storage and view them again; the step count from the loaded state of the
+        members and of ``others`` (the optimizer's vectors, stepped with this count: a rank
+        whose shard holds no MD matrix has only theirs)."""
         for g in self.groups:
             g.gains_changed()
             g.pending = None
             g.bind()
-        steps = [m.state.get("step") for m in self.members]
-        steps = [int(s) for s in steps if s is not None]  # CPU tensors: no device sync
-        if steps:
+        states = [m.state for m in self.members] + list(others)
+        steps = [int(s) for s in (st.get("step") for st in states) if s is not None]
+        if steps:  # CPU tensors (torch's and ours): no device sync
             self.steps = max(steps)
-        self.share_step([m.state for m in self.members])
+        self.share_step(states)
 
     def share_step(self, states: list[dict]) -> None:
         """Every state's ``step`` is this engine's one counter (checkpoints read it)."""
@@ -232,11 +234,12 @@ class Engine:
         for st in states:
             st["step"] = self.step_tensor
 
-    def init_state(self, reduce_fn, keep_base: bool = False) -> None:
+    def init_state(self, reduce_fn, keep_base: bool = False, others: list[dict] = ()) -> None:
         """Gains at 1, zero moments, radii from the directions as they are (one reduction);
-        ``keep_base``: the base's state and step as they are (continual training)."""
+        ``keep_base``: the base's state and step as they are (continual training); ``others``
+        share the step (``rebind``)."""
         if keep_base:  # the base's state a load just put in place: into the storage first
-            self.rebind()
+            self.rebind(others)
         one = {g: maps.raw_for_unit_gain(g.spec.gain_map) for g in self.groups}
         for g in self.groups:
             saved = {f: t.clone() for f, t in g.state.items()} if keep_base else None
@@ -253,7 +256,7 @@ class Engine:
                           absorb=keep_base)  # fmt: skip
         if not keep_base:
             self.steps = 0
-        self.share_step([m.state for m in self.members])
+        self.share_step([m.state for m in self.members] + list(others))
 
     # ---- the step ----
     def step(self, hps: dict[int, HParams], reduce_fn) -> None:

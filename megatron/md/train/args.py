@@ -402,13 +402,6 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
             # layer-wise Muon
             args.use_layer_wise_distributed_optimizer = True
             args.use_distributed_optimizer = False
-        if args.use_layer_wise_distributed_optimizer and not args.use_layer_wise_param_layout:
-            _fail(  # (seen by hand, 2026-11-29, MuonMD bf16 at 2 ranks)
-                "--no-use-layer-wise-param-layout: MuonMD steps as with the layout, but a "
-                "resume on megatron's layer-wise path without it is not exact (iteration 5's "
-                "loss 4.2460 where the run had 4.2495) and its checkpoints do not load with the "
-                "layout (megatron's KeyError): drop the flag"
-            )
         if args.optimizer_cuda_graph:
             _fail(
                 "--optimizer-cuda-graph captures megatron's whole optimizer step, where MD's "

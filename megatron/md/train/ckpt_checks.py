@@ -1,9 +1,9 @@
 """The checkpoint a run resumes from, found and checked before megatron reads anything:
 which directory (``locate``: the tracker or ``--ckpt-step``), in which format, complete files,
 the same model shape, the same optimizer, a (TP, PP) layout its optimizer state's format
-loads at, MD state that matches ``--md-decoupling``, and the shards' checksums
-(``digest.py``). Each failure is a refusal naming the checkpoint and the way
-out; nothing on disk is touched."""
+loads at, the param layout layer-wise AdamMD saved with, MD state that matches
+``--md-decoupling``, and the shards' checksums (``digest.py``). Each failure is a refusal
+naming the checkpoint and the way out; nothing on disk is touched."""
 
 from __future__ import annotations
 
@@ -272,6 +272,34 @@ def check_resharding(path: str, saved_args, common: dict, args) -> None:
     )
 
 
+def check_param_layout(path: str, saved_args, args) -> None:
+    """Layer-wise AdamMD keeps its 1-D parameters in a distributed optimizer of their own with
+    megatron's layer-wise param layout and in the layer-wise optimizer without it
+    (core/optimizer/__init__.py, ``use_separate_distributed_optimizer``): their state does not
+    load across (megatron's KeyError after the build, seen both ways at 2 ranks). Muon and
+    MuonMD load across (seen both ways)."""
+    if args.no_load_optim or args.finetune or not getattr(args, "md_adam_layer_wise", False):
+        return
+    was = getattr(saved_args, "use_layer_wise_param_layout", True)
+    if (
+        not getattr(saved_args, "md_adam_layer_wise", False)
+        or was == args.use_layer_wise_param_layout
+    ):
+        return
+
+    def how(layout: bool) -> str:
+        return ("on megatron's layer-wise param layout (the default)" if layout
+                else "with --no-use-layer-wise-param-layout")  # fmt: skip
+
+    fail(
+        path,
+        f"it was saved {how(was)} and this run is {how(args.use_layer_wise_param_layout)}: "
+        "layer-wise AdamMD keeps its 1-D parameters' state in another optimizer with the "
+        "layout than without it. Resume as it was saved, or add --no-load-optim to continue "
+        "from its weights with a fresh optimizer",
+    )
+
+
 def check_saved_optimizer(path: str, keys, common: dict, args) -> None:
     """A checkpoint saved with ``--no-save-optim`` holds no optimizer state (nor the LR
     schedule's): megatron's load failed on it with a KeyError, and an MD run was told it had
@@ -334,5 +362,6 @@ def check_all(ckpt: Checkpoint, args) -> bool:
         check_shape(ckpt.path, saved, args)
         check_optimizer(ckpt.path, saved, args)
         check_resharding(ckpt.path, saved, common, args)
+        check_param_layout(ckpt.path, saved, args)
     check_saved_optimizer(ckpt.path, ckpt.keys, common, args)
     return check_md(ckpt.path, ckpt.keys, args)

@@ -43,6 +43,8 @@ def reset_moments(optimizer) -> int:
         for group in inner.param_groups:
             if "step" in group:  # megatron keeps Adam's step per group for some optimizers
                 group["step"] = 0
+        if hasattr(inner, "rebind"):  # MD's inner: its engine counts the steps on the host
+            inner.rebind()
     return n
 
 
