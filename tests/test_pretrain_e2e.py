@@ -645,6 +645,7 @@ def test_bad_checkpoints_are_named(runs, tmp_path):
     with pytest.raises(SystemExit, match=r"trained with AdamMD \(--optimizer adam\) and this run "
                        r"is MuonMD \(--optimizer muon\).*--no-load-optim"):  # fmt: skip
         check(md_ckpt, muon)
+    muon_optim = copy.copy(muon)
     muon.no_load_optim = True
     assert check(md_ckpt, muon) is True
 
@@ -683,6 +684,12 @@ def test_bad_checkpoints_are_named(runs, tmp_path):
     torch_fmt = ckpt_checks.Checkpoint(str(md_ckpt), "torch")
     with pytest.raises(SystemExit, match="is a --ckpt-format torch checkpoint, and MD runs"):
         ckpt_checks.check_all(torch_fmt, args)
+
+    # a refusal names the flag that gave the checkpoint (it said --load for --init-from's)
+    named = ckpt_checks.locate(str(md_ckpt.parent), 10, flag="--init-from")
+    with pytest.raises(SystemExit, match=r"error: --init-from: checkpoint .*iter_0000010: it was "
+                       "trained with AdamMD"):  # fmt: skip
+        ckpt_checks.check_all(named, muon_optim)
 
 
 def check_saved_without_optimizer(ckpt: Path) -> None:

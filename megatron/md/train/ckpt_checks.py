@@ -39,8 +39,14 @@ class Checkpoint:
     """torch_dist: its common (non-tensor) state, args included (filled by ``check_all``)."""
 
 
+#: the flag that named each checkpoint ``locate`` found (--load, --init-from,
+#: --pretrained-checkpoint): a refusal says which
+_NAMED_BY: dict[str, str] = {}
+
+
 def fail(path: str, msg: str):
-    errors.fail(f"--load: checkpoint {path}: {msg}; nothing was read or changed")
+    flag = _NAMED_BY.get(path, "--load")
+    errors.fail(f"{flag}: checkpoint {path}: {msg}; nothing was read or changed")
 
 
 def iterations(load: str) -> list[int]:
@@ -153,6 +159,7 @@ def locate(load: str, step: int | None = None, flag: str = "--load") -> Checkpoi
                         f"cut while writing it?): {resumable(load)}")  # fmt: skip
     path = os.path.join(load, name)
     if fmt := saved_format(path):
+        _NAMED_BY[path] = flag
         return Checkpoint(path, fmt)
     errors.fail(
         f"{flag} {load}: {path} is missing or not a complete checkpoint (neither torch_dist's "

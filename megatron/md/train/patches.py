@@ -332,7 +332,13 @@ def wrap_load(orig, run: Run):
         from megatron.md.wrappers import begin_model_load, finish_model_load
 
         args = get_args()
-        ckpt = ckpt_checks.locate(args.load, args.ckpt_step) if args.load else None
+        # _load_init calls this load again with --load set to --init-from's directory
+        flag = (
+            "--init-from"
+            if args.load and args.load == getattr(args, "init_from", None)
+            else "--load"
+        )
+        ckpt = ckpt_checks.locate(args.load, args.ckpt_step, flag) if args.load else None
         if ckpt is None and getattr(args, "init_from", None):  # first start of a continual run
             return _load_init(load, model, optimizer, *a, **kw)
         if ckpt is None and args.pretrained_checkpoint:  # megatron's finetuning start: it takes
