@@ -37,15 +37,13 @@ class Checkpoint:
     ``check_complete``)."""
     common: dict | None = None
     """torch_dist: its common (non-tensor) state, args included (filled by ``check_all``)."""
+    flag: str = "--load"
+    """The flag that gave it (--load, --init-from, --pretrained-checkpoint): refusals say it."""
 
 
-#: the flag that named each checkpoint ``locate`` found (--load, --init-from,
-#: --pretrained-checkpoint): a refusal says which
-_NAMED_BY: dict[str, str] = {}
-
-
-def fail(path: str, msg: str):
-    flag = _NAMED_BY.get(path, "--load")
+def fail(where: str | Checkpoint, msg: str):
+    """A refusal of the checkpoint ``where`` (its path: named by --load), naming its flag."""
+    flag, path = (where.flag, where.path) if isinstance(where, Checkpoint) else ("--load", where)
     errors.fail(f"{flag}: checkpoint {path}: {msg}; nothing was read or changed")
 
 
@@ -159,8 +157,7 @@ def locate(load: str, step: int | None = None, flag: str = "--load") -> Checkpoi
                         f"cut while writing it?): {resumable(load)}")  # fmt: skip
     path = os.path.join(load, name)
     if fmt := saved_format(path):
-        _NAMED_BY[path] = flag
-        return Checkpoint(path, fmt)
+        return Checkpoint(path, fmt, flag=flag)
     errors.fail(
         f"{flag} {load}: {path} is missing or not a complete checkpoint (neither torch_dist's "
         f".metadata nor torch's mp_rank_* files): {resumable(load, name)}; nothing was read or "
@@ -175,11 +172,11 @@ def check_format(ckpt: Checkpoint, args) -> None:
         return
     if args.md_decoupling:
         fail(
-            ckpt.path,
+            ckpt,
             f"it is a --ckpt-format {ckpt.format} checkpoint, and MD runs save and load their "
             "state in torch_dist only (--ckpt-format torch_dist, the default)",
         )
-    fail(ckpt.path, f"it is a --ckpt-format {ckpt.format} checkpoint; this run reads "
+    fail(ckpt, f"it is a --ckpt-format {ckpt.format} checkpoint; this run reads "
                     f"--ckpt-format {args.ckpt_format}: give the checkpoint's format")  # fmt: skip
 
 
@@ -192,7 +189,7 @@ def check_complete(ckpt: Checkpoint) -> None:
     try:
         meta = FileSystemReader(path).read_metadata()
     except Exception as e:
-        fail(path, f".metadata is unreadable ({type(e).__name__}: {e})")
+        fail(ckpt, f".metadata is unreadable ({type(e).__name__}: {e})")
     need: dict[str, int] = {}
     for info in (meta.storage_data or {}).values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
@@ -201,11 +198,11 @@ def check_complete(ckpt: Checkpoint) -> None:
         have = os.path.getsize(f) if os.path.isfile(f) else None
         if have is None or have < size:
             what = "is missing" if have is None else f"is {have} bytes, its metadata needs {size}"
-            fail(path, f"{rel} {what} (truncated checkpoint)")
+            fail(ckpt, f"{rel} {what} (truncated checkpoint)")
     ckpt.keys = dict(meta.state_dict_metadata)
 
 
-def check_shape(path: str, saved_args, args) -> None:
+def check_shape(where: str | Checkpoint, saved_args, args) -> None:
     diff = [
         f"{k}: checkpoint {getattr(saved_args, k)!r}, this run {getattr(args, k)!r}"
         for k in SHAPE_ARGS
@@ -214,7 +211,7 @@ def check_shape(path: str, saved_args, args) -> None:
         and getattr(saved_args, k) != getattr(args, k)
     ]
     if diff:
-        fail(path, "it is a model of another shape (" + "; ".join(diff) + ")")
+        fail(where, "it is a model of another shape (" + "; ".join(diff) + ")")
 
 
 def optimizer_name(a) -> str:
@@ -231,7 +228,7 @@ def optimizer_name(a) -> str:
     return base + "MD"
 
 
-def check_optimizer(path: str, saved_args, args) -> None:
+def check_optimizer(where: str | Checkpoint, saved_args, args) -> None:
     """Optimizer state continues only under the optimizer that made it: a change (Adam ↔ Muon,
     MD's variant, layer-wise AdamMD) is named as such, with the ways out. Plain ↔ MD is
     ``check_md``'s (continual training has its own flag)."""
@@ -242,7 +239,7 @@ def check_optimizer(path: str, saved_args, args) -> None:
     if was == now or md[0] != md[1]:
         return
     fail(
-        path,
+        where,
         f"it was trained with {was} (--optimizer {saved_args.optimizer}) and this run is {now} "
         f"(--optimizer {args.optimizer}): {was}'s optimizer state does not continue as {now}'s. "
         "Add --no-load-optim to start this optimizer fresh from its weights"
@@ -251,7 +248,7 @@ def check_optimizer(path: str, saved_args, args) -> None:
     )  # fmt: skip
 
 
-def check_resharding(path: str, saved_args, common: dict, args) -> None:
+def check_resharding(where: str | Checkpoint, saved_args, common: dict, args) -> None:
     """megatron's distributed optimizer loads its state at another (TP, PP) only from the
     fully reshardable formats (training/checkpointing.py:2246, a RuntimeError after the model's
     build naming a flag that is already the default)."""
@@ -270,7 +267,7 @@ def check_resharding(path: str, saved_args, common: dict, args) -> None:
     ):
         return
     fail(
-        path,
+        where,
         f"its distributed-optimizer state is in megatron's {kind} format, which loads only at "
         f"the (TP, PP) it was saved with, {was} (this run {now}): resume at TP {was[0]}, PP "
         f"{was[1]} (the data-parallel size may change), or add --no-load-optim to continue "
@@ -279,7 +276,7 @@ def check_resharding(path: str, saved_args, common: dict, args) -> None:
     )
 
 
-def check_param_layout(path: str, saved_args, args) -> None:
+def check_param_layout(where: str | Checkpoint, saved_args, args) -> None:
     """Layer-wise AdamMD keeps its 1-D parameters in a distributed optimizer of their own with
     megatron's layer-wise param layout and in the layer-wise optimizer without it
     (core/optimizer/__init__.py, ``use_separate_distributed_optimizer``): their state does not
@@ -299,7 +296,7 @@ def check_param_layout(path: str, saved_args, args) -> None:
                 else "with --no-use-layer-wise-param-layout")  # fmt: skip
 
     fail(
-        path,
+        where,
         f"it was saved {how(was)} and this run is {how(args.use_layer_wise_param_layout)}: "
         "layer-wise AdamMD keeps its 1-D parameters' state in another optimizer with the "
         "layout than without it. Resume as it was saved, or add --no-load-optim to continue "
@@ -307,7 +304,7 @@ def check_param_layout(path: str, saved_args, args) -> None:
     )
 
 
-def check_saved_optimizer(path: str, keys, common: dict, args) -> None:
+def check_saved_optimizer(where: str | Checkpoint, keys, common: dict, args) -> None:
     """A checkpoint saved with ``--no-save-optim`` holds no optimizer state (nor the LR
     schedule's): megatron's load failed on it with a KeyError, and an MD run was told it had
     been trained without MD."""
@@ -316,7 +313,7 @@ def check_saved_optimizer(path: str, keys, common: dict, args) -> None:
     if "optimizer" in common or any(k.startswith("optimizer.") for k in keys):
         return
     fail(
-        path,
+        where,
         "it holds no optimizer state (saved with --no-save-optim): add --no-load-optim to "
         "continue from its weights with a fresh optimizer (the LR schedule continues at its "
         "iteration"
@@ -325,20 +322,20 @@ def check_saved_optimizer(path: str, keys, common: dict, args) -> None:
     )  # fmt: skip
 
 
-def check_md(path: str, keys, args) -> bool:
+def check_md(where: str | Checkpoint, keys, args) -> bool:
     """Whether the checkpoint has MD state; refuses a silent switch between MD and plain."""
     has_md = any(MD_KEY_PREFIX in k for k in keys)
     loads_optim = not (args.no_load_optim or args.finetune)
     if has_md and not args.md_decoupling and loads_optim:
         fail(
-            path,
+            where,
             "it was trained with --md-decoupling (its optimizer state belongs to the "
             "directions, not the weights). Add --md-decoupling with the same --md-* flags to "
             "continue it, or --no-load-optim to start a plain optimizer from its weights",
         )
     if not has_md and args.md_decoupling and loads_optim and not args.md_from_plain_checkpoint:
         fail(
-            path,
+            where,
             "it has no MD state (trained without --md-decoupling). For continual training "
             "add --md-from-plain-checkpoint (keeps its optimizer moments; MD state from its "
             "weights: radius = their norm, gains 1) or --no-load-optim (fresh optimizer)",
@@ -362,13 +359,13 @@ def check_all(ckpt: Checkpoint, args) -> bool:
     try:
         ckpt.common = dist_checkpointing.load_common_state_dict(ckpt.path)
     except Exception as e:
-        fail(ckpt.path, f"its common state is unreadable ({type(e).__name__}: {e})")
+        fail(ckpt, f"its common state is unreadable ({type(e).__name__}: {e})")
     common = ckpt.common if isinstance(ckpt.common, dict) else {}
     saved = common.get("args")
     if saved is not None:
-        check_shape(ckpt.path, saved, args)
-        check_optimizer(ckpt.path, saved, args)
-        check_resharding(ckpt.path, saved, common, args)
-        check_param_layout(ckpt.path, saved, args)
-    check_saved_optimizer(ckpt.path, ckpt.keys, common, args)
-    return check_md(ckpt.path, ckpt.keys, args)
+        check_shape(ckpt, saved, args)
+        check_optimizer(ckpt, saved, args)
+        check_resharding(ckpt, saved, common, args)
+        check_param_layout(ckpt, saved, args)
+    check_saved_optimizer(ckpt, ckpt.keys, common, args)
+    return check_md(ckpt, ckpt.keys, args)

@@ -362,7 +362,7 @@ def wrap_load(orig, run: Run):
             try:
                 prepare_md_load(optimizer, ckpt.keys, ckpt.common)
             except ValueError as e:
-                ckpt_checks.fail(ckpt.path, str(e))
+                ckpt_checks.fail(ckpt, str(e))
         if md:
             begin_model_load(optimizer)
         try:
