@@ -470,6 +470,12 @@ def test_a_gpu_job_stops_and_cpu_mode_on_purpose_runs(capsys, monkeypatch):
             "drop --grad-reduce-in-bf16",
         ),  # fmt: skip
         (["--md-decoupling", "--md-adam-layer-wise", "--optimizer=muon"], "needs --optimizer adam"),
+        # read again at every resume from --load: a requeue lost its optimizer state (2026-11-29)
+        (
+            ["--init-from=/x", "--load=/y", "--no-load-optim"],
+            "--init-from with --no-load-optim: megatron reads it at every resume of this run",
+        ),
+        (["--init-from=/x", "--load=/y", "--finetune"], "and restart at iteration 0); drop it"),
         (
             [
                 "--md-decoupling",

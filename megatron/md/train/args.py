@@ -469,6 +469,21 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
     if args.init_from:
         if not args.load:
             _fail("--init-from needs --load (this run's own directory, where it resumes)")
+        # both are read again at every resume from --load (a requeue): its own optimizer state
+        # would be dropped, and --finetune would restart it at iteration 0
+        for flag, instead in (
+            ("no_load_optim", "use --init-weights-only for a fresh optimizer"),
+            (
+                "finetune",
+                "drop it: --init-from starts at iteration 0, and --init-weights-only "
+                "takes only the weights",
+            ),
+        ):
+            if getattr(args, flag):
+                _fail(f"--init-from with --{flag.replace('_', '-')}: megatron reads it at every "
+                      "resume of this run from --load too (a requeue would drop its optimizer "
+                      f"state{' and restart at iteration 0' if flag == 'finetune' else ''}); "
+                      f"{instead}")  # fmt: skip
         from megatron.md.train.ckpt_checks import locate
 
         found = locate(args.init_from, flag="--init-from")

@@ -42,8 +42,12 @@ class Checkpoint:
 
 
 def fail(where: str | Checkpoint, msg: str):
-    """A refusal of the checkpoint ``where`` (its path: named by --load), naming its flag."""
+    """A refusal of the checkpoint ``where`` (its path: named by --load), naming its flag.
+    The ways out say ``--no-load-optim``; for ``--init-from`` that is ``--init-weights-only``
+    (patches._load_init reads the one as the other, but the docs name only the latter)."""
     flag, path = (where.flag, where.path) if isinstance(where, Checkpoint) else ("--load", where)
+    if flag == "--init-from":
+        msg = msg.replace("--no-load-optim", "--init-weights-only")
     errors.fail(f"{flag}: checkpoint {path}: {msg}; nothing was read or changed")
 
 
