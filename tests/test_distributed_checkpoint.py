@@ -1,6 +1,7 @@
 """MD state through megatron-core's torch_dist checkpoints (tests/distributed/md_ckpt.py):
-save at 2 ranks after 2 steps, load at 1/2/4 ranks, the next 3 steps equal the uninterrupted
-run; a checkpoint without MD state loads into an MD run with the model unchanged."""
+save at 2 ranks after 2 steps, load at 1/2/4 ranks into a model of another init, the next 3
+steps equal the uninterrupted run; a checkpoint without MD state loads into an MD run with the
+model unchanged."""
 
 import re
 
@@ -35,7 +36,9 @@ LOADS = {
     "zero1-fp32": (1, 2, 4),
     "zero1-bf16": (4,),
     "zero1-moe": (4,),
-    "layerwise-muon-bf16": (4,),
+    # at 2 ranks exact: the load's model is another init, whose radius gave MuonMD's update
+    # scale after a load before (0.0022 relative after 3 steps, within the bf16 tolerance at 4)
+    "layerwise-muon-bf16": (2, 4),
     "replicated-fp32": (4,),
     "zero1-instances": (4,),  # two ranks per instance
     "zero1-bf16-fully-reshardable": (1, 2),

@@ -525,6 +525,60 @@ def test_a_rewind_is_made_once_and_its_requeue_continues(runs, tmp_path):
     assert tree(d / "iter_0000020") == new_20
 
 
+def test_a_fresh_optimizer_is_made_once_and_its_requeue_loads_what_it_saved(runs, tmp_path):
+    """``--no-load-optim`` in the run's own --save (the way out our refusals give for optimizer
+    state that cannot continue) starts a fresh optimizer at iteration 10 and leaves a note
+    (megatron/md/train/freshoptim.py); the run saves 12 (``--exit-interval 12``). Its requeue,
+    started with the same flags as the launcher does, loads 12's optimizer state: iterations 13
+    and 14 equal those of the run that went on without a stop (MuonMD; the requeue dropped it
+    before: by hand, 4.909 where the uninterrupted run had 4.837; and Muon's update scale came
+    from the random init's radius, not the loaded one: 4.837245 for 4.837232). The job submitted
+    again by hand with the same flags is refused at start-up, the run as it was."""
+    import shutil
+
+    d, u = tmp_path / "run", tmp_path / "on"
+    for x in (d, u):
+        shutil.copytree(runs["muon_md"][1] / "iter_0000010", x / "iter_0000010")
+        (x / "latest_checkpointed_iteration.txt").write_text("10")
+
+    def launch(name: str, x: Path, restarts: str, *extra: str) -> subprocess.CompletedProcess:
+        cmd, env = command(
+            tmp_path,
+            name,
+            "--train-iters=14",
+            f"--load={x}",
+            f"--save={x}",
+            "--save-interval=2",
+            "--no-load-optim",
+            *RUNS["muon_md"],
+            *extra,
+        )
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                              env={**env, "SLURM_RESTART_COUNT": restarts})  # fmt: skip
+
+    outs = {}
+    for name, x, restarts, extra in (("on", u, "0", ()), ("fresh", d, "0", ("--exit-interval=12",)),
+                                     ("requeued", d, "1", ())):  # fmt: skip
+        out = launch(name, x, restarts, *extra)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        outs[name] = out.stdout
+    assert json.loads((d / "md_fresh_optimizer.json").read_text())["iteration"] == 10
+    assert ("[megatron-md] requeued: iteration 12 was saved by this job after its fresh "
+            "optimizer at 10: its optimizer state is loaded") in outs["requeued"]  # fmt: skip
+    rows = {n: train_rows([json.loads(ln) for ln in (tmp_path / f"{n}.jsonl").open()])
+            for n in outs}  # fmt: skip
+    assert sorted(rows["fresh"]) == [11, 12] and sorted(rows["requeued"]) == [13, 14]
+    assert [rows["requeued"][i]["lm loss"] for i in (13, 14)] == [
+        rows["on"][i]["lm loss"] for i in (13, 14)
+    ]
+    saved = tree(d / "iter_0000014")
+    last = refusal(launch("again", d, "0"))
+    assert last.startswith(f"pretrain_gpt.py: error: --no-load-optim: {d} started a fresh "
+                           "optimizer at iteration 10 already ("), last  # fmt: skip
+    assert "has saved its state up to iteration 14 since" in last
+    assert tree(d / "iter_0000014") == saved and not (tmp_path / "again.jsonl").exists()
+
+
 def test_a_run_whose_save_directory_is_in_use_stops_before_training(runs, tmp_path):
     """A second run in a --save another run is saving in (a job submitted twice) would write
     over its checkpoints: it stops at start-up in one line naming the holder (rank 0 of the

@@ -129,8 +129,9 @@ def split_qkv(args) -> bool:
     return args.split_qkv and args.optimizer == "muon"
 
 
-def build(args, world):
-    """A DDP-wrapped tiny GPT and megatron's optimizer for it (not yet MD)."""
+def build(args, world, seed: int = 11):
+    """A DDP-wrapped tiny GPT (initialized from ``seed``) and megatron's optimizer for it (not
+    yet MD)."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.module import Float16Module
 
@@ -139,7 +140,7 @@ def build(args, world):
         tp = max(
             ps.get_tensor_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
         )
-    model = testing.tiny_gpt(11, 32, 2, 16, experts=args.experts).to(DEV)
+    model = testing.tiny_gpt(seed, 32, 2, 16, experts=args.experts).to(DEV)
     # built with CP 1 (the local attention refuses more), run with megatron's CP groups: RoPE
     # sizes its table from the config's CP size and slices it by the CP group
     model.config.context_parallel_size = ps.get_context_parallel_world_size()

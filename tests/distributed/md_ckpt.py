@@ -2,7 +2,8 @@
 
     save:     train 2 steps, save (model + optimizer, dp_reshardable), train 3 more, write the
               final weights to DIR/final.pt (the uninterrupted run)
-    load:     at any world size, load DIR/ckpt, train the same 3 steps, compare to final.pt
+    load:     at any world size, into a model of another init (seed), load DIR/ckpt, train the
+              same 3 steps, compare to final.pt
               (``--plain``: megatron's own optimizer from DIR/plain, compared to plain_final.pt)
     continue: load a checkpoint saved WITHOUT MD (plain megatron optimizer) into an MD run:
               the weights must be unchanged and the MD state fresh (gains 1, radius = norm)
@@ -137,7 +138,9 @@ def run(ours, args) -> dict:
             torch.save(full_params(model2), ours.dir / "plain_final.pt")
 
     elif ours.mode == "load":
-        model, dmodel, opt = md_check.build(args, world)
+        # another init (another seed): what it made (MD's radius at enable_md, Muon's update
+        # scale from it) must not leak through the load
+        model, dmodel, opt = md_check.build(args, world, seed=12)
         if ours.plain:  # megatron's own optimizer, resumable as pretrain_gpt.py makes it
             from megatron.md.wrappers import fix_plain_resume
 

@@ -22,7 +22,7 @@ nothing) ranks owning different matrices line up.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -213,15 +213,20 @@ class Engine:
                 reduce_fn(key, buf)
 
     # ---- state ----
-    def rebind(self, others: list[dict] = ()) -> None:
+    def rebind(self, others: Sequence[dict] = ()) -> None:
         """After anything replaced the members' tensors (a checkpoint load): copy them into
         the groups' storage and view them again; the step count from the loaded state of the
         members and of ``others`` (the optimizer's vectors, stepped with this count: a rank
-        whose shard holds no MD matrix has only theirs)."""
+        whose shard holds no MD matrix has only theirs). Muon's update scale from the loaded
+        radius: it kept the one of the radius the state was built with (the random init's
+        norm, under ``--md-radius init``), which a resume matched only when the init did —
+        not after a fresh optimizer's start from trained weights (``--no-load-optim``), nor
+        into a model of another seed."""
         for g in self.groups:
             g.gains_changed()
             g.pending = None
             g.bind()
+            g.set_muon_scale(g.radius)
         states = [m.state for m in self.members] + list(others)
         steps = [int(s) for s in (st.get("step") for st in states) if s is not None]
         if steps:  # CPU tensors (torch's and ours): no device sync
@@ -234,7 +239,7 @@ class Engine:
         for st in states:
             st["step"] = self.step_tensor
 
-    def init_state(self, reduce_fn, keep_base: bool = False, others: list[dict] = ()) -> None:
+    def init_state(self, reduce_fn, keep_base: bool = False, others: Sequence[dict] = ()) -> None:
         """Gains at 1, zero moments, radii from the directions as they are (one reduction);
         ``keep_base``: the base's state and step as they are (continual training); ``others``
         share the step (``rebind``)."""

@@ -450,7 +450,7 @@ class Group:
             self.radius = None
             for m in self.members:
                 m.md_state["radius"] = None
-            self._set_muon_scale(None)
+            self.set_muon_scale(None)
             return
         cur = norm_tot.sqrt()
         if spec.radius == "init":
@@ -472,11 +472,12 @@ class Group:
             self.gains_changed()
         if spec.radius != "init":
             self._rescale(self.radius / cur)
-        self._set_muon_scale(self.radius)
+        self.set_muon_scale(self.radius)
 
-    def _set_muon_scale(self, radius) -> None:
+    def set_muon_scale(self, radius) -> None:
         """Muon's update scale of each matrix and Q/K/V block (B, blocks), kept on the device
-        (the radius does not change, so neither does the scale)."""
+        (the radius does not change, so neither does the scale; a load that replaces it sets
+        it again: ``Engine.rebind``)."""
         self._scale_follows_norm = False
         if self.base.name != "muon":
             return

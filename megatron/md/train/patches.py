@@ -319,8 +319,8 @@ def wrap_optimizer(orig, run: Run):
 def wrap_load(orig, run: Run):
     """Before megatron reads a checkpoint: find and check it (ckpt_checks), MD state against
     the flags; after: non-finite values refused, MD state made from the weights where none
-    loaded, a rewind's tracker (rewind.mark). ``--init-from`` starts a continual run from
-    another run's checkpoint."""
+    loaded, a rewind's tracker (rewind.mark), a fresh optimizer's note (freshoptim.mark).
+    ``--init-from`` starts a continual run from another run's checkpoint."""
 
     @functools.wraps(orig)
     def load(model, optimizer, *a, **kw):
@@ -328,7 +328,14 @@ def wrap_load(orig, run: Run):
         from megatron.training.utils import print_rank_0
 
         from megatron.md.checkpoint import prepare_md_load
-        from megatron.md.train import ckpt_checks, nonfinite, rewind, savefail, schedule
+        from megatron.md.train import (
+            ckpt_checks,
+            freshoptim,
+            nonfinite,
+            rewind,
+            savefail,
+            schedule,
+        )
         from megatron.md.wrappers import begin_model_load, finish_model_load
 
         args = get_args()
@@ -386,6 +393,7 @@ def wrap_load(orig, run: Run):
                 print_rank_0("[megatron-md] " + said)
             if line := rewind.mark(args, torch.distributed.get_rank()):
                 print("[megatron-md] " + line, flush=True)
+            freshoptim.mark(args, out[0], torch.distributed.get_rank())
         return out
 
     return load

@@ -1,0 +1,86 @@
+"""``--no-load-optim`` in a run's own ``--save``: a fresh optimizer, made once.
+
+Our refusals give ``--no-load-optim`` as the way to continue a checkpoint with a fresh
+optimizer (another optimizer, a checkpoint saved without its state, another layout). A job of
+the SLURM launcher passes its flags again at every requeue, and megatron reads the flag at
+every load: each requeued attempt dropped the optimizer state this job had saved since, and MD
+made its state from the weights again (gains 1, zero moments; MuonMD at 2 ranks, a fresh start
+at 2 saved at 4 and requeued: iteration 6's loss 4.582 where the uninterrupted run had 4.837,
+2026-11-29).
+
+As with a rewind (rewind.py): once a checkpoint has loaded with a fresh optimizer in the run's
+own directory, rank 0 leaves a note (``md_fresh_optimizer.json``: at which iteration, when, in
+which job). A requeued attempt (``rewind.restarted``) whose tracker names an iteration after the
+note's loads that checkpoint's optimizer state (this job saved it) and says so. A first attempt
+with ``--no-load-optim`` in a directory that has saved past the note's iteration since is
+refused at start-up, naming both ways out (drop the flag; or delete the note to start a fresh
+optimizer again).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+
+from megatron.md import errors
+from megatron.md.train import files
+from megatron.md.train.ckpt_checks import same_dir, tracked
+from megatron.md.train.rewind import restarted
+
+#: the note a fresh start leaves in the run's directory
+NOTE = "md_fresh_optimizer.json"
+
+
+def own(args) -> bool:
+    """``--no-load-optim`` resuming the run's own ``--save`` (not another run's checkpoint, not
+    megatron's ``--finetune``, whose iteration restarts at 0)."""
+    return (bool(args.no_load_optim) and not getattr(args, "finetune", False)
+            and bool(args.save and args.load) and same_dir(args.load, args.save))  # fmt: skip
+
+
+def _note(save: str) -> dict | None:
+    try:
+        with open(os.path.join(save, NOTE)) as f:
+            note = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return note if isinstance(note, dict) and isinstance(note.get("iteration"), int) else None
+
+
+def settle(args) -> str | None:
+    """Every rank, before the run starts (after ``rewind.settle``: the iteration it loads): a
+    later attempt of a job that started a fresh optimizer loads the state it saved since
+    (``args.no_load_optim`` dropped); the line to print, or None. A first attempt that would
+    drop it again is refused."""
+    if not own(args):
+        return None
+    note = _note(args.save)
+    step = args.ckpt_step if args.ckpt_step is not None else tracked(args.save)
+    if note is None or step is None or step <= note["iteration"]:
+        return None
+    if getattr(args, "no_save_optim", False):  # what it saved since holds no optimizer state
+        return None
+    path, start = os.path.join(args.save, NOTE), note["iteration"]
+    if not restarted():
+        job = f", job {note['job']}" if note.get("job") else ""
+        errors.fail(
+            f"--no-load-optim: {args.save} started a fresh optimizer at iteration {start} "
+            f"already ({note.get('time')}{job}) and has saved its state up to iteration {step} "
+            f"since, which this launch would drop: drop --no-load-optim to continue it, or "
+            f"delete {path} to start a fresh optimizer again"
+        )
+    args.no_load_optim = False
+    return (f"requeued: iteration {step} was saved by this job after its fresh optimizer at "
+            f"{start}: its optimizer state is loaded (--no-load-optim starts the job's first "
+            "attempt only)")  # fmt: skip
+
+
+def mark(args, iteration: int, rank: int) -> None:
+    """Rank 0, once a checkpoint at ``iteration`` has loaded with a fresh optimizer in the run's
+    own ``--save``: the note (written whole)."""
+    if rank != 0 or not own(args):
+        return
+    note = {"iteration": iteration, "job": os.environ.get("SLURM_JOB_ID"),
+            "time": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}  # fmt: skip
+    files.write_whole(os.path.join(args.save, NOTE), json.dumps(note))
