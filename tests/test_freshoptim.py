@@ -78,10 +78,10 @@ def test_what_is_left_as_given(started, monkeypatch, why, kw):
 def test_another_runs_checkpoint_and_a_deleted_note_are_left_alone(started, tmp_path):
     other = tmp_path / "other"
     other.mkdir()
-    args = run(other, load=started)  # another run's directory: not this job's state
+    args = run(other, load=started)  # a branch of another run: its state is not this job's
     assert freshoptim.settle(args) is None and args.no_load_optim
-    freshoptim.mark(args, 14, rank=0)
-    assert not (other / freshoptim.NOTE).exists()
+    freshoptim.mark(args, 14, rank=0)  # the branch's note, in its own --save (forked.py)
+    assert json.loads((other / freshoptim.NOTE).read_text())["iteration"] == 14
     (started / freshoptim.NOTE).unlink()
     args = run(started)
     assert freshoptim.settle(args) is None and args.no_load_optim

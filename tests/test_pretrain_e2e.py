@@ -579,6 +579,53 @@ def test_a_fresh_optimizer_is_made_once_and_its_requeue_loads_what_it_saved(runs
     assert tree(d / "iter_0000014") == saved and not (tmp_path / "again.jsonl").exists()
 
 
+def test_a_branch_from_another_run_is_started_once_and_its_requeue_continues_it(runs, tmp_path):
+    """``--load A --save B`` starts a branch of run A in B at A's iteration 10 (here with a fresh
+    optimizer) and saves 12 (``--exit-interval 12``). Its requeue, started with the same flags
+    as the launcher does, continues from B's 12 with the optimizer state saved there
+    (megatron/md/train/forked.py, freshoptim.py): iterations 13 and 14 equal those of the run
+    that went on without a stop (red before: the requeue was refused, "--save B holds another
+    run's checkpoints", and the job ended at its first preemption). A, and B's 12, unchanged."""
+    import shutil
+
+    a = tmp_path / "A"
+    shutil.copytree(runs["muon_md"][1] / "iter_0000010", a / "iter_0000010")
+    (a / "latest_checkpointed_iteration.txt").write_text("10")
+    before = tree(a)
+
+    def launch(name: str, save: Path, restarts: str, *extra: str) -> str:
+        cmd, env = command(
+            tmp_path,
+            name,
+            "--train-iters=14",
+            f"--load={a}",
+            f"--save={save}",
+            "--save-interval=2",
+            "--no-load-optim",
+            *RUNS["muon_md"],
+            *extra,
+        )
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                             env={**env, "SLURM_RESTART_COUNT": restarts})  # fmt: skip
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        return out.stdout
+
+    launch("on", tmp_path / "on", "0")
+    launch("branch", tmp_path / "B", "0", "--exit-interval=12")
+    saved = tree(tmp_path / "B" / "iter_0000012")
+    out = launch("requeued", tmp_path / "B", "1")
+    assert (f"[megatron-md] requeued: continuing from iteration 12 in --save, saved by this job "
+            f"after it started from --load {a}") in out  # fmt: skip
+    assert "[megatron-md] requeued: iteration 12 was saved by this job after its fresh " in out
+    rows = {n: train_rows([json.loads(ln) for ln in (tmp_path / f"{n}.jsonl").open()])
+            for n in ("on", "branch", "requeued")}  # fmt: skip
+    assert sorted(rows["branch"]) == [11, 12] and sorted(rows["requeued"]) == [13, 14]
+    assert [rows["requeued"][i]["lm loss"] for i in (13, 14)] == [
+        rows["on"][i]["lm loss"] for i in (13, 14)
+    ]
+    assert tree(a) == before and tree(tmp_path / "B" / "iter_0000012") == saved
+
+
 def test_a_run_whose_save_directory_is_in_use_stops_before_training(runs, tmp_path):
     """A second run in a --save another run is saving in (a job submitted twice) would write
     over its checkpoints: it stops at start-up in one line naming the holder (rank 0 of the

@@ -529,8 +529,12 @@ def check_log_dirs(argv: list[str]) -> None:
 
 def check_run_dirs(args) -> None:
     """What ``--save`` holds (another run's checkpoints) and what ``--load`` has to resume (a
-    tracker, unless it is this run's first start): ckpt_checks says why either is refused."""
-    from megatron.md.train import ckpt_checks
+    tracker, unless it is this run's first start): ckpt_checks says why either is refused. A
+    requeued attempt of a branch from another run goes on in its own ``--save`` (forked.py)."""
+    from megatron.md.train import ckpt_checks, forked
+
+    if forked.continues(args):
+        return
 
     err = args.save and ckpt_checks.save_over_another_run(args.save, args.load)
     pre = args.pretrained_checkpoint  # megatron's start where --load holds none yet

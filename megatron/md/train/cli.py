@@ -21,6 +21,7 @@ from megatron.md.train import args as md_args
 from megatron.md.train import (
     datacheck,
     files,
+    forked,
     freshoptim,
     patches,
     presets,
@@ -207,13 +208,14 @@ def main(argv: list[str] | None = None) -> None:
         startup.check_stack(args)
         # before any expensive work, or any write (the last rank's metrics row)
         unlocked = runlock.hold(args.save, rank(), int(os.environ.get("WORLD_SIZE", "1")))
+        fork_line = forked.settle(args)  # (before the rewind's: which directory it resumes)
         requeue_line = rewind.settle(args)  # (before wandb: which checkpoint it resumes)
         fresh_line = freshoptim.settle(args)
         wandb_line = wandbrun.prepare(args)
         finished_line = clear_finished(args)
         if rank() == 0:
             print(startup.banner(args, md), flush=True)
-            for line in (requeue_line, fresh_line, wandb_line, finished_line):
+            for line in (fork_line, requeue_line, fresh_line, wandb_line, finished_line):
                 if line:
                     print("[megatron-md] " + line, flush=True)
             if unlocked:

@@ -5,16 +5,17 @@ optimizer (another optimizer, a checkpoint saved without its state, another layo
 the SLURM launcher passes its flags again at every requeue, and megatron reads the flag at
 every load: each requeued attempt dropped the optimizer state this job had saved since, and MD
 made its state from the weights again (gains 1, zero moments; MuonMD at 2 ranks, a fresh start
-at 2 saved at 4 and requeued: iteration 6's loss 4.582 where the uninterrupted run had 4.837,
+at 2 saved at 4 and requeued: iteration 6's loss 4.909 where the uninterrupted run had 4.837,
 2026-11-29).
 
-As with a rewind (rewind.py): once a checkpoint has loaded with a fresh optimizer in the run's
-own directory, rank 0 leaves a note (``md_fresh_optimizer.json``: at which iteration, when, in
-which job). A requeued attempt (``rewind.restarted``) whose tracker names an iteration after the
-note's loads that checkpoint's optimizer state (this job saved it) and says so. A first attempt
-with ``--no-load-optim`` in a directory that has saved past the note's iteration since is
-refused at start-up, naming both ways out (drop the flag; or delete the note to start a fresh
-optimizer again).
+As with a rewind (rewind.py): once a checkpoint has loaded with a fresh optimizer (from the
+run's own directory, or from another run's: a branch its requeues continue in ``--save``,
+forked.py), rank 0 leaves a note in ``--save`` (``md_fresh_optimizer.json``: at which
+iteration, when, in which job). A requeued attempt (``rewind.restarted``) whose tracker names
+an iteration after the note's loads that checkpoint's optimizer state (this job saved it) and
+says so. A first attempt with ``--no-load-optim`` in a directory that has saved past the
+note's iteration since is refused at start-up, naming both ways out (drop the flag; or delete
+the note to start a fresh optimizer again).
 """
 
 from __future__ import annotations
@@ -32,11 +33,16 @@ from megatron.md.train.rewind import restarted
 NOTE = "md_fresh_optimizer.json"
 
 
-def own(args) -> bool:
-    """``--no-load-optim`` resuming the run's own ``--save`` (not another run's checkpoint, not
-    megatron's ``--finetune``, whose iteration restarts at 0)."""
+def fresh(args) -> bool:
+    """``--no-load-optim`` loading into a run directory ``--save`` (not megatron's
+    ``--finetune``, whose iteration restarts at 0)."""
     return (bool(args.no_load_optim) and not getattr(args, "finetune", False)
-            and bool(args.save and args.load) and same_dir(args.load, args.save))  # fmt: skip
+            and bool(args.save and args.load))  # fmt: skip
+
+
+def own(args) -> bool:
+    """``fresh``, resuming the run's own ``--save`` (a requeued branch's too: forked.py)."""
+    return fresh(args) and same_dir(args.load, args.save)
 
 
 def _note(save: str) -> dict | None:
@@ -77,9 +83,10 @@ def settle(args) -> str | None:
 
 
 def mark(args, iteration: int, rank: int) -> None:
-    """Rank 0, once a checkpoint at ``iteration`` has loaded with a fresh optimizer in the run's
-    own ``--save``: the note (written whole)."""
-    if rank != 0 or not own(args):
+    """Rank 0, once a checkpoint at ``iteration`` has loaded with a fresh optimizer, from the
+    run's own ``--save`` or from another run's (a branch, which its requeues continue in
+    ``--save``): the note there (written whole)."""
+    if rank != 0 or not fresh(args):
         return
     note = {"iteration": iteration, "job": os.environ.get("SLURM_JOB_ID"),
             "time": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}  # fmt: skip
