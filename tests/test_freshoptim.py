@@ -40,8 +40,10 @@ def test_a_requeued_attempt_loads_the_state_the_job_saved_since(started, monkeyp
         monkeypatch.setenv(k, v)
         args = run(started)
         line = freshoptim.settle(args)
-        assert args.no_load_optim is False and line.startswith(
-            "requeued: iteration 14 was saved by this job after its fresh optimizer at 10"
+        assert args.no_load_optim is False and line == (
+            "requeued: iteration 14 was saved by this job after its fresh optimizer at 10: its "
+            "optimizer state is loaded, the iteration goes on (--no-load-optim starts the job's "
+            "first attempt only)"
         )
         monkeypatch.delenv(k)
 
@@ -64,7 +66,6 @@ def test_a_first_attempt_that_would_drop_it_again_is_refused(started):
         ("nothing saved since", dict(ckpt_step=10)),
         ("a rewind before it", dict(ckpt_step=8)),
         ("what it saved holds no optimizer state", dict(no_save_optim=True)),
-        ("megatron's finetuning (iteration 0)", dict(finetune=True)),
         ("the flag not given", dict(no_load_optim=False)),
     ],
 )
@@ -73,6 +74,25 @@ def test_what_is_left_as_given(started, monkeypatch, why, kw):
     args = run(started, **kw)
     assert freshoptim.settle(args) is None, why
     assert args.no_load_optim is kw.get("no_load_optim", True), why
+
+
+@pytest.mark.parametrize("no_load_optim", [False, True])
+@pytest.mark.parametrize("no_save_optim", [False, True])
+def test_megatrons_finetune_restarts_the_first_attempt_only(
+    started, monkeypatch, no_load_optim, no_save_optim
+):
+    """``--finetune`` (weights only, iteration 0) read again at a requeue restarted it at 0: it
+    is dropped, and ``--no-load-optim`` with it unless the run saves no optimizer state."""
+    with pytest.raises(errors.Refusal, match="--finetune: .* would drop \\(--finetune restarts"):
+        freshoptim.settle(run(started, no_load_optim=False, finetune=True))  # by hand
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    args = run(started, no_load_optim=no_load_optim, finetune=True, no_save_optim=no_save_optim)
+    line = freshoptim.settle(args)
+    assert (args.finetune, args.no_load_optim) == (False, no_save_optim)
+    flags = (
+        "--no-load-optim and --finetune" if no_load_optim and not no_save_optim else "--finetune"
+    )
+    assert line.endswith(f"the iteration goes on ({flags} starts the job's first attempt only)")
 
 
 def test_another_runs_checkpoint_and_a_deleted_note_are_left_alone(started, tmp_path):

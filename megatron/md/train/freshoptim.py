@@ -1,4 +1,5 @@
-"""``--no-load-optim`` in a run's own ``--save``: a fresh optimizer, made once.
+"""``--no-load-optim`` (or ``--finetune``) in a run's own ``--save``: a fresh optimizer, made
+once.
 
 Our refusals give ``--no-load-optim`` as the way to continue a checkpoint with a fresh
 optimizer (another optimizer, a checkpoint saved without its state, another layout). A job of
@@ -6,7 +7,8 @@ the SLURM launcher passes its flags again at every requeue, and megatron reads t
 every load: each requeued attempt dropped the optimizer state this job had saved since, and MD
 made its state from the weights again (gains 1, zero moments; MuonMD at 2 ranks, a fresh start
 at 2 saved at 4 and requeued: iteration 6's loss 4.909 where the uninterrupted run had 4.837,
-2026-11-29).
+2026-11-29). megatron's ``--finetune`` (weights only, iteration 0) restarted every requeued
+attempt at iteration 0 besides.
 
 As with a rewind (rewind.py): once a checkpoint has loaded with a fresh optimizer (from the
 run's own directory, or from another run's: a branch its requeues continue in ``--save``,
@@ -33,11 +35,16 @@ from megatron.md.train.rewind import restarted
 NOTE = "md_fresh_optimizer.json"
 
 
+def _flags(args) -> list[str]:
+    """The flags given that load a checkpoint without its optimizer state: ``--no-load-optim``,
+    and megatron's ``--finetune`` (which also restarts the iteration count at 0)."""
+    return [f"--{n.replace('_', '-')}" for n in ("no_load_optim", "finetune")
+            if getattr(args, n, False)]  # fmt: skip
+
+
 def fresh(args) -> bool:
-    """``--no-load-optim`` loading into a run directory ``--save`` (not megatron's
-    ``--finetune``, whose iteration restarts at 0)."""
-    return (bool(args.no_load_optim) and not getattr(args, "finetune", False)
-            and bool(args.save and args.load))  # fmt: skip
+    """A load with a fresh optimizer into a run directory ``--save``."""
+    return bool(_flags(args)) and bool(args.save and args.load)
 
 
 def own(args) -> bool:
@@ -56,30 +63,35 @@ def _note(save: str) -> dict | None:
 
 def settle(args) -> str | None:
     """Every rank, before the run starts (after ``rewind.settle``: the iteration it loads): a
-    later attempt of a job that started a fresh optimizer loads the state it saved since
-    (``args.no_load_optim`` dropped); the line to print, or None. A first attempt that would
-    drop it again is refused."""
+    later attempt of a job that started a fresh optimizer resumes what it saved since, its
+    optimizer state and iteration (``args.no_load_optim`` and ``args.finetune`` dropped; the
+    first kept where the run saves none); the line to print, or None. A first attempt that
+    would drop them again is refused."""
     if not own(args):
         return None
     note = _note(args.save)
     step = args.ckpt_step if args.ckpt_step is not None else tracked(args.save)
     if note is None or step is None or step <= note["iteration"]:
         return None
-    if getattr(args, "no_save_optim", False):  # what it saved since holds no optimizer state
+    keep = getattr(args, "no_save_optim", False)  # what it saved since holds no optimizer state
+    flags = " and ".join(f for f in _flags(args) if not (keep and f == "--no-load-optim"))
+    if not flags:
         return None
     path, start = os.path.join(args.save, NOTE), note["iteration"]
     if not restarted():
         job = f", job {note['job']}" if note.get("job") else ""
+        also = " (--finetune restarts at iteration 0)" if args.finetune else ""
         errors.fail(
-            f"--no-load-optim: {args.save} started a fresh optimizer at iteration {start} "
-            f"already ({note.get('time')}{job}) and has saved its state up to iteration {step} "
-            f"since, which this launch would drop: drop --no-load-optim to continue it, or "
-            f"delete {path} to start a fresh optimizer again"
+            f"{flags}: {args.save} started a fresh optimizer at iteration {start} already "
+            f"({note.get('time')}{job}) and has saved its state up to iteration {step} since, "
+            f"which this launch would drop{also}: drop {flags} to continue it, or delete {path} "
+            "to start a fresh optimizer again"
         )
-    args.no_load_optim = False
+    args.no_load_optim, args.finetune = keep, False
+    state = "its optimizer state is loaded" if not keep else "it holds no optimizer state"
     return (f"requeued: iteration {step} was saved by this job after its fresh optimizer at "
-            f"{start}: its optimizer state is loaded (--no-load-optim starts the job's first "
-            "attempt only)")  # fmt: skip
+            f"{start}: {state}, the iteration goes on ({flags} starts the job's first attempt "
+            "only)")  # fmt: skip
 
 
 def mark(args, iteration: int, rank: int) -> None:

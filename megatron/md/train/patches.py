@@ -348,6 +348,9 @@ def wrap_load(orig, run: Run):
         ckpt = ckpt_checks.locate(args.load, args.ckpt_step, flag) if args.load else None
         if ckpt is None and getattr(args, "init_from", None):  # first start of a continual run
             return _load_init(load, model, optimizer, *a, **kw)
+        # a fresh optimizer the flags ask for (not --init-from's, nor the --finetune megatron
+        # sets for a --pretrained-checkpoint start below): its note, once loaded
+        fresh = flag == "--load" and freshoptim.fresh(args)
         if ckpt is None and args.pretrained_checkpoint:  # megatron's finetuning start: it takes
             # this directory's weights and sets --finetune (training/checkpointing.py:2096);
             # checked as a resumed checkpoint is, and MD's state made from those weights (it
@@ -393,7 +396,8 @@ def wrap_load(orig, run: Run):
                 print_rank_0("[megatron-md] " + said)
             if line := rewind.mark(args, torch.distributed.get_rank()):
                 print("[megatron-md] " + line, flush=True)
-            freshoptim.mark(args, out[0], torch.distributed.get_rank())
+            if fresh:
+                freshoptim.mark(args, out[0], torch.distributed.get_rank())
         return out
 
     return load
