@@ -15,9 +15,11 @@ run's own directory, or from another run's: a branch its requeues continue in ``
 forked.py), rank 0 leaves a note in ``--save`` (``md_fresh_optimizer.json``: at which
 iteration, when, in which job). A requeued attempt (``rewind.restarted``) whose tracker names
 an iteration after the note's loads that checkpoint's optimizer state (this job saved it) and
-says so. A first attempt with ``--no-load-optim`` in a directory that has saved past the
-note's iteration since is refused at start-up, naming both ways out (drop the flag; or delete
-the note to start a fresh optimizer again).
+says so. A first attempt with the flag in a directory that has saved past the note's
+iteration since is refused at start-up, naming both ways out (drop the flag; or delete the
+note to start a fresh optimizer again). The note is written for the flags' own fresh starts,
+not for ``--init-from`` nor for a ``--pretrained-checkpoint`` start (megatron sets
+``--finetune`` there and drops it once ``--load`` holds a checkpoint).
 """
 
 from __future__ import annotations
