@@ -780,7 +780,18 @@ def test_bad_checkpoints_are_named(runs, tmp_path):
     with pytest.raises(SystemExit, match="add --md-from-plain-checkpoint"):
         check(plain_ckpt)
     args.md_from_plain_checkpoint = True
+    # AdamW's weight decay in its LR schedule: megatron's schedule check stopped the load after
+    # the build, and its other way out (the checkpoint's schedule) failed at the first step
+    args.use_checkpoint_opt_param_scheduler = True
+    with pytest.raises(SystemExit, match=r"its LR schedule has weight decay 0\.1 \(to 0\.1\), "
+                       "trained without MD.*add --override-opt_param-scheduler.*would bring its "
+                       "weight decay back"):  # fmt: skip
+        check(plain_ckpt)
+    args.use_checkpoint_opt_param_scheduler, args.override_opt_param_scheduler = False, True
     assert check(plain_ckpt) is False
+    args.override_opt_param_scheduler = False
+    init = ckpt_checks.locate(str(plain_ckpt.parent), 10, flag="--init-from")
+    assert ckpt_checks.check_all(init, args) is False  # --init-from: its schedule is not read
 
     torch_fmt = ckpt_checks.Checkpoint(str(md_ckpt), "torch")
     with pytest.raises(SystemExit, match="is a --ckpt-format torch checkpoint, and MD runs"):

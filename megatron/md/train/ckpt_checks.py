@@ -326,6 +326,32 @@ def check_saved_optimizer(where: str | Checkpoint, keys, common: dict, args) -> 
     )  # fmt: skip
 
 
+def check_schedule_weight_decay(where: str | Checkpoint, common: dict, args) -> None:
+    """MD trains without weight decay (its matrices stay on their spheres). A checkpoint whose
+    LR schedule has weight decay (a plain run's, continued with ``--md-from-plain-checkpoint``)
+    stopped at megatron's schedule check once the model was built, naming
+    ``--use-checkpoint-opt_param-scheduler`` as a way out, which brought the weight decay back:
+    a ValueError at the first step (seen, 2026-11-29, Muon → MuonMD at 2 ranks)."""
+    if not args.md_decoupling or args.no_load_optim or args.finetune:
+        return
+    if args.override_opt_param_scheduler:  # this run's schedule: weight decay 0
+        return
+    if isinstance(where, Checkpoint) and where.flag == "--init-from":  # its schedule is not read
+        return
+    sched = common.get("opt_param_scheduler") or {}
+    wd = [float(sched.get(k) or 0.0) for k in ("start_wd", "end_wd")]
+    if not any(wd):
+        return
+    fail(
+        where,
+        f"its LR schedule has weight decay {wd[0]:g} (to {wd[1]:g}), trained without MD, and MD "
+        "trains without weight decay: add --override-opt_param-scheduler (this run's schedule "
+        "from the checkpoint's step, weight decay 0)"
+        + ("; --use-checkpoint-opt_param-scheduler would bring its weight decay back"
+           if args.use_checkpoint_opt_param_scheduler else ""),
+    )  # fmt: skip
+
+
 def check_md(where: str | Checkpoint, keys, args) -> bool:
     """Whether the checkpoint has MD state; refuses a silent switch between MD and plain."""
     has_md = any(MD_KEY_PREFIX in k for k in keys)
@@ -372,4 +398,6 @@ def check_all(ckpt: Checkpoint, args) -> bool:
         check_resharding(ckpt, saved, common, args)
         check_param_layout(ckpt, saved, args)
     check_saved_optimizer(ckpt, ckpt.keys, common, args)
-    return check_md(ckpt, ckpt.keys, args)
+    has_md = check_md(ckpt, ckpt.keys, args)
+    check_schedule_weight_decay(ckpt, common, args)
+    return has_md
