@@ -2,6 +2,7 @@
 real runs (a rewind, then its requeue with the same flags): test_pretrain_e2e.py."""
 
 import json
+import os
 from argparse import Namespace
 
 import pytest
@@ -84,3 +85,42 @@ def test_a_first_attempt_that_would_make_the_last_rewind_again_is_refused(tmp_pa
     (tmp_path / "md_rewind.json").unlink()
     args = run(tmp_path, 10)
     assert rewind.settle(args) is None and args.ckpt_step == 10
+
+
+def test_megatrons_iteration_override_sets_a_run_back_once(tmp_path, monkeypatch):
+    """``--override-ckpt-iteration 2`` (megatron sets the loaded checkpoint's iteration to 2 at
+    every load): a checkpoint saved by a run given the same value is the job's own after it
+    was set back, so the flag is dropped there, and kept in the args later checkpoints carry
+    (a third attempt finds it); one saved without it, or with another value, gets it. The
+    real runs: three attempts by hand, 2026-11-29 (iterations 3–8 once, losses equal to the
+    run without a stop); the common state is megatron's (read here through a stand-in)."""
+    from megatron.core import dist_checkpointing
+
+    saved = {}
+    monkeypatch.setattr(dist_checkpointing, "load_common_state_dict",
+                        lambda path: {"args": saved[os.path.basename(path)]})  # fmt: skip
+    for it in (6, 4, 8):
+        (tmp_path / f"iter_{it:07d}").mkdir()
+        (tmp_path / f"iter_{it:07d}" / ".metadata").touch()
+    saved["iter_0000006"] = Namespace(override_ckpt_iteration=None)  # the run before
+    saved["iter_0000004"] = Namespace(override_ckpt_iteration=2)  # saved after the override
+    saved["iter_0000008"] = Namespace(override_ckpt_iteration=None, md_override_ckpt_iteration=2)
+
+    def args(step=None, n=2):
+        return Namespace(load=str(tmp_path), ckpt_step=step, override_ckpt_iteration=n)
+
+    for step, n in ((6, 2), (4, 3), (8, 5)):  # before the override; another value
+        a = args(step, n)
+        assert rewind.settle_override(a) is None and a.override_ckpt_iteration == n
+    for step in (4, 8):
+        a = args(step)
+        line = rewind.settle_override(a)
+        assert a.override_ckpt_iteration is None and a.md_override_ckpt_iteration == 2
+        assert line == (
+            f"continuing from iteration {step}, saved after --override-ckpt-iteration "
+            "2 set the run back (it applies to a checkpoint saved without it only)"
+        )
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("8")
+    assert rewind.settle_override(args()) is not None  # the tracker's
+    a = args(n=None)
+    assert rewind.settle_override(a) is None and not hasattr(a, "md_override_ckpt_iteration")

@@ -211,11 +211,13 @@ def main(argv: list[str] | None = None) -> None:
         fork_line = forked.settle(args)  # (before the rewind's: which directory it resumes)
         requeue_line = rewind.settle(args)  # (before wandb: which checkpoint it resumes)
         fresh_line = freshoptim.settle(args)
+        override_line = rewind.settle_override(args)
         wandb_line = wandbrun.prepare(args)
         finished_line = clear_finished(args)
         if rank() == 0:
             print(startup.banner(args, md), flush=True)
-            for line in (fork_line, requeue_line, fresh_line, wandb_line, finished_line):
+            lines = (fork_line, requeue_line, fresh_line, override_line, wandb_line, finished_line)
+            for line in lines:
                 if line:
                     print("[megatron-md] " + line, flush=True)
             if unlocked:

@@ -106,3 +106,41 @@ def refuse_again(save: str, step: int, saved: int) -> None:
         f"over: drop --ckpt-step to continue from {saved}, or delete {path} to rewind to {step} "
         "again"
     )
+
+
+#: the args attribute that keeps a dropped ``--override-ckpt-iteration`` in later checkpoints
+OVERRIDDEN = "md_override_ckpt_iteration"
+
+
+def settle_override(args) -> str | None:
+    """megatron's ``--override-ckpt-iteration N`` sets the loaded checkpoint's iteration (and
+    its consumed samples) back to N at every load (training/checkpointing.py:2441): a requeued
+    attempt, started with the same flags, went back to N again from what the job had saved
+    since and trained those iterations over (seen, 2026-11-29: MuonMD at 2 ranks, loaded 6 as
+    2, saved 4, requeued: iterations 3 and 4 again). A checkpoint saved by a run given the same
+    N is this job's (or its resubmission's): the flag is dropped there (kept as
+    ``md_override_ckpt_iteration``, which the checkpoints it saves carry on), and the line to
+    print returned. Every rank, before the run starts (after ``settle``: which checkpoint)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron.md.train.ckpt_checks import saved_format
+
+    n = getattr(args, "override_ckpt_iteration", None)
+    if n is None or not args.load:
+        return None
+    step = args.ckpt_step if args.ckpt_step is not None else tracked(args.load)
+    path = os.path.join(args.load, f"iter_{step:07d}") if step is not None else None
+    if path is None or saved_format(path) != "torch_dist":
+        return None
+    try:
+        saved = dist_checkpointing.load_common_state_dict(path).get("args")
+    except Exception:  # the checks at load name an unreadable checkpoint
+        return None
+    if n not in (getattr(saved, k, None) for k in ("override_ckpt_iteration", OVERRIDDEN)):
+        return None
+    args.override_ckpt_iteration = None
+    setattr(args, OVERRIDDEN, n)
+    return (
+        f"continuing from iteration {step}, saved after --override-ckpt-iteration {n} set "
+        f"the run back (it applies to a checkpoint saved without it only)"
+    )
