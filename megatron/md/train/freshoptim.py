@@ -24,14 +24,11 @@ not for ``--init-from`` nor for a ``--pretrained-checkpoint`` start (megatron se
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
 
 from megatron.md import errors
-from megatron.md.train import files
 from megatron.md.train.ckpt_checks import same_dir, tracked
-from megatron.md.train.rewind import restarted
+from megatron.md.train.rewind import read_note, restarted, write_note
 
 #: the note a fresh start leaves in the run's directory
 NOTE = "md_fresh_optimizer.json"
@@ -54,15 +51,6 @@ def own(args) -> bool:
     return fresh(args) and same_dir(args.load, args.save)
 
 
-def _note(save: str) -> dict | None:
-    try:
-        with open(os.path.join(save, NOTE)) as f:
-            note = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return note if isinstance(note, dict) and isinstance(note.get("iteration"), int) else None
-
-
 def settle(args) -> str | None:
     """Every rank, before the run starts (after ``rewind.settle``: the iteration it loads): a
     later attempt of a job that started a fresh optimizer resumes what it saved since, its
@@ -71,7 +59,7 @@ def settle(args) -> str | None:
     would drop them again is refused."""
     if not own(args):
         return None
-    note = _note(args.save)
+    note = read_note(args.save, NOTE)
     step = args.ckpt_step if args.ckpt_step is not None else tracked(args.save)
     if note is None or step is None or step <= note["iteration"]:
         return None
@@ -102,6 +90,4 @@ def mark(args, iteration: int, rank: int) -> None:
     ``--save``): the note there (written whole)."""
     if rank != 0 or not fresh(args):
         return
-    note = {"iteration": iteration, "job": os.environ.get("SLURM_JOB_ID"),
-            "time": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}  # fmt: skip
-    files.write_whole(os.path.join(args.save, NOTE), json.dumps(note))
+    write_note(args.save, NOTE, iteration)

@@ -69,6 +69,24 @@ def settle(args) -> str | None:
             f"{step} (--ckpt-step {step} rewinds the job's first attempt only)")  # fmt: skip
 
 
+def write_note(save: str, name: str, iteration: int, **more) -> None:
+    """A first-attempt rule's note in the run directory ``save`` (written whole): the
+    iteration, ``more``, the SLURM job and the time."""
+    note = {"iteration": iteration, **more, "job": os.environ.get("SLURM_JOB_ID"),
+            "time": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}  # fmt: skip
+    files.write_whole(os.path.join(save, name), json.dumps(note))
+
+
+def read_note(save: str, name: str) -> dict | None:
+    """The note ``name`` in ``save`` (None: none, or not one of ours)."""
+    try:
+        with open(os.path.join(save, name)) as f:
+            note = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return note if isinstance(note, dict) and isinstance(note.get("iteration"), int) else None
+
+
 def mark(args, rank: int) -> str | None:
     """Rank 0, once checkpoint ``--ckpt-step`` has loaded in the run's own ``--save``: the
     tracker names it (written whole); the line to print, or None."""
@@ -77,12 +95,8 @@ def mark(args, rank: int) -> str | None:
     before, step = tracked(args.save), args.ckpt_step
     if before == step:
         return None
-    note = {"iteration": step, "from": before, "job": os.environ.get("SLURM_JOB_ID"),
-            "time": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}  # fmt: skip
     files.write_whole(os.path.join(args.save, TRACKER), str(step))
-    files.write_whole(
-        os.path.join(args.save, NOTE), json.dumps(note)
-    )  # (after: a note, a rewind made)
+    write_note(args.save, NOTE, step, **{"from": before})  # (after: a note, a rewind made)
     named = f"it named {before}" if before is not None else "it named no iteration"
     return (f"rewound to iteration {step}: the tracker names it now ({named}); checkpoints "
             "after it stay until this run saves over them")  # fmt: skip
@@ -91,13 +105,8 @@ def mark(args, rank: int) -> str | None:
 def refuse_again(save: str, step: int, saved: int) -> None:
     """Refuse ``--ckpt-step step`` where the run's note says it was rewound to ``step`` already
     and the tracker names ``saved``, after it."""
-    path = os.path.join(save, NOTE)
-    try:
-        with open(path) as f:
-            note = json.load(f)
-    except (OSError, ValueError):
-        return
-    if not isinstance(note, dict) or note.get("iteration") != step:
+    path, note = os.path.join(save, NOTE), read_note(save, NOTE)
+    if note is None or note["iteration"] != step:
         return
     job = f", job {note['job']}" if note.get("job") else ""
     errors.fail(
