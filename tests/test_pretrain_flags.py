@@ -1091,6 +1091,24 @@ def test_fused_step_flag_forms():
         assert md.fused_step == expect
 
 
+def test_the_papers_methods_by_name(capsys):
+    """--optimizer adamw / adammd / muonmd are the paper's methods: megatron's adam (AdamW) and
+    the two flags of AdamMD and MuonMD (the MD recipe with them, the radius --md-decoupling's;
+    later flags win); a name neither megatron's nor ours is refused by argparse, listing
+    ours with megatron's."""
+    args, _ = parse("--optimizer=adamw")
+    assert (args.optimizer, args.md_decoupling, args.weight_decay) == ("adam", False, 0.01)
+    for name, base in (("adammd", "adam"), ("muonmd", "muon")):
+        args, md = parse("--optimizer", name)
+        assert (args.optimizer, args.md_decoupling, args.weight_decay) == (base, True, 0)
+        assert md.radius == "init" and args.adam_beta2 == 0.99
+    _, md = parse("--optimizer=muonmd", "--md-radius=shape")
+    assert md.radius == "shape"
+    out = fails(capsys, "--optimizer=muon_md")
+    assert "invalid choice: 'muon_md'" in out
+    assert all(f"'{n}'" in out for n in ("adam", "muon", "adamw", "adammd", "muonmd", "muown"))
+
+
 def test_optimizer_muown(capsys):
     """--optimizer muown is Muon with MD's machinery in Muown's per-row form; the angular variant
     by --md-variant; a Muown variant with Adam is refused."""

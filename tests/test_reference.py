@@ -409,7 +409,7 @@ def test_muonh_is_emerging_optimizers_muon_hyperball():
     ``MuonHyperball`` (fused QKV unsplit, no weight decay), to fp32 rounding after 6 steps."""
     from emerging_optimizers.orthogonalized_optimizers import MuonHyperball
 
-    from megatron.md.train.cli import OPTIMIZER_ALIASES
+    from megatron.md.train.recipes import OPTIMIZER_ALIASES
 
     flags = dict(f.split("=", 1) for f in OPTIMIZER_ALIASES["muonh"] if "=" in f)
     cfg = MDConfig(sphere=flags["--md-sphere"], radius=flags["--md-radius"],

@@ -29,11 +29,14 @@ keeps it in sync. Every megatron flag works as upstream (`--help` lists them all
 
 #: megatron flags that take more values here: (flag, values, meaning)
 WIDENED_ROWS = (
-    ("`--optimizer`", "`adam`, `muon`, … and `muown`, `muonh`, `normuon`",
-     "`muown`: the Muown baseline (`--optimizer=muon --md-decoupling --md-variant=muown` in "
-     "its place); `muonh`: MuonH (`--optimizer=muon --md-decoupling --md-sphere=frobenius "
-     "--md-radius=init --md-gains=none --muon-scale-mode=hyperball`); `normuon`: NorMuon "
-     "(`--optimizer=adaptive_muon --adaptive-muon-moment2-method=normuon`; megatron's other "
+    ("`--optimizer`", "`adam`, `muon`, … and "
+     + ", ".join(f"`{n}`" for n in recipes.OPTIMIZER_ALIASES),
+     "each in place of its flags (later flags win): "
+     + "; ".join(f"`{n}`: `{' '.join(f)}`" for n, f in recipes.OPTIMIZER_ALIASES.items())
+     + ". `adamw` is megatron's `adam` (decoupled weight decay); `adammd` and `muonmd` have "
+     "`--md-decoupling`'s radius (`init`: the paper's runs add `--md-radius=shape`, and "
+     "`--muon-scale-mode=shape_up` for MuonMD, as the recipes of `recipes.py` do); `muown` "
+     "is the Muown baseline, `muonh` MuonH, `normuon` NorMuon (megatron's other "
      "adaptive_muon methods are refused)"),
     ("`--muon-scale-mode`", "megatron's `spectral`, `unit_rms_norm`, `shape_scaling`, and "
      "`rms_match`, `shape_up`, `sphere_rms`, `hyperball`, `none`",

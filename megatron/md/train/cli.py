@@ -32,29 +32,16 @@ from megatron.md.train import (
     wandbrun,
 )
 from megatron.md.train.ckpt_checks import tracked
-from megatron.md.train.recipes import MD_RECIPE
+from megatron.md.train.recipes import MD_RECIPE, OPTIMIZER_ALIASES
 
 
 def given(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
-#: optimizer names expanded in place (later flags win): Muown (``MDConfig.variant``: its
-#: weight-normalized rows) and MuonH (the sphere alone, the update at the sphere's norm:
-#: emerging-optimizers' MuonHyperball) on MuonMD's machinery, and NorMuon
-OPTIMIZER_ALIASES = {
-    "muown": ["--optimizer=muon", "--md-decoupling", "--md-variant=muown"],
-    "muonh": ["--optimizer=muon", "--md-decoupling", "--md-sphere=frobenius", "--md-radius=init",
-              "--md-gains=none", "--muon-scale-mode=hyperball"],
-    # NorMuon: megatron-core's adaptive Muon with the per-neuron second moment (not MD's
-    # machinery; its scale applied once, patches.normuon_scale_once)
-    "normuon": ["--optimizer=adaptive_muon", "--adaptive-muon-moment2-method=normuon"],
-}  # fmt: skip
-
-
 def optimizer_aliases(argv: list[str]) -> list[str]:
-    """``--optimizer muown`` / ``muonh`` / ``normuon`` replaced by their flags
-    (``OPTIMIZER_ALIASES``)."""
+    """``--optimizer adamw`` / ``adammd`` / ``muonmd`` / ``muown`` / ``muonh`` / ``normuon``
+    replaced by their flags (``OPTIMIZER_ALIASES``)."""
     out, i = [], 0
     while i < len(argv):
         a = argv[i]

@@ -44,16 +44,20 @@ def prepare_parsers() -> None:
 
 # ---- the replacements (compat.SEAMS names each) ----
 def wrap_parser(orig, run=None):
-    """--muon-scale-mode accepts the paper's modes; help strings with a bare ``%`` (megatron-core
-    0.19.2's ``--moe-paged-stash-buffer-size-factor-cuda``: "10%)") are escaped, so ``--help``
-    prints instead of failing in argparse's formatting."""
+    """--muon-scale-mode accepts the paper's modes; --optimizer lists our names too (expanded
+    before parsing, ``cli.optimizer_aliases``: argparse's refusal of another name and ``--help``
+    name every one); help strings with a bare ``%`` (megatron-core 0.19.2's
+    ``--moe-paged-stash-buffer-size-factor-cuda``: "10%)") are escaped, so ``--help`` prints
+    instead of failing in argparse's formatting."""
     from megatron.md.config import MUON_SCALES
+    from megatron.md.train.recipes import OPTIMIZER_ALIASES
 
     @functools.wraps(orig)
     def add_megatron_arguments(parser):
         parser = orig(parser)
-        action = parser._option_string_actions["--muon-scale-mode"]
-        action.choices = list(dict.fromkeys([*action.choices, *MUON_SCALES]))
+        for flag, more in (("--muon-scale-mode", MUON_SCALES), ("--optimizer", OPTIMIZER_ALIASES)):
+            action = parser._option_string_actions[flag]
+            action.choices = list(dict.fromkeys([*action.choices, *more]))
         for a in parser._actions:
             a.help = escape_help(a)
         return parser

@@ -23,6 +23,24 @@ MD_RECIPE = [
 ]
 
 
+#: optimizer names expanded in place (later flags win): the paper's four methods by their
+#: names (AdamMD and MuonMD as ``--md-decoupling`` gives them: the radius ``init``, which MD
+#: state made from trained weights needs; the paper's runs add ``--md-radius shape``), Muown
+#: (``MDConfig.variant``: its weight-normalized rows) and MuonH (the sphere alone, the update
+#: at the sphere's norm: emerging-optimizers' MuonHyperball) on MuonMD's machinery, and NorMuon
+OPTIMIZER_ALIASES = {
+    "adamw": ["--optimizer=adam"],  # megatron's adam: decoupled weight decay (AdamW)
+    "adammd": ["--optimizer=adam", "--md-decoupling"],
+    "muonmd": ["--optimizer=muon", "--md-decoupling"],
+    "muown": ["--optimizer=muon", "--md-decoupling", "--md-variant=muown"],
+    "muonh": ["--optimizer=muon", "--md-decoupling", "--md-sphere=frobenius", "--md-radius=init",
+              "--md-gains=none", "--muon-scale-mode=hyperball"],
+    # NorMuon: megatron-core's adaptive Muon with the per-neuron second moment (not MD's
+    # machinery; its scale applied once, patches.normuon_scale_once)
+    "normuon": ["--optimizer=adaptive_muon", "--adaptive-muon-moment2-method=normuon"],
+}  # fmt: skip
+
+
 def lr_grid(n: int = 9, base: float = 1e-3) -> list[float]:
     """The matrix-LR grid 1e-3 · 2^(k/2), k = 0 … n-1 (1e-3 … 1.6e-2 for n = 9)."""
     return [base * 2 ** (k / 2) for k in range(n)]
