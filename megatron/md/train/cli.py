@@ -19,13 +19,11 @@ from megatron.md import errors
 from megatron.md.launch import flag_value
 from megatron.md.train import args as md_args
 from megatron.md.train import (
+    attempts,
     datacheck,
     files,
-    forked,
-    freshoptim,
     patches,
     presets,
-    rewind,
     runlock,
     shutdown,
     startup,
@@ -195,16 +193,12 @@ def main(argv: list[str] | None = None) -> None:
         startup.check_stack(args)
         # before any expensive work, or any write (the last rank's metrics row)
         unlocked = runlock.hold(args.save, rank(), int(os.environ.get("WORLD_SIZE", "1")))
-        fork_line = forked.settle(args)  # (before the rewind's: which directory it resumes)
-        requeue_line = rewind.settle(args)  # (before wandb: which checkpoint it resumes)
-        fresh_line = freshoptim.settle(args)
-        override_line = rewind.settle_override(args)
+        attempt_lines = attempts.settle(args)  # (before wandb: which checkpoint it resumes)
         wandb_line = wandbrun.prepare(args)
         finished_line = clear_finished(args)
         if rank() == 0:
             print(startup.banner(args, md), flush=True)
-            lines = (fork_line, requeue_line, fresh_line, override_line, wandb_line, finished_line)
-            for line in lines:
+            for line in (*attempt_lines, wandb_line, finished_line):
                 if line:
                     print("[megatron-md] " + line, flush=True)
             if unlocked:
