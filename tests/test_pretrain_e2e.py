@@ -757,6 +757,17 @@ def test_bad_checkpoints_are_named(runs, tmp_path):
         check(md_ckpt, tp2)
     tp2.no_load_optim = True
     assert check(md_ckpt, tp2) is True
+    # layer-wise Muon keeps its Adam groups in a distributed optimizer (megatron's layer-wise
+    # param layout): its CheckpointingException after the build at another TP (seen at 2 ranks)
+    lw_tp = copy.copy(tp2)
+    lw_tp.no_load_optim, lw_tp.use_distributed_optimizer = False, False
+    lw_tp.use_layer_wise_distributed_optimizer = True
+    common = {"content_metadata": {"distrib_optim_sharding_type": "dp_reshardable"}}
+    distributed = {"chained_1.optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1": None}
+    with pytest.raises(SystemExit, match=said + r" \(this run \(2, 1\)\)"):
+        ckpt_checks.check_resharding(str(md_ckpt), args, common, distributed, lw_tp)
+    legacy = {"chained_1.optimizer.state.exp_avg": None}  # its legacy layout: none
+    ckpt_checks.check_resharding(str(md_ckpt), args, common, legacy, lw_tp)
 
     # layer-wise AdamMD across megatron's layer-wise param layout: megatron's KeyError after
     # the build, both ways (seen at 2 ranks, 2026-11-29); Muon and MuonMD load across
@@ -1192,8 +1203,18 @@ def test_tensor_parallel_follows_the_single_rank_run_on_cpu(tmp_path):
         # the same in megatron's ZeRO-1 optimizer, whose fully reshardable checkpoint format
         # loads at another TP (its default, dp_reshardable, does not: refused by name)
         ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"],
+        # megatron's layer-wise Muon, whose checkpoint asserted each replica id an int or a
+        # (PP, TP, DP) triple: MD's TP-replicated gains stopped its first save under TP
+        [
+            "--bf16",
+            "--optimizer=muon",
+            "--matrix-lr=2e-2",
+            "--num-query-groups=2",
+            "--use-distributed-optimizer",
+            "--dist-ckpt-optim-fully-reshardable",
+        ],
     ],
-    ids=["muon_md", "adam_md_fp32", "adam_md_fp32_zero1"],
+    ids=["muon_md", "adam_md_fp32", "adam_md_fp32_zero1", "muon_md_layer_wise"],
 )
 def test_tensor_parallel_md_resumes_exactly_and_reshards(tmp_path, method):
     """AdamMD and MuonMD (Q/K/V split; the full matrix orthogonalized, the MD recipe's
@@ -1202,7 +1223,8 @@ def test_tensor_parallel_md_resumes_exactly_and_reshards(tmp_path, method):
     momentum are the full matrix's; Ŵ is megatron's main param with bf16, MD's fp32 copy saved
     in full-matrix coordinates otherwise) it follows within the TP1-vs-TP2 arithmetic (seen:
     AdamMD 6e-6, 1.3e-4; MuonMD 3.8e-5, 3.5e-6; AdamMD fp32 1.1e-7, 7e-8 relative). The
-    replicated optimizer, or ZeRO-1 saving --dist-ckpt-optim-fully-reshardable."""
+    replicated optimizer, or ZeRO-1 or layer-wise MuonMD saving
+    --dist-ckpt-optim-fully-reshardable."""
     ck = tmp_path / "ck"
     flags = ["--md-decoupling", "--train-iters=4", *method]
     full = tp_run(tmp_path, "full", 2, *flags, "--tensor-model-parallel-size=2", f"--save={ck}",

@@ -1,6 +1,7 @@
 """pretrain_gpt.py's command line: every --md-* flag parses and reaches the MD config, the
 paper's defaults apply with --md-decoupling, and bad input stops with a message naming it."""
 
+import argparse
 import json
 import math
 import sys
@@ -654,6 +655,40 @@ def test_md_under_tensor_parallelism_refuses_what_it_lacks(capsys, monkeypatch, 
     assert "do not divide over TP = 2" in fails(capsys, *tp, "--num-query-groups=1")
     args, md = parse(*tp, "--optimizer=muon", "--bf16", "--num-query-groups=2")
     assert md is not None and args.muon_tp_mode == "duplicated" and md.split_qkv
+
+
+def test_moe_and_sequence_parallelism_under_tp_are_refused_where_megatron_fails_late(
+    capsys, monkeypatch
+):
+    """Under TP megatron's MoE layer trains only with --sequence-parallel (a ValueError at the
+    first forward step) and torch's norms, the local layer spec's, refuse sequence parallelism
+    (an assertion at the model's build): both seen after the build at TP 2 on 2 CPU ranks, now
+    refused at start-up; MoE with expert TP at TP 1, evaluation only, TP 1 (megatron drops
+    --sequence-parallel there) and Transformer Engine's layers are not."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    tp, moe = ["--tensor-model-parallel-size=2", "--num-query-groups=2"], ["--num-experts=4"]
+    msg = fails(capsys, *tp, *moe)
+    assert "--num-experts with TP 2 needs --sequence-parallel" in msg
+    assert "experts train at TP 1 (split them with --expert-tensor-parallel-size" in msg
+    msg = fails(capsys, *tp, "--sequence-parallel")
+    assert "--sequence-parallel: torch's norms of the local layer spec" in msg
+    assert "torch_norm.py:50" in fails(capsys, *tp, *moe, "--sequence-parallel")
+    parse(*moe, "--expert-tensor-parallel-size=2", "--global-batch-size=4")  # (DP 2)
+    parse(*tp, *moe, "--skip-train")
+    args, _ = parse("--sequence-parallel", "--global-batch-size=4")
+    assert not args.sequence_parallel
+    from megatron.md.train import args as md_args
+
+    te = argparse.Namespace(tensor_model_parallel_size=2, num_experts=4, sequence_parallel=True,
+                            skip_train=False, transformer_impl="transformer_engine",
+                            normalization="RMSNorm")  # fmt: skip
+    md_args._check_sequence_parallel(te)  # (TE's layers cannot build here: the check alone)
+    te.sequence_parallel = False
+    with pytest.raises(SystemExit) as e:
+        md_args._check_sequence_parallel(te)
+    out = capsys.readouterr()
+    msg = str(e.value.code) + out.err + out.out
+    assert "needs --sequence-parallel: megatron's MoE" in msg and "local layer spec" not in msg
 
 
 def test_md_under_expert_tensor_parallelism(capsys, monkeypatch):

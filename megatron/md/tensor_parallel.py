@@ -171,14 +171,20 @@ def reduce_group(dp_group, expert: bool):
 
 def replica_id(dp_replica: int, expert: bool):
     """Checkpoint replica id of MD's replicated state (gains, radius): the same full tensors on
-    every (expert-)TP rank, so only its rank 0 of the DP replica 0 writes them."""
+    every (expert-)TP rank, so only its rank 0 of the DP replica 0 writes them. Under TP the
+    id is megatron's (PP, TP, DP) triple, as its models' own (PP 0: a stage's keys are its own):
+    megatron's layer-wise optimizer asserts an int or a triple
+    (core/optimizer/layer_wise_optimizer.py:943; a pair stopped every layer-wise MuonMD run
+    under TP at its first save)."""
     from megatron.core import parallel_state as ps
 
     if expert:
-        return dp_replica if etp_size() == 1 else (ps.get_expert_tensor_parallel_rank(), dp_replica)
+        if etp_size() == 1:
+            return dp_replica
+        return (0, ps.get_expert_tensor_parallel_rank(), dp_replica)
     if tp_size() == 1:
         return dp_replica
-    return (ps.get_tensor_model_parallel_rank(), dp_replica)
+    return (0, ps.get_tensor_model_parallel_rank(), dp_replica)
 
 
 def piece_rank(param) -> int:

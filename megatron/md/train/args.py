@@ -286,6 +286,43 @@ def _check_optimizer_instances(args) -> None:
             )
 
 
+def _torch_norms(args) -> bool:
+    """Are the layers' norms torch's (megatron's local layer spec: for RMSNorm always, for
+    LayerNorm without apex; core/models/backends.py:29, :126)?"""
+    if args.transformer_impl != "local":
+        return False
+    if args.normalization == "RMSNorm":
+        return True
+    try:
+        import apex  # noqa: F401
+    except ImportError:
+        return True
+    return False
+
+
+def _check_sequence_parallel(args) -> None:
+    """Under TP megatron's MoE layer trains only with sequence parallelism (a ValueError at the
+    first forward step: core/transformer/moe/moe_layer.py:629), which torch's norms refuse (an
+    assertion at the model's build: core/transformer/torch_norm.py:50); both seen after the
+    build, 2026-12-01 (tiny-moe, TP 2, 2 CPU ranks). megatron turns it off at TP 1."""
+    tp = args.tensor_model_parallel_size
+    if tp == 1:
+        return
+    local = ("torch's norms of the local layer spec (--transformer-impl local) refuse it "
+             "(core/transformer/torch_norm.py:50)")  # fmt: skip
+    if args.num_experts and not args.sequence_parallel and not args.skip_train:
+        way = (f"; {local}: on this layer spec the experts train at TP 1 (split them with "
+               "--expert-tensor-parallel-size, or spread them with "
+               "--expert-model-parallel-size)" if _torch_norms(args) else "")  # fmt: skip
+        _fail(
+            f"--num-experts with TP {tp} needs --sequence-parallel: megatron's MoE layer "
+            f"refuses to train without it (moe_layer.py:629, at the first step){way}"
+        )
+    if args.sequence_parallel and _torch_norms(args):
+        _fail(f"--sequence-parallel: {local} at the model's build; use "
+              "--transformer-impl transformer_engine, or drop it")  # fmt: skip
+
+
 def _fail(msg: str, node: bool = False):
     """Refuse (``node``: a refusal about this node's files, which another node may not share:
     each node's first rank says it too, errors.say)."""
@@ -345,6 +382,7 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
                "does not take (an AttributeError at every resume)")
             + "; log_all logs every mismatch, raise_unexpected stops on a key the model lacks"
         )  # fmt: skip
+    _check_sequence_parallel(args)
     if args.rampup_batch_size is not None:  # (training/global_vars.py:127 does not pass it)
         _fail(
             "--rampup-batch-size is parsed and not used by megatron-core 0.19.2 (the batch "

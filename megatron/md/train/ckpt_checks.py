@@ -252,13 +252,21 @@ def check_optimizer(where: str | Checkpoint, saved_args, args) -> None:
     )  # fmt: skip
 
 
-def check_resharding(where: str | Checkpoint, saved_args, common: dict, args) -> None:
+def check_resharding(where: str | Checkpoint, saved_args, common: dict, keys, args) -> None:
     """megatron's distributed optimizer loads its state at another (TP, PP) only from the
     fully reshardable formats (training/checkpointing.py:2246, a RuntimeError after the model's
-    build naming a flag that is already the default)."""
+    build naming a flag that is already the default). Layer-wise Muon keeps its Adam groups in
+    one as well (core/optimizer/__init__.py:832, on megatron's layer-wise param layout, the
+    default; saved under ``optimizer.distributed.`` keys): loaded at another TP, megatron's
+    CheckpointingException after the build (a global shape mismatch, seen 2026-12-01)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    if args.no_load_optim or args.finetune or not args.use_distributed_optimizer:
+    if args.no_load_optim or args.finetune:
+        return
+    layer_wise = getattr(args, "use_layer_wise_distributed_optimizer", False)
+    if not args.use_distributed_optimizer and not (
+        layer_wise and any(".optimizer.distributed." in "." + k for k in keys)
+    ):
         return
     was = (getattr(saved_args, "tensor_model_parallel_size", 1),
            getattr(saved_args, "pipeline_model_parallel_size", 1))  # fmt: skip
@@ -395,7 +403,7 @@ def check_all(ckpt: Checkpoint, args) -> bool:
     if saved is not None:
         check_shape(ckpt, saved, args)
         check_optimizer(ckpt, saved, args)
-        check_resharding(ckpt, saved, common, args)
+        check_resharding(ckpt, saved, common, ckpt.keys, args)
         check_param_layout(ckpt, saved, args)
     check_saved_optimizer(ckpt, ckpt.keys, common, args)
     has_md = check_md(ckpt, ckpt.keys, args)
