@@ -288,16 +288,12 @@ def _check_optimizer_instances(args) -> None:
 
 def _torch_norms(args) -> bool:
     """Are the layers' norms torch's (megatron's local layer spec: for RMSNorm always, for
-    LayerNorm without apex; core/models/backends.py:29, :126)?"""
+    LayerNorm without apex, as megatron found it; core/models/backends.py:29, :126)?"""
+    from megatron.core.models import backends
+
     if args.transformer_impl != "local":
         return False
-    if args.normalization == "RMSNorm":
-        return True
-    try:
-        import apex  # noqa: F401
-    except ImportError:
-        return True
-    return False
+    return args.normalization == "RMSNorm" or not backends.HAVE_APEX
 
 
 def _check_sequence_parallel(args) -> None:
