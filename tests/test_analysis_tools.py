@@ -4,6 +4,7 @@ bootstrap, the LR-sweep tool (optimum, crashed/incomplete/diverged runs), bad in
 import csv
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -77,8 +78,11 @@ def test_scaling_law_bad_input(tmp_path):
 
 
 def run_tool(name, *args, timeout=120):
+    # one thread, as the suite's fork server has (tests/conftest.py): a tool's 1-process runs are
+    # forked from it instead of importing torch afresh
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, str(ROOT / "tools" / name), *args],
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+                          capture_output=True, text=True, timeout=timeout, env=env)  # fmt: skip
 
 
 def fake_run(root: Path, name: str, lr: float, best: float, iters=40, stop=None, nan=False):

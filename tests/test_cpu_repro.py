@@ -3,6 +3,7 @@
 pipeline only, not the paper's claims (the full run's numbers are in docs/cpu_repro.md)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.distributed
 def test_cpu_repro_smoke(tmp_path):
     script = ROOT / "examples" / "md_decoupling" / "cpu_repro" / "run.py"
+    # one thread, as the suite's fork server (tests/conftest.py) has: its 1-process runs are
+    # forked from it instead of importing torch afresh
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, str(script), "--smoke", f"--out={tmp_path}"],
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
+                         capture_output=True, text=True, timeout=900, env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads((tmp_path / "results.json").read_text())
     assert set(res["best"]) == {"d64", "d128"}
@@ -34,7 +38,7 @@ def test_cpu_repro_smoke(tmp_path):
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert len(manifest["runs"]) == 4
     again = subprocess.run([sys.executable, str(script), "--smoke", f"--out={tmp_path}"],
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
+                           capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
     assert again.returncode == 0 and "4 already finished" in again.stderr  # resumable
 
 

@@ -24,7 +24,12 @@ from megatron.md.evaluation.harness import MegatronLM
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tools"), str(ROOT / "examples" / "md_decoupling")]
 V, EOD = 32, 0
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def env() -> dict:
+    """The launches' environment, read when they start: os.environ as tests/conftest.py restores
+    it (without what an import set at collection, which would start the ranks afresh)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def bigram(seed=0):
@@ -126,7 +131,7 @@ def test_multiple_choice_task_through_lm_eval(tmp_path):
         (tmp_path / f"quiz{right}.yaml").write_text(
             evaluate.local_task_yaml(f"quiz{right}", str(data))
         )
-        tasks = TaskManager(include_path=str(tmp_path))
+        tasks = TaskManager(include_path=str(tmp_path), include_defaults=False)
         out = lm_eval.simple_evaluate(
             model=lm, tasks=[f"quiz{right}"], bootstrap_iters=0, task_manager=tasks
         )
@@ -203,7 +208,7 @@ def trained(tmp_path_factory):
              "--eval-interval=12", "--eval-iters=2", "--log-interval=4", f"--save={run}",
              "--save-interval=12"]  # fmt: skip
     out = subprocess.run(local_ranks(ROOT / "pretrain_gpt.py", 2, flags), capture_output=True,
-                         text=True, timeout=600, env=ENV, cwd=tmp)  # fmt: skip
+                         text=True, timeout=600, env=env(), cwd=tmp)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return run, text
 
@@ -225,7 +230,7 @@ def test_checkpoint_scores_its_own_validation_loss_and_runs_a_task(trained, tmp_
     report = tmp_path / "eval" / "report.json"
     cmd = [sys.executable, str(ROOT / "tools" / "evaluate.py"), f"--load={run}", "--valid-loss",
            f"--local-task=quiz={quiz}", f"--out={report}", "--batch-size=3"]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV, cwd=tmp_path)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env(), cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     got = json.loads(report.read_text())
     assert got["iteration"] == 12 and got["valid"]["samples"] == 8
@@ -267,7 +272,7 @@ def test_export_to_hugging_face_gives_megatrons_logits(trained, tmp_path):
     out = tmp_path / "hf"
     cmd = [sys.executable, str(ROOT / "tools" / "export_hf.py"), f"--load={run}", f"--out={out}",
            "--check"]  # fmt: skip
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV, cwd=tmp_path)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env(), cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rel = float(re.search(r"relative difference (\S+)", res.stdout).group(1))
     assert rel < 1e-5
@@ -279,7 +284,7 @@ def test_export_to_hugging_face_gives_megatrons_logits(trained, tmp_path):
         "tokenizer.json",
     } <= names
     assert json.loads((out / "megatron_md_export.json").read_text())["iteration"] == 12
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env())
     assert again.returncode != 0 and "exists" in again.stderr
 
 

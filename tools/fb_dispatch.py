@@ -5,17 +5,18 @@ forward-backward must issue exactly the operations of its base's (same model, sa
 This counts every aten operation dispatched inside megatron's forward-backward function (a
 ``TorchDispatchMode`` around the function ``megatron.training.training`` takes from
 ``get_forward_backward_func``) in iterations ``--skip``+1 .. ``--skip``+``--iters`` of a real
-``pretrain_gpt.py`` run per method (its own process, one rank; the tiny preset, mock data,
-MD's diagnostics off after iteration 1), and prints per method the operations of each counted
-forward-backward and the difference from its base (AdamMD/AdamW, MuonMD/Muon), and whether the
-last counted forward-backward issued its base's operations in the same order on tensors of the
-same dtype, shape, strides and storage offset (else where the two part). A method whose run
+``pretrain_gpt.py`` run per method (its own process, one rank, ``--jobs`` runs at a time; the
+tiny preset, mock data, MD's diagnostics off after iteration 1), and prints per method the
+operations of each counted forward-backward and the difference from its base (AdamMD/AdamW,
+MuonMD/Muon), and whether the last counted forward-backward issued its base's operations in the
+same order on tensors of the same dtype, shape, strides and storage offset (else where the two
+part). A method whose run
 fails, or a forward-backward the patch never saw (megatron moved the seam), exits 1.
 
 On one H100 (2026-11-26) AdamMD's forward-backward took 124 ms against AdamW's 102 and no
 timer said why; this shows whether MD put work into the model (docs/benchmarks.md).
 
-    python tools/fb_dispatch.py [--methods adamw adammd muon muonmd] [--json F] [-- flags]
+    python tools/fb_dispatch.py [--methods adamw adammd muon muonmd] [--jobs N] [--json F] [-- ...]
     python tools/fb_dispatch.py --methods adamw adammd -- --bf16 --md-fused-step=on  # as on a GPU
 """
 
@@ -127,20 +128,36 @@ def first_difference(base: list[str], md: list[str]) -> dict | None:
             "md": md[at] if at < len(md) else None}  # fmt: skip
 
 
-def measure(methods: list[str], skip: int, iters: int, extra: list[str]) -> dict:
+def measure(methods: list[str], skip: int, iters: int, extra: list[str], jobs: int = 2) -> dict:
     res, failed = {}, []
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    for m in methods:
-        cmd = [sys.executable, __file__, "--child", m, f"--skip={skip}", f"--iters={iters}",
-               "--", *extra]  # fmt: skip
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-        lines = [ln for ln in out.stdout.splitlines() if ln.startswith(MARK)]
-        if out.returncode or not lines:
-            print(f"[fb_dispatch] {m} failed (exit {out.returncode}):\n{out.stderr[-2000:]}",
+    # the runs are counted, not timed: ``jobs`` of them share the machine at a time
+    pending, running = list(methods), {}
+    while pending or running:
+        while pending and len(running) < max(1, jobs):
+            m = pending.pop(0)
+            cmd = [sys.executable, __file__, "--child", m, f"--skip={skip}", f"--iters={iters}",
+                   "--", *extra]  # fmt: skip
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            running[m] = (subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env),
+                          out, err)  # fmt: skip
+        m = next(iter(running))
+        proc, out, err = running.pop(m)
+        try:
+            proc.wait(timeout=900)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
+        lines = [ln for ln in stdout.splitlines() if ln.startswith(MARK)]
+        if proc.returncode or not lines:
+            print(f"[fb_dispatch] {m} failed (exit {proc.returncode}):\n{stderr[-2000:]}",
                   file=sys.stderr)  # fmt: skip
             failed.append(m)
             continue
         res[m] = json.loads(lines[-1][len(MARK) :])
+    res = {m: res[m] for m in methods if m in res}
     for m, r in res.items():
         base = res.get(BASE.get(m, ""))
         r["extra_ops_vs_base"] = [a - b for a, b in zip(r["ops"], base["ops"])] if base else None
@@ -165,11 +182,17 @@ def main(argv=None) -> None:
     ap.add_argument("--skip", type=int, default=2, help="iterations run before counting")
     ap.add_argument("--iters", type=int, default=2, help="forward-backward calls counted")
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=2,
+        help="runs at a time (their operations are counted, not timed)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         return child(args.child, args.skip, args.iters, extra)
-    got = measure(args.methods, args.skip, args.iters, extra)
+    got = measure(args.methods, args.skip, args.iters, extra, args.jobs)
     print(f"Dispatched operations per forward-backward (iterations {args.skip + 1}.."
           f"{args.skip + args.iters}), tiny preset, one rank")  # fmt: skip
     print("method | ops per forward-backward | MD's extra vs base")
