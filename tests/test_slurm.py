@@ -177,8 +177,8 @@ def test_time_limit_stops_cleanly_and_the_requeued_job_finishes(slurm, tmp_path)
     """A 2-minute job stops itself a minute in (--exit-duration-in-mins: the time left less
     EXIT_MARGIN_MIN), saves, exits 0, is requeued by the launcher and resumes from its
     checkpoint to the end (its limit raised to 5 minutes while it waits), all in one log
-    (appended). The early-warning signal is moved to 20 s
-    before the end (the script's 300 s would come at once in a 2-minute job)."""
+    (appended). The early-warning signal is moved to 20 s before the end (the script's 300 s
+    would come at once in a 2-minute job)."""
     env, d = slurm
     step = float(d.joinpath("step_s").read_text()) if d.joinpath("step_s").exists() else 0.1
     # ~100 s of training at the step measured on the scancel job: an attempt trains for ~58 s

@@ -158,7 +158,7 @@ def run_tasks(lm, a, workdir: str) -> dict:
         for name, path in a.local.items():
             Path(workdir, f"{name}.yaml").write_text(local_task_yaml(name, path))
         include.append(workdir)
-    # lm-eval's own task index (~8 s to build on a 2-core VM) only where --tasks may name one
+    # lm-eval's own task index (16 s to build on a 2-core VM) only where --tasks may name one
     manager = TaskManager(include_path=include or None, include_defaults=bool(a.tasks))
     out = lm_eval.simple_evaluate(
         model=lm, tasks=a.tasks + list(a.local), num_fewshot=a.num_fewshot, limit=a.limit,

@@ -10,8 +10,8 @@ tiny preset, mock data, MD's diagnostics off after iteration 1), and prints per 
 operations of each counted forward-backward and the difference from its base (AdamMD/AdamW,
 MuonMD/Muon), and whether the last counted forward-backward issued its base's operations in the
 same order on tensors of the same dtype, shape, strides and storage offset (else where the two
-part). A method whose run
-fails, or a forward-backward the patch never saw (megatron moved the seam), exits 1.
+part). A method whose run fails, or a forward-backward the patch never saw (megatron moved the
+seam), exits 1.
 
 On one H100 (2026-11-26) AdamMD's forward-backward took 124 ms against AdamW's 102 and no
 timer said why; this shows whether MD put work into the model (docs/benchmarks.md).
@@ -150,6 +150,7 @@ def measure(methods: list[str], skip: int, iters: int, extra: list[str], jobs: i
             proc.wait()
         out.seek(0), err.seek(0)
         stdout, stderr = out.read(), err.read()
+        out.close(), err.close()
         lines = [ln for ln in stdout.splitlines() if ln.startswith(MARK)]
         if proc.returncode or not lines:
             print(f"[fb_dispatch] {m} failed (exit {proc.returncode}):\n{stderr[-2000:]}",
