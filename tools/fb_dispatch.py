@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,36 +130,25 @@ def first_difference(base: list[str], md: list[str]) -> dict | None:
 
 
 def measure(methods: list[str], skip: int, iters: int, extra: list[str], jobs: int = 2) -> dict:
-    res, failed = {}, []
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+
+    def run(m: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, __file__, "--child", m, f"--skip={skip}", f"--iters={iters}",
+               "--", *extra]  # fmt: skip
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+
     # the runs are counted, not timed: ``jobs`` of them share the machine at a time
-    pending, running = list(methods), {}
-    while pending or running:
-        while pending and len(running) < max(1, jobs):
-            m = pending.pop(0)
-            cmd = [sys.executable, __file__, "--child", m, f"--skip={skip}", f"--iters={iters}",
-                   "--", *extra]  # fmt: skip
-            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-            running[m] = (subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env),
-                          out, err)  # fmt: skip
-        m = next(iter(running))
-        proc, out, err = running.pop(m)
-        try:
-            proc.wait(timeout=900)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        out.seek(0), err.seek(0)
-        stdout, stderr = out.read(), err.read()
-        out.close(), err.close()
-        lines = [ln for ln in stdout.splitlines() if ln.startswith(MARK)]
-        if proc.returncode or not lines:
-            print(f"[fb_dispatch] {m} failed (exit {proc.returncode}):\n{stderr[-2000:]}",
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        outs = dict(zip(methods, pool.map(run, methods)))
+    res, failed = {}, []
+    for m, out in outs.items():
+        lines = [ln for ln in out.stdout.splitlines() if ln.startswith(MARK)]
+        if out.returncode or not lines:
+            print(f"[fb_dispatch] {m} failed (exit {out.returncode}):\n{out.stderr[-2000:]}",
                   file=sys.stderr)  # fmt: skip
             failed.append(m)
             continue
         res[m] = json.loads(lines[-1][len(MARK) :])
-    res = {m: res[m] for m in methods if m in res}
     for m, r in res.items():
         base = res.get(BASE.get(m, ""))
         r["extra_ops_vs_base"] = [a - b for a, b in zip(r["ops"], base["ops"])] if base else None
