@@ -470,7 +470,14 @@ def test_a_gpu_job_stops_and_cpu_mode_on_purpose_runs(capsys, monkeypatch):
             ["--md-decoupling", "--md-cuda-graph", "--bf16", "--grad-reduce-in-bf16"],
             "drop --grad-reduce-in-bf16",
         ),  # fmt: skip
-        (["--md-decoupling", "--md-adam-layer-wise", "--optimizer=muon"], "needs --optimizer adam"),
+        (
+            ["--md-decoupling", "--md-adam-layer-wise", "--optimizer=muon"],
+            "needs --optimizer adam (got muon) and --use-distributed-optimizer",
+        ),
+        (
+            ["--md-decoupling", "--md-adam-layer-wise"],
+            "layer-wise needs --use-distributed-optimizer",
+        ),
         # read again at every resume from --load: a requeue lost its optimizer state (2026-11-29)
         (
             ["--init-from=/x", "--load=/y", "--no-load-optim"],

@@ -427,10 +427,11 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
             _check_tensor_parallel(args)  # megatron's default ETP is the TP size
 
         if args.md_adam_layer_wise:
-            if args.optimizer != "adam" or not (
-                args.use_distributed_optimizer or args.use_layer_wise_distributed_optimizer
-            ):
-                _fail("--md-adam-layer-wise needs --optimizer adam --use-distributed-optimizer")
+            missing = [f"--optimizer adam (got {args.optimizer})"] * (args.optimizer != "adam")
+            if not (args.use_distributed_optimizer or args.use_layer_wise_distributed_optimizer):
+                missing.append("--use-distributed-optimizer")  # what it replaces
+            if missing:
+                _fail(f"--md-adam-layer-wise needs {' and '.join(missing)}")
             # megatron shards layer-wise only for emerging optimizers: its args say so for
             # muon (training/arguments.py, validate_args); patches build the optimizer as
             # layer-wise Muon
