@@ -427,9 +427,12 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
             _check_tensor_parallel(args)  # megatron's default ETP is the TP size
 
         if args.md_adam_layer_wise:
-            missing = [f"--optimizer adam (got {args.optimizer})"] * (args.optimizer != "adam")
+            missing = []
+            if args.optimizer != "adam":
+                missing.append(f"--optimizer adam (got {args.optimizer})")
+            # the ZeRO-1 sharding it turns into layer-wise sharding (below)
             if not (args.use_distributed_optimizer or args.use_layer_wise_distributed_optimizer):
-                missing.append("--use-distributed-optimizer")  # what it replaces
+                missing.append("--use-distributed-optimizer")
             if missing:
                 _fail(f"--md-adam-layer-wise needs {' and '.join(missing)}")
             # megatron shards layer-wise only for emerging optimizers: its args say so for
