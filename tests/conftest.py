@@ -1,5 +1,6 @@
 """Test set-up: CPU mode (megatron.md.cpu_mode) on machines without CUDA, before megatron; the
-session's fork server for local launches (megatron/md/forkserver.py)."""
+session's fork server for local launches (megatron/md/forkserver.py) and its page keeper
+(tests/_pagekeep.py)."""
 
 import logging
 import os
@@ -63,8 +64,16 @@ def pytest_collection_finish(session):
     """What the test modules' imports set in ``os.environ`` stays out of the tests' launches:
     lm_eval's import (tests/test_evaluate.py) sets ``HF_XET_HIGH_PERFORMANCE``, which
     huggingface_hub reads at import, so every launch would differ from the fork server's
-    environment and start its ranks afresh."""
+    environment and start its ranks afresh. The modules imported so far go to the page
+    keeper."""
     _restore_environment(_SESSION_ENV)
+    if "keeper" in _SERVER:
+        files = {getattr(m, a, None) for m in list(sys.modules.values())
+                 for a in ("__file__", "__cached__")}  # fmt: skip
+        listing = _SERVER["tmp"] / "imported"
+        listing.write_text(
+            "".join(f"{f}\n" for f in sorted(f for f in files if isinstance(f, str)))
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -96,6 +105,18 @@ def pytest_configure(config):
     _SERVER.update(proc=proc, tmp=tmp, log=log)
     os.environ["MEGATRON_MD_FORKSERVER"] = sock
     _SESSION_ENV.update(os.environ)
+    _start_page_keeper(tmp, [os.getpid(), proc.pid])
+
+
+def _start_page_keeper(tmp: Path, pids: list[int]) -> None:
+    """The files the session's processes read kept in memory (tests/_pagekeep.py: on the VM
+    type the suite is timed on, a fresh ``import torch`` after an idle minute otherwise reads
+    them back from disk, 37-59 s instead of 5). ``MEGATRON_MD_PAGEKEEP=0`` turns it off."""
+    if os.environ.get("MEGATRON_MD_PAGEKEEP") == "0":
+        return
+    cmd = [sys.executable, str(Path(__file__).with_name("_pagekeep.py")), str(tmp / "kept"),
+           str(tmp / "imported"), *map(str, pids)]  # fmt: skip
+    _SERVER["keeper"] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
 
 
 def pytest_report_header(config):
@@ -106,20 +127,31 @@ def pytest_report_header(config):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """How many ranks the fork server forked, and why the others started afresh."""
+    """How many ranks the fork server forked, and why the others started afresh; what the page
+    keeper kept."""
     if "proc" not in _SERVER:
         return
     log = (_SERVER["tmp"] / "log").read_text().splitlines()
     forked = sum(ln.startswith("[forkserver] forked") for ln in log)
     why = Counter(ln.split(": ", 1)[-1] for ln in log if ln.startswith("[forkserver] refused"))
-    if not forked and not why:
-        return
-    terminalreporter.write_line(f"fork server: {forked} ranks forked, {why.total()} started afresh")
+    if forked or why:
+        terminalreporter.write_line(
+            f"fork server: {forked} ranks forked, {why.total()} started afresh"
+        )
     for reason, n in why.most_common():
         terminalreporter.write_line(f"  {n:4d} x {reason[:150]}")
+    kept = _SERVER["tmp"] / "kept"
+    if "keeper" in _SERVER and kept.exists() and (lines := kept.read_text().splitlines()):
+        last = lines[-1].split()
+        said = f"{last[2]} MiB kept in memory" if last[1] == "kept" else " ".join(last)
+        terminalreporter.write_line(f"page keeper: {said}")
 
 
 def pytest_unconfigure(config):
+    keeper = _SERVER.pop("keeper", None)
+    if keeper is not None:
+        keeper.terminate()
+        keeper.wait(timeout=30)
     proc = _SERVER.pop("proc", None)
     if proc is not None:
         proc.terminate()
