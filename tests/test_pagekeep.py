@@ -2,6 +2,7 @@
 is locked whole, a process's libraries only where they are in memory, and where it may not
 lock it says so and ends."""
 
+import mmap
 import os
 import subprocess
 import sys
@@ -40,15 +41,27 @@ def wait_for_line(log: Path, proc: subprocess.Popen) -> str:
     return log.read_text().splitlines()[0]
 
 
+def written(path: Path, mib: int, out_of_memory: slice) -> Path:
+    """``mib`` MiB of random bytes on disk, the pages of ``out_of_memory`` (in MiB) dropped
+    from memory (the others stay as the write left them)."""
+    with open(path, "wb") as f:
+        f.write(os.urandom(mib * MIB))
+        f.flush()
+        os.fsync(f.fileno())  # clean pages: dropped when asked
+        lo, hi = out_of_memory.start * MIB, out_of_memory.stop * MIB
+        os.posix_fadvise(f.fileno(), lo, hi - lo, os.POSIX_FADV_DONTNEED)
+    return path
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="/proc and mlock: Linux only")
 def test_listed_files_whole_and_libraries_as_far_as_in_memory(tmp_path):
-    data = tmp_path / "module.pyc"
-    with open(data, "wb") as f:
-        f.write(os.urandom(8 * MIB))
-        f.flush()
-        os.fsync(f.fileno())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # out of memory
-    (tmp_path / "list").write_text(f"{data}\n{tmp_path / 'gone.pyc'}\n")
+    listed = written(tmp_path / "module.pyc", 8, slice(0, 8))
+    # a "library" this process maps code from, its first 4 MiB in memory (a 2 MiB boundary:
+    # the page cache drops whole folios, up to 2 MiB)
+    lib = written(tmp_path / "lib.so", 8, slice(4, 8))
+    fd = os.open(lib, os.O_RDONLY)
+    code = mmap.mmap(fd, 0, prot=mmap.PROT_READ | mmap.PROT_EXEC)  # (no page touched)
+    (tmp_path / "list").write_text(f"{listed}\n{tmp_path / 'gone.pyc'}\n")
     cmd = [sys.executable, str(KEEPER), str(tmp_path / "log"), str(tmp_path / "list"),
            str(os.getpid())]  # fmt: skip
     proc = subprocess.Popen(cmd)
@@ -57,15 +70,17 @@ def test_listed_files_whole_and_libraries_as_far_as_in_memory(tmp_path):
         if line.startswith("cannot keep"):
             pytest.skip(line)  # (not root and a small `ulimit -l`: what the session then prints)
         kept = locked_kib(proc.pid)
-        assert kept[str(data)] == (8 * 1024, 8 * 1024), line  # read from disk for it
-        # this process's libraries (torch's: ~1.3 GB of ~3 GB of files in memory after its
-        # import), only as far as they are in memory: none whole, none nothing (seen: 1.4 GB)
-        lib = str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")
-        assert 0 < kept[lib][1] < kept[lib][0], kept[lib]
+        assert kept[str(listed)] == (8 * 1024, 8 * 1024), line  # read from disk for it
+        assert kept[str(lib)] == (8 * 1024, 4 * 1024), line  # what was in memory, no more
         assert str(tmp_path / "gone.pyc") not in kept
+        # and torch's libraries, as far as they are in memory (~1.4 GB after its import)
+        torch_cpu = str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")
+        assert kept[torch_cpu][1] > 0, line
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        code.close()
+        os.close(fd)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="/proc and mlock: Linux only")
