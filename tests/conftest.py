@@ -71,9 +71,11 @@ def pytest_collection_finish(session):
         files = {getattr(m, a, None) for m in list(sys.modules.values())
                  for a in ("__file__", "__cached__")}  # fmt: skip
         listing = _SERVER["tmp"] / "imported"
-        listing.write_text(
+        written = listing.with_suffix(".part")  # renamed whole: the keeper never reads a part
+        written.write_text(
             "".join(f"{f}\n" for f in sorted(f for f in files if isinstance(f, str)))
         )
+        written.replace(listing)
 
 
 @pytest.fixture(autouse=True)
