@@ -26,8 +26,11 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import signal
 import sys
 import time
+
+from megatron.md.localrun import die_with_parent  # (standard library only)
 
 PERIOD_S = 15.0
 MAX_BYTES = 4 << 30
@@ -159,10 +162,27 @@ class Keeper:
         return os.getppid() != 1 and any(os.path.exists(f"/proc/{p}") for p in self.pids)
 
 
+CANNOT = "cannot keep pages in memory: "
+
+
+def said(log: str) -> str | None:
+    """What the keeper's LOG says last, in a few words: how much it keeps, or why it keeps
+    nothing; None before its first line."""
+    try:
+        lines = open(log).read().splitlines()
+    except OSError:
+        return None
+    if not lines:
+        return None
+    if lines[-1].startswith(CANNOT):
+        return lines[-1]
+    return f"{lines[-1].split()[2]} MiB kept in memory"  # "HH:MM:SS kept N MiB (+M)"
+
+
 def main(argv: list[str]) -> None:
     if len(argv) < 3:
         sys.exit("usage: python tests/_pagekeep.py LOG LIST PID...")
-    _libc.prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM: the session's end
+    die_with_parent(signal.SIGTERM)  # the session's end
     log = open(argv[0], "a", buffering=1)
     keeper = Keeper(argv[1], [int(p) for p in argv[2:]])
     while keeper.alive():
@@ -170,7 +190,7 @@ def main(argv: list[str]) -> None:
             if got := keeper.once():
                 log.write(f"{time.strftime('%T')} kept {keeper.bytes >> 20} MiB (+{got >> 20})\n")
         except CannotLock as e:
-            log.write(f"cannot keep pages in memory: {e}\n")
+            log.write(f"{CANNOT}{e}\n")
             return
         time.sleep(PERIOD_S)
 

@@ -12,6 +12,7 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
+import _pagekeep
 import pytest
 
 from megatron.md import cpu_mode
@@ -116,7 +117,7 @@ def _start_page_keeper(tmp: Path, pids: list[int]) -> None:
     them back from disk, 37-59 s instead of 5). ``MEGATRON_MD_PAGEKEEP=0`` turns it off."""
     if os.environ.get("MEGATRON_MD_PAGEKEEP") == "0":
         return
-    cmd = [sys.executable, str(Path(__file__).with_name("_pagekeep.py")), str(tmp / "kept"),
+    cmd = [sys.executable, _pagekeep.__file__, str(tmp / "kept"),
            str(tmp / "imported"), *map(str, pids)]  # fmt: skip
     _SERVER["keeper"] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
 
@@ -142,10 +143,7 @@ def pytest_terminal_summary(terminalreporter):
         )
     for reason, n in why.most_common():
         terminalreporter.write_line(f"  {n:4d} x {reason[:150]}")
-    kept = _SERVER["tmp"] / "kept"
-    if "keeper" in _SERVER and kept.exists() and (lines := kept.read_text().splitlines()):
-        last = lines[-1].split()
-        said = f"{last[2]} MiB kept in memory" if last[1] == "kept" else " ".join(last)
+    if "keeper" in _SERVER and (said := _pagekeep.said(str(_SERVER["tmp"] / "kept"))):
         terminalreporter.write_line(f"page keeper: {said}")
 
 

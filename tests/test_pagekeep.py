@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import _pagekeep
 import pytest
 import torch
 
@@ -76,6 +77,9 @@ def test_listed_files_whole_and_libraries_as_far_as_in_memory(tmp_path):
         # and torch's libraries, as far as they are in memory (~1.4 GB after its import)
         torch_cpu = str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")
         assert kept[torch_cpu][1] > 0, line
+        # what the session's summary prints (tests/conftest.py): at least the 8 + 4 MiB
+        said = _pagekeep.said(str(tmp_path / "log"))
+        assert said.endswith(" MiB kept in memory") and int(said.split()[0]) >= 12, said
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -95,3 +99,4 @@ def test_a_keeper_that_may_not_lock_says_so_and_ends(tmp_path):
     assert out.returncode == 0, out.stderr
     text = (tmp_path / "log").read_text()
     assert text.startswith("cannot keep pages in memory: mlock: ") and "ulimit -l 0 KiB" in text
+    assert _pagekeep.said(str(tmp_path / "log")) == text.strip()
