@@ -242,9 +242,9 @@ class Group:
             # a reduction, not the reference's dot as a (B, 1, K)·(B, K, 1) bmm: cuBLAS runs
             # that as a mat-vec with one output per matrix (H100, 1.29B: 11 ms a call, 34 ms
             # of MuonMD's 138 ms step; docs/benchmarks.md)
-            out.add_(torch.linalg.vector_norm(w, dim=(1, 2)).square_().unsqueeze(1))
+            out.add_(_sq_sum(w, (1, 2)).unsqueeze(1))
         elif self.spec.sphere == "row" and self.period_ids is None:
-            part = torch.linalg.vector_norm(w, dim=2).square_()
+            part = _sq_sum(w, 2)
             (out if self.whole_block else out[:, blk.r0 : blk.r0 + blk.nr]).add_(part)
         else:
             self.axis_add(blk, w * w, out)
@@ -362,7 +362,7 @@ class Group:
     def _row_norms(w: torch.Tensor) -> torch.Tensor:
         """‖Ŵ‖ of each row of a block (B, nr, nc) -> (B, nr, 1): weight normalization's divisor
         (its matrices are whole on the rank, so every row is)."""
-        return torch.linalg.vector_norm(w, dim=2, keepdim=True)
+        return _sq_sum(w, 2).sqrt_().unsqueeze(2)
 
     def _tangent_update(self, upd: torch.Tensor) -> torch.Tensor:
         """muown-unit: the Muon update on the tangent space of each row of the (whole) Ŵ."""
@@ -521,6 +521,16 @@ class Group:
             return w.square().sum((1, 2)).sqrt().unsqueeze(1)
         out = torch.zeros(self.B, self.nb, dtype=torch.float64, device=w.device)
         return out.index_add_(1, self.row_ids, w.square().sum(2)).sqrt()
+
+
+def _sq_sum(w: torch.Tensor, dim) -> torch.Tensor:
+    """Σ w² along ``dim``. On a CPU torch's fp32 ``vector_norm`` is off by ~1e-6 (8 ulps) on
+    bf16-valued entries (a bf16 model's fp32 main params: torch 2.15.0, 2026-12-02), where the
+    cascade sum of ``w * w`` is within 2e-9 (the reference's sum); on a GPU the norm, which
+    writes no temporary (the step's cost was measured with it)."""
+    if w.is_cuda:
+        return torch.linalg.vector_norm(w, dim=dim).square_()
+    return (w * w).sum(dim)
 
 
 def _adopt(d: dict, key: str, view: torch.Tensor, shape) -> None:
