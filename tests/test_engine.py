@@ -637,13 +637,14 @@ def test_no_matrix_product_makes_one_number_per_matrix(base, sphere):
     assert not dots, dots
 
 
-@pytest.mark.parametrize("sphere,shape", [("frobenius", (256, 32)), ("row", (4, 8192))])
+@pytest.mark.parametrize("sphere,shape", [("frobenius", (256, 32)), ("frobenius", (2048, 2048)),
+                                         ("frobenius", (9, 11)), ("row", (4, 8192))])  # fmt: skip
 def test_radii_of_bf16_valued_directions_are_their_norms(sphere, shape):
     """A bf16 model's fp32 main params hold bf16 values: their radii (and every step's sphere
-    norms, the same sums) within fp32 rounding of the float64 norm. torch's fp32
-    ``vector_norm`` on a CPU is ~1e-6 off on such entries (torch 2.15.0: 1.1e-6 on the
-    (256, 32) matrix below), which put every bf16 distributed check's directions 1e-6 from
-    the reference's (tests/test_distributed_md.py)."""
+    norms, the same sums: ``group.sq_sums``) within fp32 rounding of the float64 norm. torch's
+    fp32 ``vector_norm`` over a whole matrix on a CPU was 1.1e-6 off on the (256, 32) matrix
+    below and 3.8e-5 on the (2048, 2048) one (torch 2.15.0), which put every bf16 distributed
+    check's directions 1e-6 from the reference's (tests/test_distributed_md.py)."""
     spec = MatrixSpec(sphere, "init", "rowcol", "softplus")
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(shape, generator=gen) * 0.177).bfloat16().float()
@@ -654,4 +655,4 @@ def test_radii_of_bf16_valued_directions_are_their_norms(sphere, shape):
     (m,) = ranks.engines[0].members
     exact = w.double().norm() if sphere == "frobenius" else w.double().norm(dim=1)
     rel = (m.md_state["radius"].double().view(-1) - exact).abs() / exact
-    assert float(rel.max()) <= 1e-7, float(rel.max())
+    assert float(rel.max()) <= 2e-7, float(rel.max())
