@@ -10,7 +10,7 @@ import torch
 from _ranks import Ranks
 
 from megatron.md import reference, sliced
-from megatron.md.base_steps import AdamHParams, MuonHParams
+from megatron.md.base_steps import AdamHParams, MuonHParams, hyperball_
 from megatron.md.blocks import slice_blocks
 from megatron.md.config import MatrixSpec
 
@@ -641,7 +641,7 @@ def test_no_matrix_product_makes_one_number_per_matrix(base, sphere):
                                          ("frobenius", (9, 11)), ("row", (4, 8192))])  # fmt: skip
 def test_radii_of_bf16_valued_directions_are_their_norms(sphere, shape):
     """A bf16 model's fp32 main params hold bf16 values: their radii (and every step's sphere
-    norms, the same sums: ``group.sq_sums``) within fp32 rounding of the float64 norm. torch's
+    norms, the same sums: ``norms.sq_sums``) within fp32 rounding of the float64 norm. torch's
     fp32 ``vector_norm`` over a whole matrix on a CPU was 1.1e-6 off on the (256, 32) matrix
     below and 3.8e-5 on the (2048, 2048) one (torch 2.15.0), which put every bf16 distributed
     check's directions 1e-6 from the reference's (tests/test_distributed_md.py)."""
@@ -656,3 +656,14 @@ def test_radii_of_bf16_valued_directions_are_their_norms(sphere, shape):
     exact = w.double().norm() if sphere == "frobenius" else w.double().norm(dim=1)
     rel = (m.md_state["radius"].double().view(-1) - exact).abs() / exact
     assert float(rel.max()) <= 2e-7, float(rel.max())
+
+
+@pytest.mark.parametrize("shape", [(2048, 2048), (3, 12, 20)])
+def test_hyperball_update_is_at_unit_norm(shape):
+    """The hyperball scale's orthogonalized update at unit Frobenius norm per matrix (a batch's
+    last two axes) within fp32 rounding of float64: its norm is ``norms.sq_sums``'. torch's
+    whole-matrix fp32 ``vector_norm`` left it 8e-5 off at (2048, 2048) on a CPU (torch 2.15.0)."""
+    gen = torch.Generator().manual_seed(1)
+    u = hyperball_(torch.randn(shape, generator=gen))
+    unit = u.double().square().sum((-2, -1)).sqrt()
+    assert float((unit - 1).abs().max()) <= 2e-7, float((unit - 1).abs().max())

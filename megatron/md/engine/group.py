@@ -14,8 +14,6 @@ the base step (line 7, ``basesteps``), ``norm_partials`` (line 8's norms), then
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from megatron.md import maps
@@ -27,6 +25,7 @@ from megatron.md.engine.geometry import (
     row_to_block,
     strided_rows,
 )
+from megatron.md.norms import sq_sums
 
 #: raw gains and their shapes per matrix: name -> (rows M, columns N, rank k) -> shape
 GAIN_SHAPES = {
@@ -523,28 +522,6 @@ class Group:
             return w.square().sum((1, 2)).sqrt().unsqueeze(1)
         out = torch.zeros(self.B, self.nb, dtype=torch.float64, device=w.device)
         return out.index_add_(1, self.row_ids, w.square().sum(2)).sqrt()
-
-
-#: the longest run of a row that one fp32 norm covers in ``sq_sums``
-RUN = 256
-
-
-def sq_sums(w: torch.Tensor, frobenius: bool) -> torch.Tensor:
-    """Σ w² of each row of ``w`` (B, nr, nc), or of each matrix (``frobenius``), within fp32
-    rounding of the float64 sums. torch's fp32 ``vector_norm`` over a whole matrix is far off
-    on a bf16 model's main params, whose entries are bf16 values (CPU, torch 2.15.0,
-    2026-12-02, relative error of the sums: 2.4e-6 on a (256, 32) matrix, 4e-3 on a
-    (16384, 2048) one, 8e-7 on rows of 2048; the cascade sum of ``w * w``: ≤ 1.2e-7, at 6x
-    the time for its temporary). Norms of runs of k = gcd(nc, ``RUN``) entries, then the sum
-    of their squares: ≤ 1.4e-7 per matrix and 2.2e-7 per row, at 1.2x a norm's time."""
-    nc = w.shape[-1]
-    k = math.gcd(nc, RUN)
-    if k >= 32:
-        runs = torch.linalg.vector_norm(w.unflatten(-1, (nc // k, k)), dim=-1)
-        rows = runs.square_().sum(-1)
-    else:  # rows with no factor of 32 in their length (small test matrices): the cascade sum
-        rows = (w * w).sum(-1)
-    return rows.sum(-1) if frobenius else rows
 
 
 def _adopt(d: dict, key: str, view: torch.Tensor, shape) -> None:
