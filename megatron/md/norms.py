@@ -5,8 +5,9 @@ torch's fp32 ``vector_norm`` over a whole matrix is far off on a CPU, and the fu
 entries it covers (torch 2.15.0, one thread, 2026-12-02, relative error of Σ w²: randn entries
 2.9e-7 at (256, 32), 1.6e-4 at (2048, 2048), 3.6e-3 at (16384, 2048); a bf16 model's main
 params, whose entries are bf16 values, already 2.1e-6 at (256, 32); rows of 2048: 8e-7).
-``tools/`` and the reference do not use it (the reference's ``flat @ flat`` and axis sums are
-within 9e-8 of float64 on the tests' matrices).
+The reference computes its sphere norms itself (``flat @ flat`` and axis sums: within 9e-8 of
+float64 on the tests' matrices); its hyperball scale is ``base_steps.hyperball_``, as the
+engine's is.
 """
 
 from __future__ import annotations
