@@ -214,7 +214,7 @@ def test_time_limit_stops_cleanly_and_the_requeued_job_finishes(slurm, tmp_path)
     # ~100 s of training at the step measured on the scancel job: an attempt trains for ~58 s
     # (its minute counts from megatron's start, ~9 s before the first iteration; measured in a
     # CI run, 2026-11-27), so one requeue happens unless the step runs 1.7x faster than
-    # measured (seen: 1.35x, and 2.4x once, on a VM busy while the scancel job ran); the second
+    # measured (seen: 1.35x, and once 2.4x, its cause not found); the second
     # attempt's longer limit takes the rest. A job that finished in its first attempt measured
     # the step itself: it is submitted once more, ~100 s at that step (whose assertions then
     # hold). Timing-bound: on a machine busy with other work it can fail (CI is quiet)
