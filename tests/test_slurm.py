@@ -84,6 +84,11 @@ def train_rows(metrics: Path) -> list[dict]:
     return [json.loads(ln) for ln in metrics.open() if '"train"' in ln]
 
 
+def steady_step(metrics: Path) -> float:
+    """The median step (s) of a run's iterations after its first four (the first are slower)."""
+    return statistics.median(r["step_s"] for r in train_rows(metrics)[4:] if "step_s" in r)
+
+
 def term_after(env, job_id: str, run: Path, log: Path, rows: int) -> tuple[dict, str]:
     """`scancel --signal=TERM` once the run has logged ``rows`` iterations; the job's final
     state and log."""
@@ -166,8 +171,7 @@ def test_scancel_term_saves_and_exits_zero(slurm, tmp_path):
     assert (run / "exited_on_signal").read_text().strip() == str(saved)
     assert not (run / "finished").exists() and "stopped by a signal" in text
     # calibration for the time-limit test (the same run, alone on the node as that one will be)
-    steps = [r["step_s"] for r in train_rows(metrics)[4:] if "step_s" in r]
-    slurm[1].joinpath("step_s").write_text(str(statistics.median(steps)))
+    slurm[1].joinpath("step_s").write_text(str(steady_step(metrics)))
 
 
 WAITING = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED")
@@ -222,8 +226,8 @@ def test_time_limit_stops_cleanly_and_the_requeued_job_finishes(slurm, tmp_path)
     run_root = tmp_path
     info, text = time_limited_job(env, run_root, iters)
     if int(info.get("Restarts", 0)) == 0 and info["ExitCode"] == "0:0":
-        steps = [r["step_s"] for r in train_rows(run_root / "tl" / "metrics.jsonl")[4:]]
-        iters, run_root = int(100 / statistics.median(steps)), tmp_path / "again"
+        step = steady_step(run_root / "tl" / "metrics.jsonl")
+        iters, run_root = int(100 / step), tmp_path / "again"
         run_root.mkdir()
         info, text = time_limited_job(env, run_root, iters)
     assert info["JobState"] == "COMPLETED", (info, text[-3000:])
