@@ -45,7 +45,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_md_step as bench  # noqa: E402  (CPU mode on a machine without CUDA, on import)
+import bench_md_step as bench  # noqa: E402
+
+from megatron.md import cpu_mode  # noqa: E402  (bench_md_step's path: this checkout's)
+
+cpu_mode.maybe_activate()  # CPU mode when there is no GPU, before megatron is imported
 
 PAIRS = {"adam_md/adam": ("adam", "adam_md"), "muon_md/muon": ("muon", "muon_md")}
 _aten = torch.ops.aten

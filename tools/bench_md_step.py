@@ -48,8 +48,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 from megatron.md import cpu_mode  # noqa: E402
 from megatron.md.launch import local_ranks  # noqa: E402
 
-cpu_mode.maybe_activate()  # CPU mode when there is no GPU
-
 SHAPES = {  # d, layers, heads, kv groups, d_ff (recipe §3); head dim 128
     "181M": (512, 12, 4, 2, 2048),
     "457M": (1024, 12, 8, 4, 4096),
@@ -522,6 +520,9 @@ def main(argv=None) -> None:
     if DEV != "cuda" and any(r.endswith("_graph") for r in args.runs):
         ap.error("the *_md_graph runs (--md-cuda-graph) need CUDA")
     if "LOCAL_RANK" in os.environ:
+        # CPU mode when there is no GPU, in the ranks only: it imports megatron (~5 s on a
+        # 2-core VM), which the launching process never uses
+        cpu_mode.maybe_activate()
         return worker(args)
     if args.profile:
         args.dtype = args.dtype[:1]
