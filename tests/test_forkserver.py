@@ -170,3 +170,59 @@ def test_ranks_are_forked_unless_a_variable_the_imports_read_differs(
     out, facts = launch(tmp_path, "done", "forked")
     assert out.returncode == 0, out.stderr
     assert [(f["env"][name], parent(f)) for f in facts] == [("2", started_by)] * 2
+
+
+def test_which_ranks_the_cpu_mode_process_forks(tmp_path):
+    """pretrain_gpt.py's ranks where its ``cpu_mode.start`` puts CPU mode on first (the same
+    decision on the request): not where it stops as a GPU job, nor with
+    ``MEGATRON_MD_CPU_MODE=0``; no other script."""
+    root = Path(forkserver.CPU_MODE_SCRIPT).parent
+    assert (root / "pretrain_gpt.py").is_file() and (root / "megatron" / "md").is_dir()
+
+    def rank(script, *args, cwd=tmp_path, **env):
+        return forkserver.cpu_mode_rank(
+            {"argv": ["python", str(script), *args], "env": env, "cwd": str(cwd)}
+        )
+
+    assert rank(root / "pretrain_gpt.py", "--preset=tiny")
+    assert rank("pretrain_gpt.py", cwd=root)  # relative to the launcher's directory
+    assert not rank("pretrain_gpt.py")  # (another directory's)
+    assert not rank(root / "pretrain_gpt.py", MEGATRON_MD_CPU_MODE="0")
+    assert not rank(root / "pretrain_gpt.py", "--distributed-backend=nccl")
+    assert not rank(root / "pretrain_gpt.py", MEGATRON_MD_LAUNCHER="slurm")
+    assert rank(root / "pretrain_gpt.py", "--distributed-backend", "nccl", MEGATRON_MD_CPU_MODE="1")
+    assert not rank(root / "tools" / "bench_md_step.py")
+
+
+def test_pretrain_ranks_from_the_cpu_mode_process_are_what_a_fresh_start_makes(tmp_path):
+    """pretrain_gpt.py's ranks are forked with CPU mode on and megatron imported (the server's
+    CPU-mode process): the same losses, bit for bit, and the same output as a rank started
+    afresh (times and measured numbers aside; one rank: two would interleave their lines),
+    the line that CPU mode is on included, once."""
+    import re
+
+    flags = ["--mock-data", "--tokenizer-type=NullTokenizer", "--vocab-size=512",
+             "--seq-length=32", "--max-position-embeddings=32", "--micro-batch-size=2",
+             "--global-batch-size=4", "--log-interval=1", "--eval-iters=0", "--seed=3",
+             "--preset=tiny", "--optimizer=adam", "--md-decoupling", "--lr=1e-2",
+             "--train-iters=3"]  # fmt: skip
+    log = Path(os.environ["MEGATRON_MD_FORKSERVER"]).parent / "log"
+    before = log.read_text().count("by the CPU-mode process: ['")
+    outs, losses = {}, {}
+    for via in ("fresh", "forked"):
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               **({"MEGATRON_MD_FORKSERVER": "0"} if via == "fresh" else {})}  # fmt: skip
+        metrics = tmp_path / f"{via}.jsonl"
+        out = subprocess.run(local_ranks(Path(forkserver.CPU_MODE_SCRIPT), 1,
+                                         [*flags, f"--metrics-file={metrics}"]),
+                             cwd=tmp_path, env=env, text=True, capture_output=True,
+                             timeout=300)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        losses[via] = [r["lm loss"] for r in map(json.loads, metrics.open())
+                       if r["type"] == "train"]  # fmt: skip
+        text = (out.stdout + out.stderr).replace(str(metrics), "METRICS")
+        outs[via] = re.sub(r"\d{4}-\d\d-\d\d[ T][\d:.,]+|\d+\.\d+|W\d{4} \S+ \d+", "N", text)
+    assert log.read_text().count("by the CPU-mode process: ['") == before + 1
+    assert losses["forked"] == losses["fresh"] and len(losses["fresh"]) == 3
+    assert outs["forked"].splitlines() == outs["fresh"].splitlines()
+    assert outs["fresh"].count("[megatron-md] no CUDA device: CPU mode on") == 1

@@ -30,6 +30,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _ACTIVE = False
+_SAID = False  # the line that CPU mode is on printed (or due, on rank 0)
+_OWED = b""  # owe(): printed at activate
 _FLOAT_TYPES = {
     torch.float32: "torch.cuda.FloatTensor",
     torch.float16: "torch.cuda.HalfTensor",
@@ -245,29 +247,44 @@ def _patch_process_group() -> None:
 
 
 def activate(quiet: bool = False) -> None:
-    """Install the CPU shim (idempotent). Refuses when CUDA is available."""
-    global _ACTIVE
-    if _ACTIVE:
-        return
-    if torch.cuda.is_available():
-        raise RuntimeError("CPU mode must not be activated on a machine with a GPU")
-    check_backward_seam()
-    _patch_cuda()
-    _patch_process_group()
-    _CpuRedirect().__enter__()  # stays pushed for the life of the process
-    _ACTIVE = True
-    try:
-        from megatron.md import compat
+    """Install the CPU shim (idempotent), and say so once unless ``quiet`` (a process forked
+    with the shim installed says it at its own first call: megatron/md/forkserver.py).
+    Refuses when CUDA is available."""
+    global _ACTIVE, _SAID
+    if not _ACTIVE:
+        if torch.cuda.is_available():
+            raise RuntimeError("CPU mode must not be activated on a machine with a GPU")
+        check_backward_seam()
+        _patch_cuda()
+        _patch_process_group()
+        _CpuRedirect().__enter__()  # stays pushed for the life of the process
+        _ACTIVE = True
+        try:
+            from megatron.md import compat
 
-        compat.apply("cpu-mode")  # megatron-core's RNG tracker (compat.SEAMS)
-    except ImportError:  # megatron-core not installed: nothing of it to redirect
-        pass
-    if not quiet and os.environ.get("RANK", "0") == "0":
-        print(
-            "[megatron-md] no CUDA device: CPU mode on (gloo, device redirection); "
-            "set MEGATRON_MD_CPU_MODE=0 to disable",
-            file=sys.stderr,
-        )
+            compat.apply("cpu-mode")  # megatron-core's RNG tracker (compat.SEAMS)
+        except ImportError:  # megatron-core not installed: nothing of it to redirect
+            pass
+    if not (quiet or _SAID):
+        _SAID = True
+        if os.environ.get("RANK", "0") == "0":
+            print(
+                "[megatron-md] no CUDA device: CPU mode on (gloo, device redirection); "
+                "set MEGATRON_MD_CPU_MODE=0 to disable",
+                file=sys.stderr,
+            )
+    if _OWED:
+        sys.stderr.flush()
+        os.write(2, _OWED)
+        owe(b"")
+
+
+def owe(printed: bytes) -> None:
+    """What a fork server's CPU-mode process printed after it put CPU mode on
+    (megatron/md/forkserver.py): printed at this process's own ``activate``, after its line,
+    where a fresh process prints it."""
+    global _OWED
+    _OWED = printed
 
 
 def maybe_activate() -> bool:

@@ -20,19 +20,30 @@ not hold:
 - the rank's environment differs from the server's in a variable the imports read: every one
   read through ``os.environ`` while importing (recorded), and every one of ``IMPORT_PREFIXES``
   (read by C code: OpenMP, the allocator, the interpreter).
-Megatron itself is not imported here: ``cpu_mode`` must patch ``torch.cuda`` before megatron
-imports from it. What the imports print is printed again by each rank. Known differences: the
-ranks share the server's string-hash seed (``PYTHONHASHSEED``), where fresh processes each
-draw one; ``sys.excepthook`` is the server's (it trims the server's frames off a traceback);
-``ps`` and ``/proc/<pid>/cmdline`` show the server's command line, not the script's.
-The rank becomes a child of the server in the launcher's process group; the server relays its
-exit status, and kills it when the launcher's connection closes (the launcher died) or when
-the server itself dies.
+Megatron is not imported here: ``cpu_mode`` must patch ``torch.cuda`` before megatron
+imports from it, and a script may not put CPU mode on at all. Where CUDA is not available the
+server forks one CPU-mode process once its imports are done (``cpu_mode_process``): it starts
+as ``CPU_MODE_SCRIPT`` (pretrain_gpt.py) does, CPU mode on first, then imports the script's
+megatron modules (recorded alike); the server hands it the requests of that script's ranks
+whose ``cpu_mode.start`` would put CPU mode on (``cpu_mode_rank``), with the launcher's
+connection, and it forks and answers them as the server does (~1.3 s of a 2-rank launch on a
+2-core VM). Both freeze what their imports made (``gc.freeze``): out of a rank's collections,
+the full one of pretrain_gpt.py's exit among them (shutdown.exit_now; a normal exit unfreezes
+it first, as a fresh interpreter's finalization would see it). What the imports print is
+printed again by each rank. Known differences: the ranks share the server's string-hash seed
+(``PYTHONHASHSEED``), where fresh processes each draw one; ``sys.excepthook`` is the server's
+(it trims the server's frames off a traceback); ``ps`` and ``/proc/<pid>/cmdline`` show the
+server's command line, not the script's.
+The rank becomes a child of the server (or of its CPU-mode process) in the launcher's process
+group; that parent relays its exit status, and kills it when the launcher's connection closes
+(the launcher died); it dies with its parent, and the CPU-mode process with the server.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import gc
 import importlib
 import json
 import os
@@ -55,6 +66,14 @@ PRELOAD = ("torch", "numpy", "torch.distributed", "torch._dynamo", "torch._induc
 #: sets ``KMP_DUPLICATE_LIB_OK`` in the environment of a process that compiles)
 IMPORT_PREFIXES = ("PYTHON", "LD_", "LANG", "LC_", "OMP_", "GOMP_", "MKL_", "OPENBLAS_", "THP_",
                    "MALLOC_", "TORCH", "PYTORCH", "CUDA", "NVIDIA")  # fmt: skip
+#: the script whose ranks are forked from the server's CPU-mode process (``cpu_mode_rank``)
+CPU_MODE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                               "pretrain_gpt.py")  # fmt: skip
+CPU_MODE_SCRIPT = os.path.realpath(CPU_MODE_SCRIPT)
+#: what that process imports once CPU mode is on: the script's imports of megatron
+#: (~1.3 s a 2-rank launch on a 2-core VM, where the ranks imported them)
+CPU_MODE_IMPORTS = ("megatron.md.train.cli", "megatron.md.train.shutdown",
+                    "megatron.training.training", "megatron.core.models.gpt")  # fmt: skip
 #: the launcher's wait for "forked" or "refused" (a server just started is still importing)
 REPLY_TIMEOUT_S = 120.0
 
@@ -133,7 +152,9 @@ class _Recording(os._Environ):
 
     def __getitem__(self, key):
         caller = sys._getframe(1).f_code
-        if not (caller.co_name == "__iter__" and "_collections_abc" in caller.co_filename):
+        if isinstance(key, str) and not (
+            caller.co_name == "__iter__" and "_collections_abc" in caller.co_filename
+        ):
             _Recording.read.add(key)  # (not a value of a scan, .items(): the scan is recorded)
         return super().__getitem__(key)
 
@@ -172,22 +193,31 @@ class Preloaded:
     """what the imports wrote to stdout and stderr"""
     intel_openmp: bool
     """whether the imports loaded Intel's OpenMP runtime (which reads ``KMP_*``)"""
+    owed: bytes = b""
+    """what the CPU-mode process's imports printed once CPU mode was on: the rank prints it at
+    its own ``cpu_mode.activate``, after the line that says so, where a fresh one prints it"""
 
 
-def preload() -> Preloaded:
-    """Import ``PRELOAD``, recording what the imports read, wrote and printed."""
+def _import_all(names) -> None:
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
+def preload(imports=lambda: _import_all(PRELOAD)) -> Preloaded:
+    """Import ``PRELOAD`` (or run ``imports``), recording what the imports read, wrote and
+    printed."""
     env = dict(os.environ)
     out = tempfile.TemporaryFile()
     saved = os.dup(1), os.dup(2)
     os.dup2(out.fileno(), 1)
     os.dup2(out.fileno(), 2)
+    _Recording.read, _Recording.written = set(), {}
     os.environ.__class__ = _Recording
     try:
-        for name in PRELOAD:
-            try:
-                importlib.import_module(name)
-            except ImportError:
-                pass
+        imports()
     finally:
         os.environ.__class__ = os._Environ
         sys.stdout.flush()
@@ -271,9 +301,16 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(msg[4:]), fds
 
 
-def serve(listener: socket.socket, pre: Preloaded) -> tuple[dict, list[int]] | None:
+def serve(
+    listener: socket.socket, pre: Preloaded, cpu_mode_process: socket.socket | None = None
+) -> tuple[dict, list[int]] | None:
     """Fork ranks until SIGTERM (or the parent's death); returns only in a forked rank: its
-    request."""
+    request. ``listener``: the launchers' socket; or, in the CPU-mode process, its end of the
+    pair on which the server hands it a launcher's connection and request (and the stream of
+    hand-overs ends when the server does). ``cpu_mode_process``: the server's end of that
+    pair, where the process says it is ready (or closes: gone)."""
+    handed = listener.type == socket.SOCK_SEQPACKET
+    ready = False
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -283,11 +320,28 @@ def serve(listener: socket.socket, pre: Preloaded) -> tuple[dict, list[int]] | N
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
+    if cpu_mode_process is not None:
+        sel.register(cpu_mode_process, selectors.EVENT_READ)
     ranks: dict[int, socket.socket] = {}  # pid -> the launcher's connection
-    print(f"[forkserver] serving {listener.getsockname()}", flush=True)
+    if not handed:
+        print(f"[forkserver] serving {listener.getsockname()}", flush=True)
     while not stop:
         for key, _ in sel.select(timeout=1.0):
-            if key.fileobj is listener:
+            if key.fileobj is cpu_mode_process:
+                ready = cpu_mode_process.recv(16) == b"ready"
+                if not ready:  # gone: every rank forked here from now on
+                    sel.unregister(cpu_mode_process)
+                    cpu_mode_process.close()
+                    cpu_mode_process = None
+                continue
+            if key.fileobj is listener and handed:
+                msg, fds, _flags, _addr = socket.recv_fds(listener, 1 << 20, 4)
+                if not msg:  # the server is gone
+                    stop.append(1)
+                    break
+                conn, fds = socket.socket(fileno=fds[0]), fds[1:]
+                req = json.loads(msg)
+            elif key.fileobj is listener:
                 conn, _ = listener.accept()
                 conn.settimeout(10.0)
                 try:
@@ -296,6 +350,9 @@ def serve(listener: socket.socket, pre: Preloaded) -> tuple[dict, list[int]] | N
                     print(f"[forkserver] bad request: {e}", flush=True)
                     conn.close()
                     continue
+                if ready and cpu_mode_rank(req) and _hand_over(cpu_mode_process, conn, req, fds):
+                    continue
+            if key.fileobj is listener:
                 why = refusal(req, pre)
                 if why:
                     print(f"[forkserver] refused {req['argv'][1:2]}: {why}", flush=True)
@@ -310,7 +367,7 @@ def serve(listener: socket.socket, pre: Preloaded) -> tuple[dict, list[int]] | N
                 if pid == 0:  # the rank: leave the server behind
                     sel.close()
                     listener.close()
-                    for c in (*ranks.values(), conn):
+                    for c in (*ranks.values(), conn, *[cpu_mode_process] * bool(cpu_mode_process)):
                         c.close()
                     os.close(wake_r)
                     os.close(wake_w)
@@ -318,7 +375,8 @@ def serve(listener: socket.socket, pre: Preloaded) -> tuple[dict, list[int]] | N
                     return req, fds
                 for fd in fds:
                     os.close(fd)
-                print(f"[forkserver] forked {pid}: {req['argv'][1:2]}", flush=True)
+                by = " by the CPU-mode process" if handed else ""
+                print(f"[forkserver] forked {pid}{by}: {req['argv'][1:2]}", flush=True)
                 conn.sendall(f"forked {pid}\n".encode())
                 ranks[pid] = conn
                 sel.register(conn, selectors.EVENT_READ, pid)
@@ -340,6 +398,95 @@ def serve(listener: socket.socket, pre: Preloaded) -> tuple[dict, list[int]] | N
     for pid in ranks:
         _kill(pid)
     return None
+
+
+def _hand_over(pair: socket.socket, conn: socket.socket, req: dict, fds: list[int]) -> bool:
+    """The launcher's connection, request and streams to the CPU-mode process (which answers
+    the launcher); False where they could not be sent (the server forks the rank)."""
+    try:
+        socket.send_fds(pair, [json.dumps(req).encode()], [conn.fileno(), *fds])
+    except OSError:
+        return False
+    conn.close()
+    for fd in fds:
+        os.close(fd)
+    return True
+
+
+def cpu_mode_rank(req: dict) -> bool:
+    """Whether the rank of ``req`` puts CPU mode on before anything else: ``CPU_MODE_SCRIPT``
+    where its ``cpu_mode.start`` would (the same decision, on the request's arguments and
+    environment; the CPU-mode process exists only where CUDA is not available)."""
+    from megatron.md import cpu_mode
+
+    argv, env = req["argv"], req["env"]
+    if len(argv) < 2 or os.path.realpath(os.path.join(req["cwd"], argv[1])) != CPU_MODE_SCRIPT:
+        return False
+    mode = env.get("MEGATRON_MD_CPU_MODE", "")
+    return mode == "1" or (mode == "" and cpu_mode.gpu_job(argv[2:], env) is None)
+
+
+def _cpu_mode_on() -> None:
+    """``CPU_MODE_SCRIPT``'s start, in the CPU-mode process: its inductor setting (read by
+    inductor's config at its import, here already done: decided again) and CPU mode on,
+    without its line (the rank's own ``cpu_mode.start`` prints it); then ``CPU_MODE_IMPORTS``
+    (recorded apart: ``Preloaded.owed``)."""
+    from torch._inductor import config
+
+    from megatron.md import cpu_mode
+
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    config.compile_threads = config.decide_compile_threads()
+    cpu_mode.activate(quiet=True)
+
+
+def cpu_mode_process(listener: socket.socket, pre: Preloaded):
+    """Fork the CPU-mode process: the server's imports, then ``_cpu_mode_imports``, from which
+    the ranks of ``cpu_mode_rank`` requests are forked. Returns (the server's end of the pair
+    it is handed requests on, None) in the server, (None, the request) in a rank it forked;
+    (None, None) where there is none: a GPU, or ``MEGATRON_MD_CPU_MODE=0``."""
+    import torch
+
+    if torch.cuda.is_available() or os.environ.get("MEGATRON_MD_CPU_MODE") == "0":
+        return None, None
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.fork():
+        theirs.close()
+        return ours, None
+    from megatron.md.localrun import die_with_parent
+
+    die_with_parent()  # (SIGKILL when the server dies; its ranks die with it)
+    ours.close()
+    listener.close()
+    try:
+        on, then = preload(_cpu_mode_on), preload(lambda: _import_all(CPU_MODE_IMPORTS))
+    except BaseException as e:  # noqa: BLE001  (the server forks every rank then)
+        print(f"[forkserver] no CPU-mode process: {e!r}", flush=True)
+        os._exit(1)
+    threads = len(os.listdir("/proc/self/task"))
+    if threads != 1:
+        print(f"[forkserver] no CPU-mode process: its imports started {threads - 1} thread(s)",
+              flush=True)  # fmt: skip
+        os._exit(1)
+    gc.collect()
+    gc.freeze()
+    both = Preloaded(pre.env, pre.read | on.read | then.read,
+                     {**pre.written, **on.written, **then.written}, pre.printed + on.printed,
+                     pre.intel_openmp or then.intel_openmp, owed=then.printed)  # fmt: skip
+    theirs.send(b"ready")
+    try:
+        job = serve(theirs, both)
+    except BaseException:  # noqa: BLE001  (its launchers see their connection close)
+        import traceback
+
+        traceback.print_exc()
+        job = None
+    if job is None:  # its objects frozen: no interpreter finalization (nanobind's reports)
+        sys.stdout.flush()
+        os._exit(0)
+    return None, (job, both)
 
 
 def _reap(ranks: dict[int, socket.socket], sel: selectors.BaseSelector) -> None:
@@ -396,8 +543,17 @@ def become(req: dict, fds: list[int], pre: Preloaded) -> str:
     sys.path[0] = os.path.dirname(os.path.realpath(script))  # as python sets it
     if "numpy" in sys.modules:  # its global generator: drawn from the OS in a fresh process
         sys.modules["numpy"].random.seed()
+    # the imports' objects (frozen in the server, main) are collected at a normal exit as in
+    # a fresh process (registered first: run last); frozen, the interpreter's finalization
+    # would leave them, and nanobind (triton) prints every instance it sees leaked.
+    # shutdown.exit_now ends without finalization: it drops this and keeps them frozen
+    atexit.register(gc.unfreeze)
     if pre.printed:
         os.write(2, pre.printed)
+    if pre.owed:
+        from megatron.md import cpu_mode
+
+        cpu_mode.owe(pre.owed)
     return script
 
 
@@ -414,7 +570,16 @@ def main(argv: list[str]) -> None:
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:  # fork copies one thread: a pool started by an import would be lost
         sys.exit(f"[forkserver] the imports started {threads - 1} thread(s): cannot fork safely")
-    job = serve(listener, pre)
+    # what the imports made is never garbage a rank must collect: out of every collection in
+    # the ranks (each rank's exit collects all garbage, shutdown.exit_now: ~0.5 s a rank over
+    # the imports' objects on a 2-core VM), and their pages stay shared
+    gc.collect()
+    gc.freeze()
+    pair, handed = cpu_mode_process(listener, pre)
+    if handed is not None:  # a rank of the CPU-mode process
+        job, pre = handed
+    else:
+        job = serve(listener, pre, pair)
     if job is None:
         return
     import runpy
