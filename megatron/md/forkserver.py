@@ -328,7 +328,10 @@ def serve(
     while not stop:
         for key, _ in sel.select(timeout=1.0):
             if key.fileobj is cpu_mode_process:
-                ready = cpu_mode_process.recv(16) == b"ready"
+                try:
+                    ready = cpu_mode_process.recv(16) == b"ready"
+                except OSError:
+                    ready = False
                 if not ready:  # gone: every rank forked here from now on
                     sel.unregister(cpu_mode_process)
                     cpu_mode_process.close()
@@ -429,8 +432,7 @@ def cpu_mode_rank(req: dict) -> bool:
 def _cpu_mode_on() -> None:
     """``CPU_MODE_SCRIPT``'s start, in the CPU-mode process: its inductor setting (read by
     inductor's config at its import, here already done: decided again) and CPU mode on,
-    without its line (the rank's own ``cpu_mode.start`` prints it); then ``CPU_MODE_IMPORTS``
-    (recorded apart: ``Preloaded.owed``)."""
+    without its line (the rank's own ``cpu_mode.start`` prints it)."""
     from torch._inductor import config
 
     from megatron.md import cpu_mode
@@ -441,10 +443,12 @@ def _cpu_mode_on() -> None:
 
 
 def cpu_mode_process(listener: socket.socket, pre: Preloaded):
-    """Fork the CPU-mode process: the server's imports, then ``_cpu_mode_imports``, from which
-    the ranks of ``cpu_mode_rank`` requests are forked. Returns (the server's end of the pair
-    it is handed requests on, None) in the server, (None, the request) in a rank it forked;
-    (None, None) where there is none: a GPU, or ``MEGATRON_MD_CPU_MODE=0``."""
+    """Fork the CPU-mode process: the server's imports, then ``_cpu_mode_on`` and
+    ``CPU_MODE_IMPORTS`` (recorded apart: what the latter print is ``Preloaded.owed``), from
+    which the ranks of ``cpu_mode_rank`` requests are forked. Returns (the server's end of the
+    pair it hands requests on, None) in the server; (None, (the request, what the process's
+    imports did)) in a rank it forked; (None, None) where there is none: a GPU, or
+    ``MEGATRON_MD_CPU_MODE=0``."""
     import torch
 
     if torch.cuda.is_available() or os.environ.get("MEGATRON_MD_CPU_MODE") == "0":
