@@ -152,6 +152,8 @@ class _Recording(os._Environ):
 
     def __getitem__(self, key):
         caller = sys._getframe(1).f_code
+        # (a bytes key: os.get_exec_path's probe of b"PATH" before "PATH", in a subprocess
+        # that megatron's imports start; no variable of its own)
         if isinstance(key, str) and not (
             caller.co_name == "__iter__" and "_collections_abc" in caller.co_filename
         ):
