@@ -317,6 +317,13 @@ def gpu_job(argv, env) -> str | None:
     return None
 
 
+def starts_on(argv, env) -> bool:
+    """Whether ``start`` puts CPU mode on for ``argv`` and ``env`` on a machine without CUDA
+    (the fork server decides by it which ranks it forks with CPU mode on)."""
+    mode = env.get("MEGATRON_MD_CPU_MODE", "")
+    return mode == "1" or (mode == "" and gpu_job(argv, env) is None)
+
+
 def start(argv) -> bool:
     """``pretrain_gpt.py``'s decision, before megatron is imported: CPU mode on a machine
     without CUDA (see the module docstring for ``MEGATRON_MD_CPU_MODE``); a GPU job that sees
@@ -328,10 +335,10 @@ def start(argv) -> bool:
         errors.exit_with(f"MEGATRON_MD_CPU_MODE={mode!r} is not one of 0, 1 (or unset)")
     if mode == "0" or torch.cuda.is_available():
         return False
-    why = gpu_job(argv, os.environ) if mode == "" else None
-    if why:
+    if not starts_on(argv, os.environ):
         errors.exit_with(
-            f"no CUDA device is visible, but this is a GPU job ({why}): it would train on the "
+            f"no CUDA device is visible, but this is a GPU job ({gpu_job(argv, os.environ)}): "
+            "it would train on the "
             "CPU. Check the allocation's GPUs and CUDA_VISIBLE_DEVICES (nvidia-smi on the "
             "node); to run on the CPU on purpose set MEGATRON_MD_CPU_MODE=1"
         )

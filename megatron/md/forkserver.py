@@ -67,9 +67,7 @@ PRELOAD = ("torch", "numpy", "torch.distributed", "torch._dynamo", "torch._induc
 IMPORT_PREFIXES = ("PYTHON", "LD_", "LANG", "LC_", "OMP_", "GOMP_", "MKL_", "OPENBLAS_", "THP_",
                    "MALLOC_", "TORCH", "PYTORCH", "CUDA", "NVIDIA")  # fmt: skip
 #: the script whose ranks are forked from the server's CPU-mode process (``cpu_mode_rank``)
-CPU_MODE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
-                               "pretrain_gpt.py")  # fmt: skip
-CPU_MODE_SCRIPT = os.path.realpath(CPU_MODE_SCRIPT)
+CPU_MODE_SCRIPT = os.path.realpath(os.path.join(__file__, "..", "..", "..", "pretrain_gpt.py"))
 #: what that process imports once CPU mode is on: the script's imports of megatron
 #: (~1.3 s a 2-rank launch on a 2-core VM, where the ranks imported them)
 CPU_MODE_IMPORTS = ("megatron.md.train.cli", "megatron.md.train.shutdown",
@@ -372,8 +370,9 @@ def serve(
                 if pid == 0:  # the rank: leave the server behind
                     sel.close()
                     listener.close()
-                    for c in (*ranks.values(), conn, *[cpu_mode_process] * bool(cpu_mode_process)):
-                        c.close()
+                    for c in (*ranks.values(), conn, cpu_mode_process):
+                        if c is not None:
+                            c.close()
                     os.close(wake_r)
                     os.close(wake_w)
                     signal.set_wakeup_fd(-1)
@@ -424,11 +423,10 @@ def cpu_mode_rank(req: dict) -> bool:
     environment; the CPU-mode process exists only where CUDA is not available)."""
     from megatron.md import cpu_mode
 
-    argv, env = req["argv"], req["env"]
+    argv = req["argv"]
     if len(argv) < 2 or os.path.realpath(os.path.join(req["cwd"], argv[1])) != CPU_MODE_SCRIPT:
         return False
-    mode = env.get("MEGATRON_MD_CPU_MODE", "")
-    return mode == "1" or (mode == "" and cpu_mode.gpu_job(argv[2:], env) is None)
+    return cpu_mode.starts_on(argv[2:], req["env"])
 
 
 def _cpu_mode_on() -> None:
