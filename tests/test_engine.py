@@ -162,6 +162,42 @@ def test_compiled_kernels_compile_in_this_process(monkeypatch):
     assert inductor_config.compile_threads == 8
 
 
+def test_a_miscompiled_kernel_stops_the_run_at_its_first_call():
+    """A compiled kernel's first call of each argument layout is checked against its eager
+    formula; one that computes other numbers stops the run naming the kernel and
+    ``--md-fused-step off``. The miscompilation is the one torch 2.9.1-2.11.0's inductor made on
+    a CPU: W = Γ ⊙ Ŵ computed after Ŵ was rescaled, so from s² Ŵ. A second call of a checked
+    layout runs no eager formula; a new layout is checked again."""
+    from megatron.md.engine import compiled
+
+    def miscompiled(x, s, row, col, out):
+        x.mul_(s)
+        out.copy_(x * s * row * col)
+
+    evals = []
+
+    def eager(*args):
+        evals.append(args[0].shape)
+        return compiled._rescale_fuse(*args)
+
+    compiled.WRITES[eager] = compiled.WRITES[compiled._rescale_fuse]
+    try:
+        ok = compiled.Checked(eager, compiled._rescale_fuse)
+        bad = compiled.Checked(eager, miscompiled)
+        x, row, col = torch.randn(3, 9, 11), torch.rand(3, 9, 1) + 0.5, torch.rand(3, 1, 11)
+        s, out = torch.full((3, 1, 1), 0.99), torch.empty(3, 9, 11)
+        ok(x.clone(), s, row, col, out)
+        ok(x.clone(), s, row, col, out)
+        assert evals == [(3, 9, 11)]  # checked once per layout
+        ok(x[:1].clone(), s[:1], row[:1], col[:1], out[:1])
+        assert len(evals) == 2
+        with pytest.raises(compiled.MiscompiledKernel, match=r"eager formula in its argument 4 "
+                           r"by .*--md-fused-step off"):  # fmt: skip
+            bad(x.clone(), s, row, col, out)
+    finally:
+        del compiled.WRITES[eager]
+
+
 def test_muon_whole_matrix_matches_reference():
     spec = MatrixSpec("frobenius", "init", "rowcol", "softplus", muon_scale="sphere_rms")
     w, w_ref, *_ = _run(spec, [], base="muon", dtype=torch.float32, n=3)

@@ -735,6 +735,10 @@ def test_bad_checkpoints_are_named(runs, tmp_path):
     shard.unlink()
     with pytest.raises(SystemExit, match="__1_0.distcp is missing"):
         check(cut)
+    (cut / ".metadata").write_bytes(b"\x80\x04 not a pickle")  # also what an older torch meets
+    with pytest.raises(SystemExit, match=r"\.metadata is unreadable \(.*; this is torch .*: a "
+                       r"newer torch's checkpoint can be\)"):  # fmt: skip
+        check(cut)
 
     other = copy.copy(args)
     other.hidden_size, other.ffn_hidden_size = 256, 1024

@@ -184,7 +184,9 @@ class MDConfig:
     0.79× at 1.29B against the eager 1.58× and 2.75×, MuonMD's 0.34× and 1.34× Muon's against
     0.43× and 1.56×), on a CPU for AdamMD only (MuonMD's compiled passes measured no faster
     there); docs/benchmarks.md. Execution only: the results agree with the eager step to fp32
-    rounding, it is never used with MD off, checkpoints are interchangeable."""
+    rounding, it is never used with MD off, checkpoints are interchangeable. Each kernel's first
+    call of a layout is checked against its eager formula and a difference stops the run
+    (``MiscompiledKernel``: torch 2.9.1-2.11.0's inductor on a CPU; docs/internals.md)."""
 
     cuda_graph: bool = False
     """Capture the MD optimizer's inner step (every MD matrix's step with its reductions, the

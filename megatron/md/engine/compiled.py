@@ -136,14 +136,81 @@ def _one_compile_thread() -> None:
 def _get(name: str, fn):
     if name not in _compiled:  # compiled lazily: importing this module costs nothing
         _one_compile_thread()
-        compiled = torch.compile(fn, dynamic=False, fullgraph=True)
-
-        def call(*args, _fn=compiled):
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                return _fn(*args)
-
-        _compiled[name] = call
+        _compiled[name] = Checked(fn, torch.compile(fn, dynamic=False, fullgraph=True))
     return _compiled[name]
+
+
+#: the arguments each kernel writes (by position): the first call of a layout runs the eager
+#: formula on copies of them
+WRITES = {_phase1: (0, 2, 3, 7), _partials: (4, 5), _fuse: (3,), _rescale_fuse: (0, 4)}
+for _f in _PHASE1.values():
+    WRITES[_f] = WRITES[_phase1]
+#: largest difference from the eager formula a compiled kernel may show, relative to the
+#: largest magnitude of the tensor compared (inductor reorders sums and contracts products);
+#: half precision: one rounding of the largest entry
+CHECK_TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 2**-7, torch.float16: 2**-9}
+
+
+class MiscompiledKernel(RuntimeError):
+    """A compiled kernel gave other numbers than its eager formula."""
+
+
+class Checked:
+    """A compiled kernel whose first call of each argument layout (shapes, strides, dtypes,
+    device: what dynamo compiles a variant for) is checked against its eager formula, run on
+    copies of the arguments it writes; a difference beyond rounding (``CHECK_TOL``) stops the
+    run with ``MiscompiledKernel``. Inductor can write an input before a later loop reads it:
+    torch 2.9.1, 2.10.0 and 2.11.0 on a CPU computed ``_rescale_fuse`` on a stack of matrices
+    from the rescaled Ŵ (W = Γ ⊙ s² Ŵ) and ``_phase1``'s Ŵ ⊙ G from the updated Ŵ
+    (2026-12-03; torch 2.12.0-2.15.0 right; upstream's open reports of the kind:
+    pytorch/pytorch #198131, #198101). The check costs, at the first step, one eager run of the
+    kernel's formula, copies of the arguments it writes (transient memory: a few copies of the
+    group's stack where the kernel takes it whole, as on a GPU) and a host synchronization;
+    none in a CUDA graph's capture (its eager warm-up steps check)."""
+
+    def __init__(self, fn: Callable, compiled: Callable):
+        self.fn, self.compiled = fn, compiled
+        self.checked: set[tuple] = set()
+
+    def __call__(self, *args):
+        key = tuple(
+            (a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a
+            for a in args
+        )
+        check = key not in self.checked and not _capturing()
+        if check:
+            writes = WRITES.get(self.fn, ())
+            mine = [a.clone() if i in writes and a is not None else a for i, a in enumerate(args)]
+            want = self.fn(*mine)
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            got = self.compiled(*args)
+        if check:
+            pairs = [(f"argument {i}", args[i], mine[i]) for i in WRITES.get(self.fn, ())]
+            outs = got if isinstance(got, tuple) else (got,)
+            wants = want if isinstance(want, tuple) else (want,)
+            pairs += [(f"result {i}", a, b) for i, (a, b) in enumerate(zip(outs, wants))]
+            for what, a, b in pairs:
+                if isinstance(a, torch.Tensor) and a.ndim:
+                    self._compare(what, a, b)
+            self.checked.add(key)
+        return got
+
+    def _compare(self, what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        wide = torch.promote_types(want.dtype, torch.float32)  # fp32 stays: no copy of a stack
+        diff = (got.to(wide) - want.to(wide)).abs().max().item()
+        scale = want.abs().max().item()
+        if diff > CHECK_TOL.get(want.dtype, 1e-4) * scale + 1e-30:
+            raise MiscompiledKernel(
+                f"torch {torch.__version__}'s compiled MD kernel {self.fn.__name__} ("
+                f"{want.device.type}, shape {tuple(want.shape)}) differs from its eager formula in "
+                f"its {what} by {diff:.3g} (largest entry {scale:.3g}): inductor miscompiled it "
+                "(seen on a CPU with torch 2.9.1-2.11.0; right from 2.12.0). Run with "
+                "--md-fused-step off: the eager MD step, the same results to fp32 rounding"
+            )
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 _hparams: dict[tuple, torch.Tensor] = {}

@@ -193,7 +193,12 @@ def check_complete(ckpt: Checkpoint) -> None:
     try:
         meta = FileSystemReader(path).read_metadata()
     except Exception as e:
-        fail(ckpt, f".metadata is unreadable ({type(e).__name__}: {e})")
+        import torch
+
+        # torch 2.9.1 cannot unpickle torch 2.15.0's .metadata ("too many values to unpack
+        # (expected 5)", seen 2026-12-03): DCP's metadata is not readable by an older torch
+        why = f"{type(e).__name__}: {e}; this is torch {torch.__version__}"
+        fail(ckpt, f".metadata is unreadable ({why}: a newer torch's checkpoint can be)")
     need: dict[str, int] = {}
     for info in (meta.storage_data or {}).values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
