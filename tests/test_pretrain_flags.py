@@ -1047,8 +1047,12 @@ def test_torchrun_killing_the_ranks_after_a_signal_is_named(monkeypatch):
 
     from torch.distributed.launcher import api
 
+    from megatron.md.torchrun import reads_timeout
     from megatron.md.train import startup
 
+    if not reads_timeout():  # a torch before 2.12 (NGC 25.10's 2.9): a stand-in of 2.12's
+        new = dataclasses.make_dataclass("LaunchConfig", [("shutdown_timeout", int)])
+        monkeypatch.setattr(api, "LaunchConfig", new)
     args = types.SimpleNamespace(exit_signal_handler=True)
     monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
