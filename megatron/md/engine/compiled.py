@@ -142,9 +142,8 @@ def _get(name: str, fn):
 
 #: the arguments each kernel writes (by position): the first call of a layout runs the eager
 #: formula on copies of them
-WRITES = {_phase1: (0, 2, 3, 7), _partials: (4, 5), _fuse: (3,), _rescale_fuse: (0, 4)}
-for _f in _PHASE1.values():
-    WRITES[_f] = WRITES[_phase1]
+WRITES = {**dict.fromkeys(_PHASE1.values(), (0, 2, 3, 7)), _partials: (4, 5), _fuse: (3,),
+          _rescale_fuse: (0, 4)}  # fmt: skip
 #: largest difference from the eager formula a compiled kernel may show, relative to the
 #: largest magnitude of the tensor compared (inductor reorders sums and contracts products);
 #: half precision: one rounding of the largest entry
@@ -185,7 +184,7 @@ class Checked:
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             got = self.compiled(*args)
         if check:
-            pairs = [(f"argument {i}", args[i], mine[i]) for i in WRITES.get(self.fn, ())]
+            pairs = [(f"argument {i}", args[i], mine[i]) for i in writes]
             outs = got if isinstance(got, tuple) else (got,)
             wants = want if isinstance(want, tuple) else (want,)
             pairs += [(f"result {i}", a, b) for i, (a, b) in enumerate(zip(outs, wants))]
