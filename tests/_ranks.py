@@ -20,7 +20,7 @@ class Ranks:
     index -> ``Member.order``."""
 
     def __init__(self, pieces: list[list[tuple]], dtype, compiled: bool = False,
-                 order: dict | None = None):  # fmt: skip
+                 order: dict | None = None, fallback: bool = False):  # fmt: skip
         self.engines, self.n, keys = [], len(pieces), order
         mds = {i: md for rank in pieces for md, _, i in rank}
         order = sorted(mds)
@@ -33,7 +33,7 @@ class Ranks:
                                       order=(keys or {}).get(i, 0)))  # fmt: skip
             dom = Domain(self._reduce, lay(lambda m: m.n_partials()), lay(lambda m: m.n_norm),
                          lay(lambda m: m.n_pre_partials()))  # fmt: skip
-            self.engines.append(Engine(members, {"d": dom}, compiled))
+            self.engines.append(Engine(members, {"d": dom}, compiled, fallback))
         self._barrier = threading.Barrier(self.n)
         self._acc: list = []
         self._lock = threading.Lock()

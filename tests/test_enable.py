@@ -160,18 +160,25 @@ def test_fused_step_auto_rule():
         MDConfig(fused_step="sometimes")
 
 
-@pytest.mark.parametrize("mode,fused", [("auto", False), ("on", True)])
-def test_fused_step_reaches_the_engine(mode, fused):
-    """A tiny model (under the threshold) runs eager under auto, compiled when forced (the
-    groups of whole hidden matrices the kernels cover)."""
+@pytest.mark.parametrize("mode,threshold,fused", [("auto", None, False), ("auto", 1, True),
+                                                  ("on", None, True)])  # fmt: skip
+def test_fused_step_reaches_the_engine(mode, threshold, fused, monkeypatch):
+    """A tiny model (under the threshold) runs eager under auto, compiled when forced or over
+    the threshold (the groups of whole hidden matrices the kernels cover); a miscompiled
+    kernel's layout falls back to eager under auto only (``Kernels.fallback``)."""
+    from megatron.md import config
     from megatron.md.enable import enable_md
     from megatron.md.leaves import leaf_optimizers
 
+    if threshold is not None:
+        monkeypatch.setattr(config, "FUSED_MIN_ELEMENTS", threshold)
     dmodel, opt = _build()
     enable_md(opt, [dmodel], MDConfig(fused_step=mode))
     (leaf,) = leaf_optimizers(opt)
     groups = [g for g in leaf.optimizer.engine.groups if g.spec.gains != "none"]
     assert groups and {g.kernels is not None for g in groups} == {fused}
+    if fused:
+        assert {g.kernels.fallback for g in groups} == {mode == "auto"}
 
 
 def test_one_parameter_for_all_experts_is_refused():

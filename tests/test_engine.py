@@ -23,7 +23,7 @@ CUTS = {
 
 
 def _run(spec, cuts, base="adam", steps=5, shape=(9, 11), dtype=torch.float64, n=2,
-         compiled=False, one_buffer=False, device=False):  # fmt: skip
+         compiled=False, one_buffer=False, device=False, fallback=False):  # fmt: skip
     """``n`` matrices stepped by the reference and by the engine on ``len(cuts) + 1`` ranks,
     each owning one slice of every matrix (``one_buffer``: the fused weights are rows of one
     buffer, as megatron's are; ``device``: the engine's step count and LRs read from the
@@ -47,7 +47,7 @@ def _run(spec, cuts, base="adam", steps=5, shape=(9, 11), dtype=torch.float64, n
     bounds = [0, *cuts, numel]
     pieces = [[(sliced.SliceMD(shape, lo, hi, spec, base), w.reshape(-1)[lo:hi], i)
                for i, w in enumerate(w0)] for lo, hi in zip(bounds[:-1], bounds[1:])]  # fmt: skip
-    ranks = Ranks(pieces, dtype, compiled)
+    ranks = Ranks(pieces, dtype, compiled, fallback=fallback)
     ranks.init()
     for gs, hp, ghp in zip(grads, hps, ghps):
         ranks.step([[g.reshape(-1)[lo:hi] for g in gs] for lo, hi in zip(bounds[:-1], bounds[1:])],
@@ -152,33 +152,46 @@ def test_compiled_kernels_compile_in_this_process(monkeypatch):
     from megatron.md.engine import compiled
 
     monkeypatch.setattr(compiled, "_compiled", {})
-    monkeypatch.setattr(inductor_config, "compile_threads", 8)
-    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
-    compiled._get("probe", compiled._fuse)
-    assert inductor_config.compile_threads == 1
-    inductor_config.compile_threads = 8
-    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "8")
-    compiled._get("probe2", compiled._fuse)
-    assert inductor_config.compile_threads == 8
+    # restored by hand: monkeypatch's undo deletes the setting from inductor's config module
+    # (it then reads "compile_threads does not exist" at the next compile)
+    threads = inductor_config.compile_threads
+    try:
+        inductor_config.compile_threads = 8
+        monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+        compiled._get("probe", compiled._fuse)
+        assert inductor_config.compile_threads == 1
+        inductor_config.compile_threads = 8
+        monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "8")
+        compiled._get("probe2", compiled._fuse)
+        assert inductor_config.compile_threads == 8
+    finally:
+        inductor_config.compile_threads = threads
 
 
-def test_a_miscompiled_kernel_stops_the_run_at_its_first_call():
+def _miscompiled_rescale_fuse(x, s, row, col, out):
+    """``_rescale_fuse`` as torch 2.9.1-2.11.0's inductor compiled it on a CPU for a stack of
+    matrices: W = Γ ⊙ Ŵ computed after Ŵ was rescaled, so from s² Ŵ."""
+    x.mul_(s)
+    out.copy_(x * s * row * col)
+
+
+def test_a_miscompiled_kernel_stops_the_run_at_its_first_call(capsys):
     """A compiled kernel's first call of each argument layout is checked against its eager
     formula; one that computes other numbers stops the run naming the kernel and
-    ``--md-fused-step off``. The miscompilation is the one torch 2.9.1-2.11.0's inductor made on
-    a CPU: W = Γ ⊙ Ŵ computed after Ŵ was rescaled, so from s² Ŵ. A second call of a checked
+    ``--md-fused-step off`` (``on``), or (``fallback``: ``auto``) gives the eager formula's
+    numbers, says so once and runs that layout eager from then on. A second call of a checked
     layout runs no eager formula; a new layout is checked again."""
     from megatron.md.engine import compiled
 
-    def miscompiled(x, s, row, col, out):
-        x.mul_(s)
-        out.copy_(x * s * row * col)
-
-    evals = []
+    evals, bad_calls = [], []
 
     def eager(*args):
         evals.append(args[0].shape)
         return compiled._rescale_fuse(*args)
+
+    def miscompiled(*args):
+        bad_calls.append(args[0].shape)
+        return _miscompiled_rescale_fuse(*args)
 
     compiled.WRITES[eager] = compiled.WRITES[compiled._rescale_fuse]
     try:
@@ -194,8 +207,79 @@ def test_a_miscompiled_kernel_stops_the_run_at_its_first_call():
         with pytest.raises(compiled.MiscompiledKernel, match=r"eager formula in its argument 4 "
                            r"by .*--md-fused-step off"):  # fmt: skip
             bad(x.clone(), s, row, col, out)
+        assert "warning" not in capsys.readouterr().err
+        want_x, want_out = x * s, x * s * row * col
+        for call in range(3):  # fallback: the eager numbers, the compiled kernel called once
+            mine, out = x.clone(), torch.empty(3, 9, 11)
+            bad(mine, s, row, col, out, fallback=True)
+            torch.testing.assert_close(mine, want_x, rtol=0, atol=0)
+            torch.testing.assert_close(out, want_out, rtol=1e-6, atol=1e-7)
+        assert bad_calls == [(3, 9, 11)] * 2  # the stopped call and the first fallback call
+        err = capsys.readouterr().err
+        assert err.count("[megatron-md] warning:") == 1
+        assert "compiled MD kernel eager (cpu, shape (3, 9, 11))" in err and "argument 4" in err
     finally:
         del compiled.WRITES[eager]
+
+
+def test_a_kernel_past_dynamos_recompile_limit_compiles_again():
+    """Past dynamo's global recompile limit (here 1) a kernel compiled with ``fullgraph`` (as
+    torch < 2.14's torch.compile has no limit of its own) raises ``FailOnRecompileLimitHit``;
+    ``Checked`` calls it again with the limit raised, for a new layout as for a changed global
+    state (the matmul precision: every known layout recompiles). Real dynamo and inductor; the
+    numbers are the kernel's."""
+    from megatron.md.engine import compiled
+
+    def scale(x, row, col, out):  # its own code object: dynamo's variants are counted per code
+        out.copy_(x * row * col)
+
+    kernel = compiled.Checked(scale, torch.compile(scale, dynamic=False, fullgraph=True))
+    bare = torch.compile(scale, dynamic=False, fullgraph=True)
+    precision = torch.get_float32_matmul_precision()
+    try:
+        # dynamo's own patch: monkeypatch's undo would delete the setting from its config module
+        with torch._dynamo.config.patch(recompile_limit=1):
+            for flip in ("highest", "high"):
+                torch.set_float32_matmul_precision(flip)  # part of dynamo's guards: all recompile
+                for n in (3, 4):
+                    x, row, col = torch.randn(1, n, 2), torch.rand(1, n, 1), torch.rand(1, 1, 2)
+                    out = torch.empty(1, n, 2)
+                    kernel(x, row, col, out)
+                    torch.testing.assert_close(out, x * row * col, rtol=1e-6, atol=1e-7)
+            with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):  # without the 2nd try
+                bare(torch.randn(1, 5, 2), torch.ones(1, 5, 1), torch.ones(1, 1, 2),
+                     torch.empty(1, 5, 2))  # fmt: skip
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+def test_a_miscompiled_kernel_under_auto_keeps_the_step_right(monkeypatch, capsys):
+    """MuonMD's groups, stacked (the GPU's call), with the rescale-and-fuse kernel miscompiled
+    as torch 2.9.1-2.11.0 did on a CPU: with ``fallback`` (``--md-fused-step auto``) the step
+    equals the reference as the right kernel's does (fp32, 1e-6), warned once; without it the
+    first fuse stops the run. The other kernels are their eager formulas standing in for
+    compiled ones (no compile time)."""
+    from megatron.md.engine import compiled
+
+    monkeypatch.setattr(compiled, "STACK_ON_CPU", True)
+    spec = MatrixSpec("frobenius", "init", "rowcol", "softplus", muon_scale="sphere_rms")
+    for fallback in (True, False):
+        kernels = {"partials": compiled.Checked(compiled._partials, compiled._partials),
+                   "fuse": compiled.Checked(compiled._fuse, compiled._fuse),
+                   "rescale_fuse": compiled.Checked(compiled._rescale_fuse,
+                                                    _miscompiled_rescale_fuse)}  # fmt: skip
+        monkeypatch.setattr(compiled, "_compiled", kernels)
+        if not fallback:
+            with pytest.raises(compiled.MiscompiledKernel, match="_rescale_fuse"):
+                _run(spec, [], base="muon", dtype=torch.float32, n=3, compiled=True,
+                     one_buffer=True)  # fmt: skip
+            continue
+        w, w_ref, ranks, st_ref = _run(spec, [], base="muon", dtype=torch.float32, n=3,
+                                       compiled=True, one_buffer=True, fallback=True)  # fmt: skip
+        for a, b in zip(w, w_ref):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        _same_gains(ranks, st_ref, reference.GAIN_NAMES["rowcol"], rtol=1e-5, atol=1e-6)
+        assert kernels["rescale_fuse"].eager and capsys.readouterr().err.count("warning:") == 1
 
 
 def test_muon_whole_matrix_matches_reference():

@@ -185,8 +185,10 @@ class MDConfig:
     0.43× and 1.56×), on a CPU for AdamMD only (MuonMD's compiled passes measured no faster
     there); docs/benchmarks.md. Execution only: the results agree with the eager step to fp32
     rounding, it is never used with MD off, checkpoints are interchangeable. Each kernel's first
-    call of a layout is checked against its eager formula and a difference stops the run
-    (``MiscompiledKernel``: torch 2.9.1-2.11.0's inductor on a CPU; docs/internals.md)."""
+    call of a layout is checked against its eager formula (torch 2.9.1-2.11.0's inductor
+    miscompiled two on a CPU; docs/internals.md): a difference stops the run under on
+    (``MiscompiledKernel``); under auto that layout runs the eager formula from then on, said
+    once on stderr."""
 
     cuda_graph: bool = False
     """Capture the MD optimizer's inner step (every MD matrix's step with its reductions, the

@@ -145,7 +145,8 @@ class MDInner(torch.optim.Optimizer):
                     "exp_avg_sq": torch.zeros_like(p),
                 }
         if self.engine is None:
-            self.engine = Engine(self._members(), self.domains, self.compiled)
+            self.engine = Engine(self._members(), self.domains, self.compiled,
+                                 fallback=self.md.fused_step == "auto")  # fmt: skip
             self.probe = self.engine.probe
         if self.graph is not None:
             self.graph.drop()

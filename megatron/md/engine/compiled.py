@@ -30,7 +30,9 @@ measured them faster than the eager group there (H200, 2026-11-26, docs/benchmar
 
 from __future__ import annotations
 
+import inspect
 import os
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -42,7 +44,7 @@ from megatron.md.base_steps import AdamHParams
 #: cut slices: the eager group)
 GAINS = ("none", "row", "col", "rowcol")
 SPHERES = ("frobenius", "row", "col", "none")
-#: compiled variants allowed per function (dynamo's default, 8, is global)
+#: compiled variants allowed per function (dynamo's default, 8, is global): ``Checked._compiled``
 RECOMPILE_LIMIT = 64
 
 
@@ -133,10 +135,16 @@ def _one_compile_thread() -> None:
         inductor_config.compile_threads = 1
 
 
+_PER_FUNCTION_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
+
+
 def _get(name: str, fn):
     if name not in _compiled:  # compiled lazily: importing this module costs nothing
         _one_compile_thread()
-        _compiled[name] = Checked(fn, torch.compile(fn, dynamic=False, fullgraph=True))
+        # the per-function limit where torch.compile takes one (2.15; not 2.13): dynamo then
+        # logs no "hit config.recompile_limit" warning before Checked's second try
+        limit = {"recompile_limit": RECOMPILE_LIMIT} if _PER_FUNCTION_LIMIT else {}
+        _compiled[name] = Checked(fn, torch.compile(fn, dynamic=False, fullgraph=True, **limit))
     return _compiled[name]
 
 
@@ -157,55 +165,92 @@ class MiscompiledKernel(RuntimeError):
 class Checked:
     """A compiled kernel whose first call of each argument layout (shapes, strides, dtypes,
     device: what dynamo compiles a variant for) is checked against its eager formula, run on
-    copies of the arguments it writes; a difference beyond rounding (``CHECK_TOL``) stops the
-    run with ``MiscompiledKernel``. Inductor can write an input before a later loop reads it:
-    torch 2.9.1, 2.10.0 and 2.11.0 on a CPU computed ``_rescale_fuse`` on a stack of matrices
-    from the rescaled Ŵ (W = Γ ⊙ s² Ŵ) and ``_phase1``'s Ŵ ⊙ G from the updated Ŵ
-    (2026-12-03; torch 2.12.0-2.15.0 right; upstream's open reports of the kind:
-    pytorch/pytorch #198131, #198101). The check costs, at the first step, one eager run of the
-    kernel's formula, copies of the arguments it writes (transient memory: a few copies of the
-    group's stack where the kernel takes it whole, as on a GPU) and a host synchronization;
-    none in a CUDA graph's capture (its eager warm-up steps check)."""
+    copies of the arguments it writes. A difference beyond rounding (``CHECK_TOL``) stops the
+    run with ``MiscompiledKernel`` (``--md-fused-step on``) or, called with ``fallback``
+    (``auto``: the user did not ask for the compiled step), keeps the eager formula's results,
+    runs the eager formula for that layout from then on and says so once on stderr. Inductor can
+    write an input before a later loop reads it: torch 2.9.1, 2.10.0 and 2.11.0 on a CPU
+    computed ``_rescale_fuse`` on a stack of matrices from the rescaled Ŵ (W = Γ ⊙ s² Ŵ) and
+    ``_phase1``'s Ŵ ⊙ G from the updated Ŵ (2026-12-03; torch 2.12.0-2.15.0 right; upstream's
+    open reports of the kind: pytorch/pytorch #198131, #198101). The check costs, at the first
+    step, one eager run of the kernel's formula, copies of the arguments it writes (transient
+    memory: a few copies of the group's stack where the kernel takes it whole, as on a GPU)
+    and a host synchronization; none in a CUDA graph's capture (its eager warm-up steps
+    check)."""
 
     def __init__(self, fn: Callable, compiled: Callable):
         self.fn, self.compiled = fn, compiled
         self.checked: set[tuple] = set()
+        self.eager: set[tuple] = set()  # layouts found miscompiled, run eager (``fallback``)
 
-    def __call__(self, *args):
+    def __call__(self, *args, fallback: bool = False):
         key = tuple(
             (a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a
             for a in args
         )
+        if key in self.eager:
+            return self.fn(*args)
         check = key not in self.checked and not _capturing()
         if check:
             writes = WRITES.get(self.fn, ())
             mine = [a.clone() if i in writes and a is not None else a for i, a in enumerate(args)]
             want = self.fn(*mine)
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            got = self.compiled(*args)
-        if check:
-            pairs = [(f"argument {i}", args[i], mine[i]) for i in writes]
-            outs = got if isinstance(got, tuple) else (got,)
-            wants = want if isinstance(want, tuple) else (want,)
-            pairs += [(f"result {i}", a, b) for i, (a, b) in enumerate(zip(outs, wants))]
-            for what, a, b in pairs:
-                if isinstance(a, torch.Tensor) and a.ndim and a.numel():
-                    self._compare(what, a, b)
-            self.checked.add(key)
+        got = self._compiled(args)
+        if not check:
+            return got
+        pairs = [(f"argument {i}", args[i], mine[i]) for i in writes]
+        outs = got if isinstance(got, tuple) else (got,)
+        wants = want if isinstance(want, tuple) else (want,)
+        pairs += [(f"result {i}", a, b) for i, (a, b) in enumerate(zip(outs, wants))]
+        for what, a, b in pairs:
+            if isinstance(a, torch.Tensor) and a.ndim and a.numel():
+                wrong = self._difference(what, a, b)
+                if wrong and not fallback:
+                    raise MiscompiledKernel(f"{wrong}. Run with --md-fused-step off: the eager MD "
+                                            "step, the same results to fp32 rounding")  # fmt: skip
+                if wrong:
+                    return self._keep_eager(key, wrong, args, mine, writes, want)
+        self.checked.add(key)
         return got
 
-    def _compare(self, what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    def _compiled(self, args: tuple):
+        """The compiled call; past dynamo's recompile limit (global, 8 variants of a function
+        unless torch.compile took ``RECOMPILE_LIMIT``; more layouts, or a changed global state
+        such as the matmul precision, make more) again with the limit raised: dynamo refuses
+        before it runs anything. Not raised around every call: its ``config.patch`` cost
+        48-73 us a call, the compiled call 25-30 (torch 2.15.0, 2-core VM, 2026-12-03)."""
+        try:
+            return self.compiled(*args)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return self.compiled(*args)
+
+    def _keep_eager(self, key: tuple, wrong: str, args, mine, writes, want):
+        """The eager formula's results in place of the compiled kernel's, and that layout run
+        eager from now on."""
+        for i in writes:
+            if args[i] is not None:
+                args[i].copy_(mine[i])
+        self.eager.add(key)
+        print(f"[megatron-md] warning: {wrong}. --md-fused-step auto: this layout of the kernel "
+              "now runs its eager formula (slower, the same results to fp32 rounding); "
+              "--md-fused-step off runs every kernel eager, on stops instead", file=sys.stderr,
+              flush=True)  # fmt: skip
+        return want
+
+    def _difference(self, what: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
+        """What is wrong with ``got``, or None where it equals ``want`` to rounding."""
         wide = torch.promote_types(want.dtype, torch.float32)  # fp32 stays: no copy of a stack
         diff = (got.to(wide) - want.to(wide)).abs().max().item()
         scale = want.abs().max().item()
-        if diff > CHECK_TOL.get(want.dtype, 1e-4) * scale + 1e-30:
-            raise MiscompiledKernel(
-                f"torch {torch.__version__}'s compiled MD kernel {self.fn.__name__} ("
-                f"{want.device.type}, shape {tuple(want.shape)}) differs from its eager formula in "
-                f"its {what} by {diff:.3g} (largest entry {scale:.3g}): inductor miscompiled it "
-                "(seen on a CPU with torch 2.9.1-2.11.0; right from 2.12.0). Run with "
-                "--md-fused-step off: the eager MD step, the same results to fp32 rounding"
-            )
+        if diff <= CHECK_TOL.get(want.dtype, 1e-4) * scale + 1e-30:
+            return None
+        return (
+            f"torch {torch.__version__}'s compiled MD kernel {self.fn.__name__} ("
+            f"{want.device.type}, shape {tuple(want.shape)}) differs from its eager formula in "
+            f"its {what} by {diff:.3g} (largest entry {scale:.3g}): inductor miscompiled it "
+            "(seen on a CPU with torch 2.9.1-2.11.0; right from 2.12.0)"
+        )
 
 
 def _capturing() -> bool:
@@ -261,22 +306,25 @@ class Kernels:
     partials: Callable | None = None
     """MuonMD: the gains' partials and G_Ŵ in one pass (the Newton–Schulz between stays the
     base's batched call, the norms' partials eager)."""
+    fallback: bool = False
+    """A layout found miscompiled at its first call runs eager, said on stderr (``fused_step``
+    auto), instead of stopping the run (on): ``Checked``."""
 
 
-def kernels_for(g) -> Kernels | None:
+def kernels_for(g, fallback: bool = False) -> Kernels | None:
     """The compiled kernels of group ``g``, where they apply: AdamMD or MuonMD on whole
     matrices held whole (no TP piece, no ZeRO-1 cut; Q/K/V spheres included), gains
     none/row/col/rowcol, no tangent projection, Ŵ projected back (not Muown), not both off (MD
-    off stays eager: bit for bit megatron)."""
+    off stays eager: bit for bit megatron). ``fallback``: ``Kernels.fallback``."""
     spec = g.spec
     fits = (
         g.own and g.whole_block and spec.gains in GAINS and spec.sphere in SPHERES
         and not spec.tangent_grad and spec.project and (spec.gains, spec.sphere) != ("none", "none")
     )  # fmt: skip
     if fits and g.base.name == "adam":
-        return Kernels(_phase1_group, _fuse_group)
+        return Kernels(_phase1_group, _fuse_group, fallback=fallback)
     if fits and g.base.name == "muon" and not spec.tangent_update and not spec.weight_norm:
-        return Kernels(None, _fuse_group, _partials_group)
+        return Kernels(None, _fuse_group, _partials_group, fallback)
     return None
 
 
@@ -306,7 +354,7 @@ def _phase1_group(g, G: torch.Tensor, P: torch.Tensor, step: int, hp: AdamHParam
     off = M if need_row else 0
     for one in _pieces(g, stackable=True):
         gr, nrm = kernel(w3[one], g3[one], m3[one], v3[one], _at(row, one), _at(col, one), hp_t,
-                         _at(scratch, one), need_row)  # fmt: skip
+                         _at(scratch, one), need_row, fallback=g.kernels.fallback)  # fmt: skip
         if need_row:
             P[one, :M].add_(gr)
         if sphere != "none":
@@ -335,7 +383,7 @@ def _partials_group(g, G: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
     kernel = _get("partials", _partials)
     for one in _pieces(g, stackable=True):
         gr = kernel(w3[one], g3[one], _at(row, one), _at(col, one), o3[one], _at(scratch, one),
-                    need_row)  # fmt: skip
+                    need_row, fallback=g.kernels.fallback)  # fmt: skip
         if need_row:
             P[one, :M].add_(gr)
     if need_col:
@@ -380,7 +428,9 @@ def _fuse_group(g, targets: list[torch.Tensor]) -> None:
     for one in _pieces(g, stackable=out is not None):
         o = out[one] if out is not None else targets[one.start].view(1, M, N)
         if s is None:
-            kernel(w3[one], _at(row, one), _at(col, one), o)
+            kernel(w3[one], _at(row, one), _at(col, one), o, fallback=g.kernels.fallback)
         else:
-            kernel(w3[one], _at(s, one), _at(row, one), _at(col, one), o)
+            kernel(
+                w3[one], _at(s, one), _at(row, one), _at(col, one), o, fallback=g.kernels.fallback
+            )
     g.pending = None

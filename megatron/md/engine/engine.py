@@ -105,9 +105,11 @@ class HParams:
 
 
 class Engine:
-    def __init__(self, members: list[Member], domains: dict, compiled: bool | frozenset = False):
+    def __init__(self, members: list[Member], domains: dict, compiled: bool | frozenset = False,
+                 fallback: bool = False):  # fmt: skip
         """``compiled``: the bases whose groups take the compiled kernels where they fit
-        (``MDConfig.use_fused``; True: every base)."""
+        (``MDConfig.use_fused``; True: every base); ``fallback``: a miscompiled kernel's layout
+        runs eager instead of stopping the run (``Kernels.fallback``)."""
         if compiled is True:
             compiled = frozenset({"adam", "muon"})
         self.members, self.domains, self.compiled = members, domains, frozenset(compiled or ())
@@ -132,7 +134,7 @@ class Engine:
 
             for g in self.groups:
                 if g.base.name in self.compiled:
-                    g.kernels = ck.kernels_for(g)
+                    g.kernels = ck.kernels_for(g, fallback)
 
     # ---- layout of the partial buffers ----
     def _place(self, kind: str, size_attr: str) -> None:
