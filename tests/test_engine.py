@@ -13,6 +13,17 @@ from megatron.md import reference, sliced
 from megatron.md.base_steps import AdamHParams, MuonHParams, hyperball_
 from megatron.md.blocks import slice_blocks
 from megatron.md.config import MatrixSpec
+from megatron.md.engine.compiled import MiscompiledKernel
+
+#: inductor miscompiled MD's kernels on a CPU with torch 2.9.1, 2.10.0 and 2.11.0 (2026-12-03,
+#: docs/internals.md): there the kernels' first-call check stops these tests, as it must; any
+#: other failure still fails
+MISCOMPILED_BY_OLD_TORCH = pytest.mark.xfail(
+    torch.torch_version.TorchVersion(torch.__version__) < "2.12",
+    raises=MiscompiledKernel,
+    reason="torch < 2.12's inductor miscompiles MD's kernels on a CPU (MiscompiledKernel)",
+    strict=False,
+)
 
 CUTS = {
     1: [],
@@ -108,6 +119,7 @@ COMPILED_CASES = [
 ]  # fmt: skip
 
 
+@MISCOMPILED_BY_OLD_TORCH
 @pytest.mark.parametrize("sphere,gains", COMPILED_CASES)
 def test_compiled_kernels_equal_whole_matrix(sphere, gains):
     """--md-fused-step (compiled kernels) on stacked whole matrices: in fp64 the reference to
@@ -124,6 +136,7 @@ def test_compiled_kernels_equal_whole_matrix(sphere, gains):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+@MISCOMPILED_BY_OLD_TORCH
 def test_compiled_kernels_take_the_whole_stack_in_one_call(monkeypatch):
     """On a GPU the kernels take a group's whole (B, M, N) stack in one call (``_pieces``; on a
     CPU one matrix a call): the same numbers, fp64 to 1e-12 of the reference."""
@@ -290,6 +303,7 @@ def test_muon_whole_matrix_matches_reference():
 
 
 # each case compiles its kernels: the stack (a GPU's call) and per matrix each twice at least
+@MISCOMPILED_BY_OLD_TORCH
 @pytest.mark.parametrize(
     "sphere,gains,stack",
     [("frobenius", "rowcol", False), ("frobenius", "rowcol", True), ("row", "col", True),
@@ -606,6 +620,7 @@ DEVICE_CASES = [
 ]
 
 
+@MISCOMPILED_BY_OLD_TORCH
 @pytest.mark.parametrize("base,sphere,gains,n_slices,dtype,compiled,blocks,tol", DEVICE_CASES)
 def test_device_scalars_equal_the_reference(base, sphere, gains, n_slices, dtype, compiled,
                                             blocks, tol):  # fmt: skip
