@@ -222,7 +222,7 @@ def test_a_miscompiled_kernel_stops_the_run_at_its_first_call(capsys):
             bad(x.clone(), s, row, col, out)
         assert "warning" not in capsys.readouterr().err
         want_x, want_out = x * s, x * s * row * col
-        for call in range(3):  # fallback: the eager numbers, the compiled kernel called once
+        for _ in range(3):  # fallback: the eager numbers, the compiled kernel called once
             mine, out = x.clone(), torch.empty(3, 9, 11)
             bad(mine, s, row, col, out, fallback=True)
             torch.testing.assert_close(mine, want_x, rtol=0, atol=0)
@@ -237,7 +237,7 @@ def test_a_miscompiled_kernel_stops_the_run_at_its_first_call(capsys):
 
 def test_a_kernel_past_dynamos_recompile_limit_compiles_again():
     """Past dynamo's global recompile limit (here 1) a kernel compiled with ``fullgraph`` (as
-    torch < 2.14's torch.compile has no limit of its own) raises ``FailOnRecompileLimitHit``;
+    torch.compile takes no limit of its own up to torch 2.13) raises ``FailOnRecompileLimitHit``;
     ``Checked`` calls it again with the limit raised, for a new layout as for a changed global
     state (the matmul precision: every known layout recompiles). Real dynamo and inductor; the
     numbers are the kernel's."""

@@ -324,7 +324,7 @@ def kernels_for(g, fallback: bool = False) -> Kernels | None:
     if fits and g.base.name == "adam":
         return Kernels(_phase1_group, _fuse_group, fallback=fallback)
     if fits and g.base.name == "muon" and not spec.tangent_update and not spec.weight_norm:
-        return Kernels(None, _fuse_group, _partials_group, fallback)
+        return Kernels(None, _fuse_group, _partials_group, fallback=fallback)
     return None
 
 
