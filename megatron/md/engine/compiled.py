@@ -30,6 +30,7 @@ measured them faster than the eager group there (H200, 2026-11-26, docs/benchmar
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import sys
@@ -138,14 +139,15 @@ def _one_compile_thread() -> None:
 _PER_FUNCTION_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
 
 
-def _get(name: str, fn):
+def _get(name: str, fn, fallback: bool = False):
+    """Kernel ``name`` (``fn`` compiled, ``Checked``), called with the group's ``fallback``."""
     if name not in _compiled:  # compiled lazily: importing this module costs nothing
         _one_compile_thread()
         # the per-function limit where torch.compile takes one (2.15; not 2.13): dynamo then
         # logs no "hit config.recompile_limit" warning before Checked's second try
         limit = {"recompile_limit": RECOMPILE_LIMIT} if _PER_FUNCTION_LIMIT else {}
         _compiled[name] = Checked(fn, torch.compile(fn, dynamic=False, fullgraph=True, **limit))
-    return _compiled[name]
+    return functools.partial(_compiled[name], fallback=True) if fallback else _compiled[name]
 
 
 #: the arguments each kernel writes (by position): the first call of a layout runs the eager
@@ -350,11 +352,11 @@ def _phase1_group(g, G: torch.Tensor, P: torch.Tensor, step: int, hp: AdamHParam
     m3, v3 = g.state["exp_avg"].view(B, M, N), g.state["exp_avg_sq"].view(B, M, N)
     scratch = torch.empty_like(w3) if need_col else None
     hp_t = adam_hparams(hp, step, g.W)
-    kernel = _get(sphere, _PHASE1[sphere])
+    kernel = _get(sphere, _PHASE1[sphere], g.kernels.fallback)
     off = M if need_row else 0
     for one in _pieces(g, stackable=True):
         gr, nrm = kernel(w3[one], g3[one], m3[one], v3[one], _at(row, one), _at(col, one), hp_t,
-                         _at(scratch, one), need_row, fallback=g.kernels.fallback)  # fmt: skip
+                         _at(scratch, one), need_row)  # fmt: skip
         if need_row:
             P[one, :M].add_(gr)
         if sphere != "none":
@@ -380,10 +382,10 @@ def _partials_group(g, G: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(G)
     w3, g3, o3 = g.W.view(B, M, N), G.view(B, M, N), out.view(B, M, N)
     scratch = torch.empty_like(w3) if need_col else None
-    kernel = _get("partials", _partials)
+    kernel = _get("partials", _partials, g.kernels.fallback)
     for one in _pieces(g, stackable=True):
         gr = kernel(w3[one], g3[one], _at(row, one), _at(col, one), o3[one], _at(scratch, one),
-                    need_row, fallback=g.kernels.fallback)  # fmt: skip
+                    need_row)  # fmt: skip
         if need_row:
             P[one, :M].add_(gr)
     if need_col:
@@ -424,13 +426,12 @@ def _fuse_group(g, targets: list[torch.Tensor]) -> None:
     view = g.rows("out", targets)
     out = view.view(B, M, N) if view is not None else None
     s = None if g.pending is None else g.axis_bcast(g.blocks[0], g.pending)
-    kernel = _get("fuse", _fuse) if s is None else _get("rescale_fuse", _rescale_fuse)
+    name, fn = ("fuse", _fuse) if s is None else ("rescale_fuse", _rescale_fuse)
+    kernel = _get(name, fn, g.kernels.fallback)
     for one in _pieces(g, stackable=out is not None):
         o = out[one] if out is not None else targets[one.start].view(1, M, N)
         if s is None:
-            kernel(w3[one], _at(row, one), _at(col, one), o, fallback=g.kernels.fallback)
+            kernel(w3[one], _at(row, one), _at(col, one), o)
         else:
-            kernel(
-                w3[one], _at(s, one), _at(row, one), _at(col, one), o, fallback=g.kernels.fallback
-            )
+            kernel(w3[one], _at(s, one), _at(row, one), _at(col, one), o)
     g.pending = None
