@@ -237,7 +237,8 @@ def _piece(mp) -> tuple[int, int]:
 
 
 def _sq(t: torch.Tensor) -> float:
-    return float(t.double().square().sum())
+    d = t.double().reshape(-1)  # one float64 copy (square().sum() made two)
+    return float(torch.dot(d, d))
 
 
 def _merge_updates(gathered: list[list]) -> dict:
@@ -297,12 +298,12 @@ def _md_local(optimizer, names: dict) -> list[dict]:
                     phi = maps.phi(g, md.spec.gain_map)
                     axes[n[5:]] = (_sq(g), float(phi.min()), float(phi.max()))
             radius = st.get("radius")
-            local.append(
-                {
+            local.append(  # numbers, not tensors: all_gather_object pickles a tensor with
+                {  # torch.save and reads it back with torch.load (weights_only), per tensor
                     "name": names.get(slot.model_param, slot.name),
                     "start": (md.tp.rank if md.tp else 0, md.start),
-                    "partial": part,
-                    "radius": None if radius is None else radius.detach().double().cpu(),
+                    "partial": part.tolist(),
+                    "radius": None if radius is None else radius.detach().reshape(-1).tolist(),
                     "axes": axes,
                 }
             )
@@ -320,8 +321,8 @@ def _md_merge(gathered: list[list[dict]]) -> dict:
     for name, e in by_name.items():
         cls = matrix_class(name) or "other"
         if e["radius"] is not None and e["slices"]:
-            norm = sum(e["slices"].values()).sqrt()
-            r = e["radius"].reshape(-1)
+            norm = torch.tensor(list(e["slices"].values()), dtype=torch.float64).sum(0).sqrt()
+            r = torch.tensor(e["radius"], dtype=torch.float64)
             drift[cls] = max(drift.get(cls, 0.0), float(((norm - r).abs() / r).max()))
         if e["axes"]:
             raw.setdefault(cls, []).append(math.sqrt(sum(a[0] for a in e["axes"].values())))
