@@ -2,14 +2,19 @@
 
 Per matrix class (``matrix_class``; mean over its matrices unless said otherwise):
 
-- ``rel_update``: relative weight update ‖ΔW‖/‖W‖, from the fp32 weights the optimizer holds
-  (never bf16 model weights, whose rounding biases it upward at small LRs);
-- ``out_change``: relative change of a layer's output on the same input, ‖X ΔWᵀ‖/‖X Wᵀ‖ (the
-  paper's transfer-dynamics figure). X: the first 512 tokens of each rank's first micro-batch
-  into the layer (attention and MLP linears outside routed experts, whose inputs depend on the
-  routing); each rank measures the rows it owns on its own X (a ZeRO-1 cut row counts as two
-  pieces), the sums are added over ranks; under tensor parallelism a row-parallel layer's
-  partial outputs are first summed over its TP group (one all-reduce per such layer);
+- ``rel_update``: relative weight update ‖ΔW‖/‖W‖ with W the weights before the step (as the
+  authors' runs: ‖W_new − W_old‖/‖W_old‖, gainz megatron/training/internals_logging/metrics.py,
+  ``_relative_norm_change``), from the fp32 weights the optimizer holds (never bf16 model
+  weights, whose rounding biases it upward at small LRs; the authors' read the model's);
+- ``out_change``: relative change of a layer's output on the same input, ‖X ΔWᵀ‖/‖X Wᵀ‖ with
+  W the weights before the step (the paper's transfer-dynamics figure; as the authors' runs:
+  ‖Y_new − Y_old‖/‖Y_old‖, Y_old the forward pass's output: gainz
+  megatron/training/internals_logging/logger.py, ``_compute_delta_y_metrics``). X: the first
+  512 tokens of each rank's first micro-batch into the layer (attention and MLP linears outside
+  routed experts, whose inputs depend on the routing); each rank measures the rows it owns on
+  its own X (a ZeRO-1 cut row counts as two pieces), the sums are added over ranks; under
+  tensor parallelism a row-parallel layer's partial outputs are first summed over its TP group
+  (one all-reduce per such layer);
 - ``rel_update_block``: ``rel_update`` of the fused QKV matrices' query, key and value blocks
   (``q``, ``k``, ``v``: each block's ‖ΔW‖/‖W‖, mean over layers; the paper's lr-decay figure
   reports the query block's), for every method;
@@ -159,10 +164,11 @@ class StepDiagnostics:
         parts = []
         for opt, mp, name, cls in self._owned():
             w = fp32_weight(opt, mp)
-            dw = w - before[(name, _piece(mp))]
-            out = self._out_change(mp, w, dw)
-            blocks = self._qkv_sq(mp, w, dw) if cls == "qkv" else None
-            parts.append((name, cls, _piece(mp), _sq(dw), _sq(w), out, blocks))
+            old = before[(name, _piece(mp))]
+            dw = w - old
+            out = self._out_change(mp, old, dw)
+            blocks = self._qkv_sq(mp, old, dw) if cls == "qkv" else None
+            parts.append((name, cls, _piece(mp), _sq(dw), _sq(old), out, blocks))
         gathered = [None] * torch.distributed.get_world_size()
         local = _md_local(self.opt, self.global_names)
         torch.distributed.all_gather_object(gathered, (parts, local, self.logits))
@@ -198,7 +204,8 @@ class StepDiagnostics:
         return sums[0].tolist(), sums[1].tolist()
 
     def _out_change(self, mp, w: torch.Tensor, dw: torch.Tensor):
-        """(‖X ΔWᵀ‖², ‖X Wᵀ‖²) over the rows of this rank's piece, or None."""
+        """(‖X ΔWᵀ‖², ‖X Wᵀ‖²) over the rows of this rank's piece (``w``: before the step), or
+        None."""
         from megatron.md.blocks import slice_blocks
 
         x = self.inputs.get(mp.model)
