@@ -5,7 +5,7 @@ Per matrix class (``matrix_class``; mean over its matrices unless said otherwise
 - ``rel_update``: relative weight update ‖ΔW‖/‖W‖ with W the weights before the step (as the
   authors' runs: ‖W_new − W_old‖/‖W_old‖, gainz megatron/training/internals_logging/metrics.py,
   ``_relative_norm_change``), from the fp32 weights the optimizer holds (never bf16 model
-  weights, whose rounding biases it upward at small LRs; the authors' read the model's);
+  weights, whose rounding biases it upward at small LRs; the authors' runs read those);
 - ``out_change``: relative change of a layer's output on the same input, ‖X ΔWᵀ‖/‖X Wᵀ‖ with
   W the weights before the step (the paper's transfer-dynamics figure; as the authors' runs:
   ‖Y_new − Y_old‖/‖Y_old‖, Y_old the forward pass's output: gainz
