@@ -293,11 +293,11 @@ def _md_local(optimizer, names: dict) -> list[dict]:
             continue
         for p, slot in inner.slots.items():
             md, st = slot.md, inner.md_state[p]
-            part = torch.zeros(md.n_norm, dtype=torch.float64)
+            part = []  # this slice's squared-norm partials, as numbers (no norm: none)
             if md.n_norm:
                 tmp = torch.zeros(md.n_norm, dtype=torch.float32, device=p.device)
                 md.norm_partials(inner.direction_of(p), tmp)
-                part = tmp.double().cpu()
+                part = tmp.tolist()
             axes = {}
             for n in md.gain_names:
                 if n in ("gain_row", "gain_col", "gain_scalar"):
@@ -309,7 +309,7 @@ def _md_local(optimizer, names: dict) -> list[dict]:
                 {  # torch.save and reads it back with torch.load (weights_only), per tensor
                     "name": names.get(slot.model_param, slot.name),
                     "start": (md.tp.rank if md.tp else 0, md.start),
-                    "partial": part.tolist(),
+                    "partial": part,
                     "radius": None if radius is None else radius.detach().reshape(-1).tolist(),
                     "axes": axes,
                 }
