@@ -198,6 +198,40 @@ def test_lr_sweep_finds_optimum_and_reports_broken_runs(tmp_path):
         assert (tmp_path / "a" / png).stat().st_size > 10_000
 
 
+def test_an_ablation_figure_command_reads_its_runs_beside_the_dense_grid_runs(tmp_path):
+    """The gain-axis figure's command as docs/experiments.md gives it, on manifests that
+    sweep.py plans (dense-grid and ablation-gains at three LRs, fake logs): lr_sweep reads
+    the ablation's scalar, row and column arms and dense-grid's MuonMD at 181M (the recipe, row
+    and column gains) and its sphere alone, and nothing else of dense-grid (other sizes and
+    methods)."""
+    import shlex
+
+    sys.path.insert(0, str(ROOT / "examples" / "md_decoupling"))
+    import experiments
+    import sweep
+
+    lrs = [4e-3, 8e-3, 16e-3]
+    for exp in ("dense-grid", "ablation-gains"):
+        root = tmp_path / "runs" / exp
+        runs = sweep.plan(exp, lrs, str(root), 1, None)
+        for r in runs:
+            fake_run(root, r.name, r.meta["matrix_lr"], 8e-3, iters=30)
+        entries = [{"name": r.name, "flags": [f for f in r.flags if "train-iters" not in f],
+                    "meta": r.meta, "run_dir": str(root / r.name)} for r in runs]  # fmt: skip
+        (root / "manifest.json").write_text(json.dumps({"experiment": exp, "runs": entries}))
+    cmd = next(c for fig, _, _, c in experiments.PAPER if fig == "Fig. gain-axis (left)")
+    argv = shlex.split(cmd.replace("runs/", f"{tmp_path}/runs/"))
+    assert argv[:2] == ["python", "tools/lr_sweep.py"]
+    out = subprocess.run([sys.executable, str(ROOT / argv[1]), *argv[2:]], capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "runs/ablation-gains/analysis/lr_sweep.json").read_text())
+    lines = {(b["size"], b["method"], b["variant"]): b["runs"] for b in report["optima"]}
+    want = {("dense-181M", "muonmd", v): 3 for v in ("", "frobenius", "scalar", "row", "col")}
+    assert lines == want
+    assert all(b["best_lr"] == 8e-3 for b in report["optima"])
+
+
 def test_lr_sweep_bad_manifest(tmp_path):
     out = run_tool("lr_sweep.py", str(tmp_path / "nope.json"))
     assert out.returncode != 0 and "nope.json: no such manifest" in out.stderr

@@ -50,9 +50,10 @@ def _unique_shapes():
     parse alike; choices, presets and switches do not)."""
     seen = {}
     for exp in experiments.EXPERIMENTS:
-        for run in sweep.plan(exp, None, "/runs", 1, None):
-            key = tuple(re.sub(r"=[0-9.e+-]+$", "=N", f) for f in run.flags)
-            seen.setdefault(key, (exp, run))
+        for text in (False, True) if exp in experiments.TEXT_READINGS else (False,):
+            for run in sweep.plan(exp, None, "/runs", 1, None, text=text):
+                key = tuple(re.sub(r"=[0-9.e+-]+$", "=N", f) for f in run.flags)
+                seen.setdefault(key, (exp, run))
     return list(seen.values())
 
 
@@ -103,6 +104,101 @@ def test_experiments_run_what_the_paper_ran():
         assert "--global-batch-size=256" in two.flags
 
 
+def test_dense_ablations_run_what_the_authors_ran():
+    """The dense ablations' methods and arms as the authors' runs (gainz submissions/exp*.sh;
+    the paper: "we default to Muon as the matrix optimizer under MD decoupling"): MuonMD, plain
+    Muon for its scale modes (exp9, exp10: 1000 warmup steps for every mode, shape_scaling and
+    rms_match without), Muon and MuonMD for warmup (exp10); MuonMD's scale modes on the sphere
+    alone (exp9 "master-muon, no gains"), with gains under the text's reading; rank 4 (exp14);
+    --methods replaces the runs' methods."""
+    methods = {a: {r.meta["method"] for r in experiments.experiment(f"ablation-{a}")}
+               for a in experiments.ABLATIONS}  # fmt: skip
+    assert methods.pop("muon-scale") == {"muon"} and methods.pop("warmup") == {"muon", "muonmd"}
+    assert all(m == {"muonmd"} for m in methods.values()), methods
+    scale = {r.meta["variant"] for r in experiments.experiment("ablation-muon-scale")}
+    assert scale == {"unit_rms_norm-w1000", "shape_scaling-w1000", "shape_scaling-w0",
+                     "rms_match-w1000", "rms_match-w0"}  # fmt: skip
+    runs = experiments.experiment("ablation-muonmd-scale")
+    assert len(runs) == 27 and all("--md-gains=none" in r.flags for r in runs)
+    text = experiments.experiment("ablation-muonmd-scale", text=True)
+    assert not any("--md-gains=none" in r.flags for r in text)
+    assert all("--md-output-gains=none" in r.flags for r in text)  # the text: no LM-head gains
+    rank = experiments.experiment("ablation-rank-k")
+    assert {r.meta["variant"] for r in rank} == {"k4"} and "--md-gain-rank=4" in rank[0].flags
+    both = experiments.experiment("ablation-gains", methods=["adammd", "muonmd"])
+    assert {r.meta["method"] for r in both} == {"adammd", "muonmd"} and len(both) == 54
+    with pytest.raises(ValueError, match="moe-ladder has no methods to choose"):
+        experiments.experiment("moe-ladder", methods=["muonmd"])
+    with pytest.raises(ValueError, match="the paper's text and the authors' runs agree"):
+        experiments.experiment("ablation-muon-scale", text=True)
+
+
+def test_side_lr_panels_as_the_runs():
+    """Fig. lr-panels-combined as gainz exp1b-lr-supplement.sh and exp5-base-matrix-grid.sh:
+    the base LR × 2^(k/2), k = -3…3, AdamW at matrix LR 8e-3, the LM head following it (unset in
+    the runs), the embeddings at 3e-3 (the text: scaled too); MuonMD's embedding LR 1e-3 ·
+    2^(k/2), k = 2…5, × the grid; the gains' LR 1e-3 · 2^(k/2), k = 3…8 at 8e-3; the gains' LR
+    held at 1e-3 × the grid."""
+
+    def value(run, name):
+        return float([f for f in run.flags if f.startswith(name + "=")][-1].split("=")[1])
+
+    base = experiments.experiment("side-base-lr")
+    assert [r.meta["matrix_lr"] for r in base] == [8e-3] * 7
+    for r, k in zip(base, range(-3, 4)):
+        b = 1e-3 * 2 ** (k / 2)
+        assert r.meta["base_lr"] == b and value(r, "--lr") == pytest.approx(b, rel=1e-3)
+        assert value(r, "--output-lr") == value(r, "--lr") and value(r, "--embedding-lr") == 3e-3
+    for r in experiments.experiment("side-base-lr", text=True):
+        assert value(r, "--embedding-lr") == pytest.approx(3 * value(r, "--lr"), rel=1e-3)
+    elr = experiments.experiment("side-embedding-lr")
+    assert sorted({value(r, "--embedding-lr") for r in elr}) == pytest.approx(
+        [2e-3, 2.828e-3, 4e-3, 5.657e-3], rel=1e-3)  # fmt: skip
+    assert len(elr) == 4 * 9 and {r.meta["method"] for r in elr} == {"muonmd"}
+    glr = experiments.experiment("side-gain-lr")
+    assert [r.meta["matrix_lr"] for r in glr] == [8e-3] * 6
+    assert [value(r, "--md-gain-lr") for r in glr] == pytest.approx(
+        [1e-3 * 2 ** (k / 2) for k in range(3, 9)], rel=1e-3)  # fmt: skip
+    fixed = experiments.experiment("side-gain-lr-fixed")
+    assert len(fixed) == 9 and all(value(r, "--md-gain-lr") == 1e-3 for r in fixed)
+
+
+def test_each_ablation_is_read_beside_the_dense_grid_runs_it_compares_against():
+    """An ablation's figure command reads its runs and exactly dense-grid's arms named in
+    ``Ablation.base`` for the ablation's methods (the recipe's run, the sphere alone), nothing
+    else: lr_sweep's --only, matched as lr_sweep matches it (re.search on run names)."""
+    grid = [r.name for r in experiments.experiment("dense-grid")]
+    for axis, ab in experiments.ABLATIONS.items():
+        only = re.search(r"--only '([^']+)'", experiments._with_base(axis)).group(1)
+        assert all(re.search(only, r.name) for r in experiments.experiment(f"ablation-{axis}"))
+        want = {f"dense-181M-{m}-lr{recipes.fmt(lr)}" + (f"-{b}" if b else "")
+                for m in ab.methods for lr in recipes.lr_grid() for b in ab.base}  # fmt: skip
+        assert {n for n in grid if re.search(only, n)} == want, axis
+
+
+def test_no_ablation_arm_trains_a_dense_grid_run_again(parse_env):
+    """Every dense ablation arm parses (megatron's parser plus ours) to a different run than
+    each dense-grid run it is drawn beside: an arm restating the recipe (e.g. --md-gains=rowcol)
+    would train the same model twice."""
+
+    def parsed(flags):
+        parse_env.unset_global_variables()
+        args, md = pg.parse(flags + SITE, on_cpu=True)
+        return {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}, md
+
+    grid = {r.name: r for r in sweep.plan("dense-grid", [8e-3], "/runs", 1, None)}
+    seen = {}
+    for axis, ab in experiments.ABLATIONS.items():
+        for run in sweep.plan(f"ablation-{axis}", [8e-3], "/runs", 1, None):
+            mine = parsed(run.flags)
+            for b in ab.base:
+                name = f"dense-181M-{run.meta['method']}-lr0.008" + (f"-{b}" if b else "")
+                if name not in seen:
+                    seen[name] = parsed(grid[name].flags)
+                assert mine != seen[name], (run.name, name)
+    assert parsed(grid["dense-181M-muonmd-lr0.008"].flags) == seen["dense-181M-muonmd-lr0.008"]
+
+
 def test_moe_recipe_as_the_runs():
     """Every MoE method clips at 1.0 (megatron's default, which feat/scaling-sweeps keeps for
     Muon and MuonMD) and uses the scaled output-projection init (megatron's default there);
@@ -111,6 +207,11 @@ def test_moe_recipe_as_the_runs():
     for m in (*experiments.MOE_METHODS, "muown"):
         flags = recipes.moe_recipe(m, 1e-3)
         assert "--clip-grad=1.0" in flags and "--scaled-output-init" in flags, m
+    for m in experiments.MOE_METHODS:  # the text: Muon and MuonMD unclipped, scaled init MuonMD
+        text = recipes.moe_recipe(m, 1e-3, text=True)
+        assert ("--clip-grad=0" in text) == (m != "adamw"), m
+        assert ("--scaled-output-init" in text) == (m == "muonmd"), m
+        assert ("--md-output-gains=none" in text) == (m == "muonmd"), m
     muown = recipes.moe_recipe("muown", 2.4e-3)
     assert "--muon-scale-mode=rms_match" in muown
     assert not any(f.startswith(("--lr-warmup", "--md-gain-lr", "--weight-decay")) for f in muown)
@@ -228,7 +329,7 @@ def test_data_arguments_are_explicit(tmp_path, capsys, monkeypatch):
     sweep.main(["ablation-tangent", "--dry-run", "--run-root", str(tmp_path)])
     err = capsys.readouterr().err
     assert "not visible on this node: /data/corpus_text_document.bin" in err
-    assert "/data/tok; the flags are checked here" in err and "36 would be submitted" in err
+    assert "/data/tok; the flags are checked here" in err and "9 would be submitted" in err
     with pytest.raises(SystemExit, match="DATA_ARGS is set and --mock-data"):
         sweep.main(["ablation-tangent", "--dry-run", "--mock-data", "--run-root", str(tmp_path)])
     monkeypatch.delenv("DATA_ARGS")
@@ -263,7 +364,7 @@ def test_a_login_node_without_torch_is_named(tmp_path):
     assert out.returncode == 1 and "cannot import torch and megatron-core" in out.stderr
     assert "--no-validate" in out.stderr and "Traceback" not in out.stderr
     out = subprocess.run([*cmd, "--no-validate"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and "36 would be submitted" in out.stderr, out.stderr
+    assert out.returncode == 0 and "9 would be submitted" in out.stderr, out.stderr
 
 
 def test_list_shows_runs_and_gpu_hours(capsys):

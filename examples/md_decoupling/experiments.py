@@ -42,9 +42,11 @@ def _seq_flags(iters: int, gbs: int = GBS) -> list[str]:
             f"--global-batch-size={gbs}", "--micro-batch-size={mbs}"]  # fmt: skip
 
 
-def _dense_run(size: str, method: str, lr: float, tag: str = "", extra=(), iters=50_000, **meta):
+def _dense_run(
+    size: str, method: str, lr: float, tag: str = "", extra=(), iters=50_000, text=False, **meta
+):
     name = f"{size}-{method}-lr{fmt(lr)}" + (f"-{tag}" if tag else "")
-    flags = [f"--preset={size}", *_seq_flags(iters), *dense_recipe(method, lr), *extra]
+    flags = [f"--preset={size}", *_seq_flags(iters), *dense_recipe(method, lr, text), *extra]
     return Run(name, flags, {"size": size, "method": method, "matrix_lr": lr, **meta})
 
 
@@ -52,79 +54,176 @@ DENSE_SIZES = (
     "dense-181M", "dense-307M", "dense-457M", "dense-827M", "dense-1.29B", "dense-205M",
     "dense-229M", "dense-252M", "dense-361M", "dense-646M", "dense-150M", "dense-1.54B",
 )  # fmt: skip
+#: the depth sweep at d = 512 (12, 18, 24, 30 layers; gainz exp3-depth-transfer.sh)
+DEPTHS = ("dense-181M", "dense-205M", "dense-229M", "dense-252M")
 WSD = ["--lr-decay-style=WSD", "--lr-wsd-decay-style=minus_sqrt", "--wsd-cooldown-fraction=0.2"]
 WARMUP = {"w0": ["--lr-warmup-iters=0"], "w1000": ["--lr-warmup-iters=1000"]}
 
 #: the sphere alone (fig. headline left: "fixing the weights onto a sphere improves the optimal
 #: loss, and adding learnable magnitudes gives a further boost"): MD without gains
 SPHERE_ONLY = ["--md-sphere=frobenius", "--md-gains=none"]
+#: dense-grid's sphere-alone arm (its run names end in it)
+SPHERE_ARM = "sphere-frobenius"
 
-#: dense ablations on the 181M base × the LR grid: axis -> (methods, {variant: extra flags})
-ABLATIONS: dict[str, tuple[tuple[str, ...], dict[str, list[str]]]] = {
+
+@dataclass(frozen=True)
+class Ablation:
+    """One dense ablation on the 181M base × the LR grid as the authors ran it (gainz
+    ``submissions/exp*.sh``). The arm that is the paper's default is not run again: it is
+    dense-grid's run, which the figure's analysis reads beside the ablation's (``base``)."""
+
+    methods: tuple[str, ...]
+    """the methods the runs swept (``sweep.py --methods`` replaces them)"""
+    arms: dict[str, list[str]]
+    """variant -> its extra flags"""
+    base: tuple[str, ...] = ("",)
+    """dense-grid's 181M arms drawn beside: "" the method's recipe run, ``SPHERE_ARM`` the
+    sphere alone"""
+    text_arms: dict[str, list[str]] | None = None
+    """the arms as the paper's text reads them, where it differs from the runs (--paper-text)"""
+
+
+#: Muon's scale modes × warmup (fig. muon-scale-modes, left) as the runs (gainz exp9 and exp10:
+#: every mode with 1000 warmup steps; rms_match, Moonlight's 0.2·sqrt(max) = their
+#: ``spectral`` × 0.2, and shape_scaling without); unit_rms_norm without warmup is dense-grid's
+#: Muon (the recipe)
+_MUON_SCALE = {
+    f"{a}-{w}": [f"--muon-scale-mode={a}", *WARMUP[w]]
+    for a, w in (("unit_rms_norm", "w1000"), ("shape_scaling", "w1000"),
+                 ("shape_scaling", "w0"), ("rms_match", "w1000"), ("rms_match", "w0"))
+}  # fmt: skip
+_MUONMD_SCALES = ("unit_rms_norm", "shape_scaling", "rms_match")
+
+#: dense ablations (paper § "Sweep setups": "For the ablations below, we default to Muon as the
+#: matrix optimizer under MD decoupling"; the runs: MuonMD, ``--opt master
+#: --master-orthogonalize``): axis -> Ablation
+ABLATIONS: dict[str, Ablation] = {
     # "Normalization Axis" (fig. norm-axis): the constraint alone, without gains, every row or
-    # column at unit norm as the authors' runs (gainz master.py ``_normalize``: radius 1 per
-    # row/column, sqrt(max(d_out, d_in)) only for the Frobenius sphere); its Frobenius arm is
-    # dense-grid's sphere-only runs (the headline figure's), not run twice
-    "sphere": (
-        ("adammd", "muonmd"),
-        {a: [f"--md-sphere={a}", "--md-radius=unit", "--md-gains=none"] for a in ("row", "col")},
-    ),
-    "gains": (
-        ("adammd", "muonmd"),
-        {a: [f"--md-gains={a}"] for a in ("none", "scalar", "row", "col", "rowcol")},
-    ),
-    "gain-map": (
-        ("adammd", "muonmd"),
-        {a: [f"--md-gain-map={a}"] for a in ("softplus", "exp", "direct", "direct-floor")},
-    ),
-    "rank-k": (
-        ("adammd", "muonmd"),
-        {f"k{k}": ["--md-gains=lowrank", f"--md-gain-rank={k}"] for k in (1, 4, 16)},
-    ),
-    # fig. embed-norm: unit rows, or free embeddings AND LM head (the authors' free arm)
-    "embedding-norm": (
-        ("adammd", "muonmd"),
-        {
-            "row": ["--md-embedding-norm=row"],
-            "none": ["--md-embedding-norm=none", "--md-output-norm=none"],
-        },
-    ),
-    # appendix "Muon scale factor" (fig. muon-scale-modes): plain Muon with and without warmup
-    "muon-scale": (
-        ("muon",),
-        {
-            f"{a}-{w}": [f"--muon-scale-mode={a}", *WARMUP[w]]
-            for a in ("unit_rms_norm", "shape_scaling", "rms_match")
-            for w in WARMUP
-        },
-    ),
-    "muonmd-scale": (
+    # column at unit norm (gainz master.py ``_normalize``: radius 1 per row/column,
+    # sqrt(max(d_out, d_in)) only for the Frobenius sphere), and the runs' ``embed`` mode
+    # (exp6.1-hs-modes.sh: rows, columns for the residual-write projections: ``hidden``); the
+    # Frobenius arm is dense-grid's sphere alone
+    "sphere": Ablation(
         ("muonmd",),
-        {a: [f"--muon-scale-mode={a}"] for a in ("shape_up", "unit_rms_norm", "rms_match")},
+        {
+            a: [f"--md-sphere={a}", "--md-radius=unit", "--md-gains=none"]
+            for a in ("row", "col", "hidden")
+        },
+        base=(SPHERE_ARM,),
+    ),  # fmt: skip
+    # fig. gain-axis (left): scalar, row, column gains on the Frobenius sphere (exp6.2); row and
+    # column (the default) and none are dense-grid's
+    "gains": Ablation(
+        ("muonmd",), {a: [f"--md-gains={a}"] for a in ("scalar", "row", "col")}, ("", SPHERE_ARM)
     ),
-    "tangent": (("adammd", "muonmd"), {"off": [], "on": ["--md-tangent-grad"]}),
-    "schedule": (METHODS, {"linear": [], "wsd": WSD}),
-    "warmup": (METHODS, WARMUP),
+    # fig. gain-axis (center, right), gain-dynamics: direct, exp, direct floored at 1e-5 (exp6.2
+    # --gmin 1e-5); softplus (the default) is dense-grid's
+    "gain-map": Ablation(
+        ("muonmd",), {a: [f"--md-gain-map={a}"] for a in ("exp", "direct", "direct-floor")}
+    ),
+    # fig. higherrank-gains: rank k = 4 (exp14-lowrank-gains.sh), beside the row and column
+    # gains and the sphere alone
+    "rank-k": Ablation(
+        ("muonmd",), {"k4": ["--md-gains=lowrank", "--md-gain-rank=4"]}, ("", SPHERE_ARM)
+    ),
+    # fig. embed-norm: free embeddings AND LM head (exp8: without --hs-embed both go to plain
+    # Adam); the text: the embeddings alone
+    "embedding-norm": Ablation(
+        ("muonmd",),
+        {"none": ["--md-embedding-norm=none", "--md-output-norm=none"]},
+        text_arms={"none": ["--md-embedding-norm=none"]},
+    ),
+    "muon-scale": Ablation(("muon",), _MUON_SCALE),
+    # fig. muon-scale-modes (center, right): the runs swept MuonMD's scale modes on the sphere
+    # alone (exp9 "master-muon, no gains"), shape_up being dense-grid's sphere alone; the text
+    # says MuonMD
+    "muonmd-scale": Ablation(
+        ("muonmd",),
+        {a: [f"--muon-scale-mode={a}", *SPHERE_ONLY] for a in _MUONMD_SCALES},
+        base=(SPHERE_ARM,),
+        text_arms={a: [f"--muon-scale-mode={a}"] for a in _MUONMD_SCALES},
+    ),
+    # § Normalization axis (text): the tangent projection ("no measurable difference")
+    "tangent": Ablation(("muonmd",), {"on": ["--md-tangent-grad"]}),
+    # fig. lr-decay: WSD, 1-sqrt over the last 20 % (exp7-lr-decay.sh); linear is dense-grid's
+    "schedule": Ablation(("muonmd",), {"wsd": WSD}),
+    # fig. warmup (left): 1000 warmup steps for MuonMD and for Muon (exp10-lr-warmup.sh); both
+    # recipes are warmup-free (dense-grid's)
+    "warmup": Ablation(("muon", "muonmd"), {"w1000": WARMUP["w1000"]}),
 }
 
-#: side-LR sweeps (appendix "Additional LR Ablations", fig. lr-panels-combined): the paper's
-#: fixed LRs of the Adam groups swept, each crossed with the matrix-LR grid (``--lrs``; pass
-#: the optimum alone for the base-LR panel): experiment -> (method, {variant: extra flags})
-SIDE_LR = {
-    # all Adam-managed groups (embeddings, LM head, 1-D params) scaled together, AdamW
-    "side-base-lr": (
-        "adamw",
-        {
-            f"x{m:g}": [f"--lr={fmt(1e-3 * m)}", f"--embedding-lr={fmt(3e-3 * m)}",
-                        f"--output-lr={fmt(1e-3 * m)}"]  # fmt: skip
-            for m in (0.25, 0.5, 1, 2, 4)
-        },
-    ),
-    "side-embedding-lr": ("muonmd", {f"elr{e:g}": [f"--embedding-lr={e:g}"]
-                                     for e in (1e-3, 3e-3, 1e-2)}),
-    "side-gain-lr": ("muonmd", {f"glr{g:g}": [f"--md-gain-lr={g:g}"]
-                                for g in (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)}),
-}  # fmt: skip
+
+def ablation_runs(axis: str, lrs: list[float], methods=None, text: bool = False) -> list[Run]:
+    """An ablation's runs: its methods (or ``methods``) × its arms × the matrix LRs."""
+    ab = ABLATIONS[axis]
+    arms = ab.text_arms if text and ab.text_arms else ab.arms
+    return [
+        _dense_run("dense-181M", m, lr, f"{axis}-{tag}", extra, text=text, axis=axis, variant=tag)
+        for m in methods or ab.methods
+        for tag, extra in arms.items()
+        for lr in lrs
+    ]
+
+
+#: the side-LR panels' matrix LR: the runs' "central exp-1 value" 1e-3 · 2^(6/2) (gainz
+#: exp1b-lr-supplement.sh; the text: the AdamW optimum; ``--lrs`` replaces it)
+SIDE_MATRIX_LR = 8e-3
+
+
+def pow2(ks, base: float = 1e-3) -> list[float]:
+    """base · 2^(k/2) for k in ``ks`` (the runs' LR grids)."""
+    return [base * 2 ** (k / 2) for k in ks]
+
+
+def side_runs(name: str, lrs: list[float] | None, text: bool = False) -> list[Run]:
+    """The side-LR panels (appendix "Additional LR Ablations", fig. lr-panels-combined) as the
+    authors ran them (gainz exp1b-lr-supplement.sh, exp5-base-matrix-grid.sh):
+
+    - ``side-base-lr`` (left): AdamW at matrix LR 8e-3, the base LR (1-D parameters) × 2^(k/2),
+      k = -3…3, the LM head's LR with it (unset in the runs: it follows the base LR), the
+      embeddings at 3e-3 (the text: "all Adam-managed groups scaled together": ``text`` scales
+      them too); x axis ``base_lr``.
+    - ``side-embedding-lr`` (center-left): MuonMD, embedding LR 1e-3 · 2^(k/2), k = 2…5, × the
+      matrix-LR grid.
+    - ``side-gain-lr`` (center-right): MuonMD at matrix LR 8e-3, the gains' LR 1e-3 · 2^(k/2),
+      k = 3…8 (LM head 1e-3); x axis ``gain_lr``.
+    - ``side-gain-lr-fixed`` (right): MuonMD, the gains' LR held at 1e-3 × the matrix-LR grid,
+      beside dense-grid's MuonMD (gains at the matrix LR)."""
+
+    def run(method, lr, tag, extra, **meta):
+        return _dense_run("dense-181M", method, lr, tag, extra, text=text, axis=name, variant=tag,
+                          **meta)  # fmt: skip
+
+    fixed = lrs or [SIDE_MATRIX_LR]
+    if name == "side-base-lr":
+
+        def base(b: float) -> list[str]:
+            emb = [f"--embedding-lr={fmt(3 * b)}"] if text else []
+            return [f"--lr={fmt(b)}", f"--output-lr={fmt(b)}", *emb]
+
+        return [
+            run("adamw", lr, f"blr{fmt(b)}", base(b), base_lr=b)
+            for lr in fixed
+            for b in pow2(range(-3, 4))
+        ]
+    if name == "side-embedding-lr":
+        return [
+            run("muonmd", lr, f"elr{fmt(e)}", [f"--embedding-lr={fmt(e)}"])
+            for e in pow2(range(2, 6))
+            for lr in lrs or lr_grid()
+        ]
+    if name == "side-gain-lr":
+        return [
+            run("muonmd", lr, f"glr{fmt(g)}", [f"--md-gain-lr={fmt(g)}"], gain_lr=g)
+            for lr in fixed
+            for g in pow2(range(3, 9))
+        ]
+    if name == "side-gain-lr-fixed":
+        return [run("muonmd", lr, "glr0.001", ["--md-gain-lr=0.001"]) for lr in lrs or lr_grid()]
+    raise ValueError(name)
+
+
+SIDE_LR = ("side-base-lr", "side-embedding-lr", "side-gain-lr", "side-gain-lr-fixed")
 
 MOE_RUNGS = ("moe-0.27B-1.2B", "moe-0.41B-2.5B", "moe-0.58B-4.1B", "moe-0.81B-6.7B")
 #: the ladder's token budgets (paper: {7.5, 15, 23, 44}B) as the authors ran them
@@ -135,18 +234,21 @@ MOE_METHODS = ("adamw", "muon", "muonmd")
 #: 1-sqrt cooldown over 732,422 samples (5,722 steps, 20 % of 15.0B tokens; the paper's text
 #: says a 20 % linear cooldown)
 MOE_WSD = ["--lr-decay-style=WSD", "--lr-wsd-decay-style=minus_sqrt", "--lr-wsd-decay-iters=5722"]
+#: the text's WSD arm: "a 20% linear cooldown"
+MOE_WSD_TEXT = ["--lr-decay-style=WSD", "--lr-wsd-decay-style=linear",
+                "--wsd-cooldown-fraction=0.2"]  # fmt: skip
 
 
-def _moe_run(size, method, lr, tokens, t=None, gbs=GBS, extra=(), tag="", **meta):
+def _moe_run(size, method, lr, tokens, t=None, gbs=GBS, extra=(), tag="", text=False, **meta):
     flags = [f"--preset={size}", *_seq_flags(iters_for(tokens, gbs), gbs),
-             *moe_recipe(method, lr, t), "--expert-model-parallel-size={ep}",
+             *moe_recipe(method, lr, t, text), "--expert-model-parallel-size={ep}",
              *extra]  # fmt: skip
     name = f"{size}-{method}-" + (tag or f"{tokens / 1e9:.4g}B")
     meta = {"size": size, "method": method, "matrix_lr": lr, "tokens": tokens, "gbs": gbs, **meta}
     return Run(name, flags, meta)
 
 
-def moe_ladder() -> list[Run]:
+def moe_ladder(text: bool = False) -> list[Run]:
     """Fig. moe (center): every rung × token budget with the base optima transferred."""
     from megatron.md.train.presets import PRESETS
 
@@ -155,25 +257,35 @@ def moe_ladder() -> list[Run]:
         for method in MOE_METHODS:
             for tokens in MOE_BUDGETS:
                 t = transfer(method, PRESETS[size].hidden, tokens)
-                runs.append(_moe_run(size, method, MOE_BASE_LR[method] * t.lr, tokens, t))
+                runs.append(_moe_run(size, method, MOE_BASE_LR[method] * t.lr, tokens, t,
+                                     text=text))  # fmt: skip
     return runs
 
 
-def moe_base_sweep(lrs: list[float]) -> list[Run]:
+def moe_base_sweep(lrs: list[float], text: bool = False) -> list[Run]:
     """Fig. moe (left) and moe-wsd: the 270M-active base, 28,000 steps, matrix-LR grid, with
     the paper's linear decay and a WSD arm; Muown too (the figure shows it with WSD, its better
     schedule)."""
+    wsd = MOE_WSD_TEXT if text else MOE_WSD
+    arms = (("linear", []), ("wsd", wsd))
     return [
         _moe_run(
-            MOE_RUNGS[0], m, lr, BASE_TOKENS, extra=extra, tag=f"lr{fmt(lr)}-{arm}", variant=arm
-        )  # fmt: skip
+            MOE_RUNGS[0],
+            m,
+            lr,
+            BASE_TOKENS,
+            extra=x,
+            tag=f"lr{fmt(lr)}-{arm}",
+            text=text,
+            variant=arm,
+        )
         for m in (*MOE_METHODS, "muown")
-        for arm, extra in (("linear", []), ("wsd", MOE_WSD))
+        for arm, x in arms
         for lr in lrs
     ]
 
 
-def moe_batch_sweep(gbs=(128, 192, 256)) -> list[Run]:
+def moe_batch_sweep(gbs=(128, 192, 256), text: bool = False) -> list[Run]:
     """Fig. moe (right) as the authors ran it (feat/scaling-sweeps sweep-batchsize.sh): the
     base config held at 28,000 steps (so k× the tokens) at global batch 128, 192 and 256, every
     LR (matrix, embedding, output, scalar) × sqrt(k), the baselines' weight decay 0.1 and
@@ -183,7 +295,7 @@ def moe_batch_sweep(gbs=(128, 192, 256)) -> list[Run]:
         for g in gbs:
             t = transfer(m, 768, BASE_TOKENS * g / GBS, batch_mult=g / GBS)
             runs.append(_moe_run(MOE_RUNGS[0], m, MOE_BASE_LR[m] * t.lr, BASE_TOKENS * g / GBS,
-                                 t, g, tag=f"gbs{g}", variant=f"gbs{g}"))  # fmt: skip
+                                 t, g, tag=f"gbs{g}", text=text, variant=f"gbs{g}"))  # fmt: skip
     return runs
 
 
@@ -331,66 +443,66 @@ def gpu_hours(run: Run) -> float:
     return per_token * tokens / (MFU * PEAK_FLOPS) / 3600
 
 
-def experiment(name: str, lrs: list[float] | None = None) -> list[Run]:
-    """Every run of a named experiment (see ``EXPERIMENTS``)."""
+_NO_HEAD_GAINS = "no gains on the LM head and the router (MD runs)"
+#: what --paper-text changes, per experiment: the paper's text where it differs from the
+#: authors' runs (docs/experiments.md, "The paper and the authors' runs vs. these recipes")
+TEXT_READINGS = {
+    **{e: _NO_HEAD_GAINS for e in ("dense-grid", "ablation-block-scale", *SIDE_LR)},
+    **{f"ablation-{a}": _NO_HEAD_GAINS for a in ABLATIONS if a != "muon-scale"},
+    "ablation-embedding-norm": _NO_HEAD_GAINS + "; the free arm frees the embeddings alone",
+    "ablation-muonmd-scale": _NO_HEAD_GAINS + "; the scale modes with gains (the runs: the "
+    "sphere alone), beside dense-grid's MuonMD",
+    "side-base-lr": "the embeddings' LR scaled with the base LR",
+    "moe-base-sweep": "Muon and MuonMD unclipped, the scaled init for MuonMD only, "
+    + _NO_HEAD_GAINS + ", the WSD arm a 20 % linear cooldown",
+    **{e: "Muon and MuonMD unclipped, the scaled init for MuonMD only, " + _NO_HEAD_GAINS
+       for e in ("moe-batch-sweep", "moe-ladder")},
+}  # fmt: skip
+
+
+def experiment(
+    name: str, lrs: list[float] | None = None, methods=None, text: bool = False
+) -> list[Run]:
+    """Every run of a named experiment (see ``EXPERIMENTS``). ``methods``: a dense ablation's
+    methods in place of the runs' (``Ablation.methods``); ``text``: the paper's text's reading
+    where it differs from the authors' runs (``TEXT_READINGS``)."""
+    if methods and name.removeprefix("ablation-") not in ABLATIONS:
+        raise ValueError(f"{name} has no methods to choose (--methods: the dense ablations "
+                         f"{', '.join('ablation-' + a for a in ABLATIONS)})")  # fmt: skip
+    if methods and (bad := [m for m in methods if m not in METHODS]):
+        raise ValueError(f"--methods {' '.join(bad)}: not one of {', '.join(METHODS)}")
+    if text and name not in TEXT_READINGS:
+        raise ValueError(f"{name}: the paper's text and the authors' runs agree (--paper-text "
+                         f"changes {', '.join(TEXT_READINGS)})")  # fmt: skip
     given, lrs = lrs, lrs or lr_grid()
     if name == "dense-grid":  # + the headline's sphere-only arms (MD without gains) at 181M
-        sphere = [
-            _dense_run(
-                "dense-181M",
-                m,
-                lr,
-                "sphere-frobenius",
-                SPHERE_ONLY,
-                axis="sphere",
-                variant="frobenius",
-            )
+        runs = [_dense_run(s, m, lr, text=text) for s in DENSE_SIZES for m in METHODS for lr in lrs]
+        meta = {"text": text, "axis": "sphere", "variant": "frobenius"}
+        return runs + [
+            _dense_run("dense-181M", m, lr, SPHERE_ARM, SPHERE_ONLY, **meta)
             for m in ("adammd", "muonmd")
             for lr in lrs
         ]
-        return [_dense_run(s, m, lr) for s in DENSE_SIZES for m in METHODS for lr in lrs] + sphere
-    if name == "ablation-block-scale":
+    if name == "ablation-block-scale":  # α = 1/L is dense-grid's depth sweep
+        alpha = ["--block-output-scale=1/sqrt(2L)"]
+        meta = {"text": text, "axis": "block-scale", "variant": "1sqrt2L"}
         return [
-            _dense_run(
-                s,
-                m,
-                lr,
-                f"alpha{tag}",
-                [f"--block-output-scale={a}"],
-                axis="block-scale",
-                variant=tag,
-            )  # fmt: skip
-            for s in ("dense-181M", "dense-205M", "dense-229M", "dense-252M")
-            for m in ("adammd", "muonmd")
-            for tag, a in (("1L", "1/L"), ("1sqrt2L", "1/sqrt(2L)"))
-            for lr in lrs
+            _dense_run(s, "muonmd", lr, "alpha1sqrt2L", alpha, **meta) for s in DEPTHS for lr in lrs
         ]
     if name == "ablation-rewarm":
         return rewarm_runs(given or [REWARM_LR])
     if name == "ngpt-comparison":
         return ngpt_runs(lrs)
     if name.startswith("ablation-"):
-        axis = name[len("ablation-") :]
-        methods, variants = ABLATIONS[axis]
-        return [
-            _dense_run("dense-181M", m, lr, f"{axis}-{tag}", extra, axis=axis, variant=tag)
-            for m in methods
-            for tag, extra in variants.items()
-            for lr in lrs
-        ]
+        return ablation_runs(name[len("ablation-") :], lrs, methods, text)
     if name in SIDE_LR:
-        method, variants = SIDE_LR[name]
-        return [
-            _dense_run("dense-181M", method, lr, tag, extra, axis=name, variant=tag)
-            for tag, extra in variants.items()
-            for lr in lrs
-        ]
+        return side_runs(name, given, text)
     if name == "moe-base-sweep":
-        return moe_base_sweep(lrs)
+        return moe_base_sweep(lrs, text)
     if name == "moe-batch-sweep":
-        return moe_batch_sweep()
+        return moe_batch_sweep(text=text)
     if name == "moe-ladder":
-        return moe_ladder()
+        return moe_ladder(text)
     if name == "throughput":
         return throughput_runs()
     if name == "smoke":
@@ -413,6 +525,36 @@ EXPERIMENTS = (
 _LR = "python tools/lr_sweep.py runs/{e}/manifest.json --out runs/{e}/analysis"
 _DIAG = "python tools/plot_diagnostics.py runs/{e}/*/metrics.jsonl --out runs/{e}/diagnostics"
 _BOTH = _LR + "; " + _DIAG
+_GRID = "runs/dense-grid/manifest.json"
+
+
+def _beside(e: str, methods, tails: list[str], base: bool, sizes=("181M",)) -> str:
+    """lr_sweep over ``e``'s runs and the dense-grid runs drawn beside them: ``methods``'
+    recipe runs where ``base``, and the runs whose names end in one of ``tails``."""
+    tail = f"({'|'.join(tails)}){'?' if base else ''}"
+    only = f"^dense-({'|'.join(sizes)})-({'|'.join(methods)})-lr[0-9.]+{tail}$"
+    return (f"python tools/lr_sweep.py runs/{e}/manifest.json {_GRID} --only '{only}' "
+            f"--out runs/{e}/analysis")  # fmt: skip
+
+
+def _with_base(axis: str) -> str:
+    """An ablation's analysis: its runs beside dense-grid's arms (``Ablation.base``)."""
+    ab = ABLATIONS[axis]
+    tails = [f"-{axis}-.+", *(f"-{b}" for b in ab.base if b)]
+    return _beside(f"ablation-{axis}", ab.methods, tails, "" in ab.base)
+
+
+def _diag_with_base(axis: str) -> str:
+    """Diagnostics of an ablation's runs and dense-grid's MuonMD recipe runs (names ending in
+    the LR)."""
+    e = f"ablation-{axis}"
+    base = "runs/dense-grid/dense-181M-muonmd-lr*[0-9]/metrics.jsonl"
+    return (
+        f"python tools/plot_diagnostics.py runs/{e}/*/metrics.jsonl {base} "
+        f"--out runs/{e}/diagnostics"
+    )
+
+
 #: the paper's fit leaves out the undertrained 810M-active @ 7.5B point (plotted, hollow)
 _LAW = ("python tools/scaling_law.py runs/{e}/analysis/lr_sweep.csv --target-loss 2.635 "
         "--fit-exclude '0.81B-6.7B-.*-7.5B$'")  # fmt: skip
@@ -425,26 +567,43 @@ PAPER = (
     ("Fig. headline (right), transfer", "LR transfer across width, depth", "dense-grid", _LR),
     ("Fig. transfer-dynamics", "relative update, output change, act. RMS", "dense-grid", _DIAG),
     ("Fig. transfer-baselines", "AdamW/Muon, joint width-depth", "dense-grid", _LR),
-    ("Fig. norm-axis", "sphere axis, no gains", "ablation-sphere, dense-grid",
-     "python tools/lr_sweep.py runs/ablation-sphere/manifest.json runs/dense-grid/manifest.json "
-     "--only 'sphere-' --out runs/ablation-sphere/analysis"),
-    ("Fig. embed-norm", "unit embedding rows vs free", "ablation-embedding-norm", _BOTH),
-    ("Fig. gain-axis (left)", "gain axes", "ablation-gains", _LR),
-    ("Fig. gain-axis (center, right)", "gain maps; gradient norm", "ablation-gain-map", _BOTH),
-    ("Fig. gain-dynamics", "row/column gains per layer", "ablation-gain-map", _DIAG),
-    ("Fig. higherrank-gains", "rank-k multiplicative gains", "ablation-rank-k", _LR),
+    ("Fig. norm-axis", "sphere axis (row, column, the runs' hidden), no gains",
+     "ablation-sphere, dense-grid", _with_base("sphere")),
+    ("Fig. embed-norm", "unit embedding rows vs free", "ablation-embedding-norm, dense-grid",
+     _with_base("embedding-norm") + "; " + _diag_with_base("embedding-norm")),
+    ("Fig. gain-axis (left)", "gain axes", "ablation-gains, dense-grid", _with_base("gains")),
+    ("Fig. gain-axis (center, right)", "gain maps; gradient norm", "ablation-gain-map, dense-grid",
+     _with_base("gain-map") + "; " + _diag_with_base("gain-map")),
+    ("Fig. gain-dynamics", "row/column gains per layer", "ablation-gain-map, dense-grid",
+     _diag_with_base("gain-map")),
+    ("Fig. higherrank-gains", "rank-k multiplicative gains", "ablation-rank-k, dense-grid",
+     _with_base("rank-k")),
     ("Fig. lr-decay", "WSD vs linear; relative update (query block: rel_update_block)",
-     "ablation-schedule", _BOTH),
-    ("Fig. warmup (left)", "with and without warmup", "ablation-warmup", _LR),
+     "ablation-schedule, dense-grid",
+     _with_base("schedule") + "; " + _diag_with_base("schedule")),
+    ("Fig. warmup (left)", "with and without warmup", "ablation-warmup, dense-grid",
+     _with_base("warmup")),
     ("Fig. warmup (center, right)", "re-warming: loss, gradient norm", "ablation-rewarm",
      "python tools/plot_curves.py runs/{e}/*/ --smooth 50 --out runs/{e}/analysis"),
-    ("Fig. muon-scale-modes (left)", "Muon scale factors ± warmup", "ablation-muon-scale", _LR),
-    ("Fig. muon-scale-modes (center, right)", "MuonMD scale factors", "ablation-muonmd-scale", _LR),
-    ("Sec. normalization axis (text)", "tangent projection", "ablation-tangent", _LR),
-    ("Fig. depth-scaling", "block-output scale; act. RMS", "ablation-block-scale", _BOTH),
-    ("Fig. lr-panels-combined (left)", "Adam-group LR (--lrs: the optimum)", "side-base-lr", _LR),
-    ("Fig. lr-panels-combined (center-left)", "embedding LR", "side-embedding-lr", _LR),
-    ("Fig. lr-panels-combined (center-right, right)", "gains LR", "side-gain-lr", _LR),
+    ("Fig. muon-scale-modes (left)", "Muon scale factors ± warmup",
+     "ablation-muon-scale, dense-grid", _with_base("muon-scale")),
+    ("Fig. muon-scale-modes (center, right)", "MuonMD scale factors (the runs: on the sphere "
+     "alone)", "ablation-muonmd-scale, dense-grid", _with_base("muonmd-scale")),
+    ("Sec. normalization axis (text)", "tangent projection", "ablation-tangent, dense-grid",
+     _with_base("tangent")),
+    ("Fig. depth-scaling", "block-output scale; act. RMS", "ablation-block-scale, dense-grid",
+     _beside("ablation-block-scale", ["muonmd"], ["-alpha1sqrt2L"], True,
+             [d.removeprefix("dense-") for d in DEPTHS]) + "; " + _DIAG.replace(
+         " --out", " runs/dense-grid/dense-252M-muonmd-lr*[0-9]/metrics.jsonl --out")),
+    ("Fig. lr-panels-combined (left)", "base Adam LR (AdamW at matrix LR 8e-3)", "side-base-lr",
+     _LR + " --x base_lr"),
+    ("Fig. lr-panels-combined (center-left)", "embedding LR × matrix LR",
+     "side-embedding-lr, dense-grid", _beside("side-embedding-lr", ["muonmd"], ["-elr.+"], True)),
+    ("Fig. lr-panels-combined (center-right)", "gains LR (MuonMD at matrix LR 8e-3)",
+     "side-gain-lr", _LR + " --x gain_lr"),
+    ("Fig. lr-panels-combined (right)", "matrix LR, gains LR held at 1e-3",
+     "side-gain-lr-fixed, dense-grid",
+     _beside("side-gain-lr-fixed", ["muonmd"], ["-glr0.001"], True)),
     ("Fig. moe (left), moe-wsd", "MoE 270M base sweep, linear, WSD", "moe-base-sweep", _LR),
     ("Fig. moe (center)", "MoE scaling law, compute savings", "moe-ladder", _LR + "; " + _LAW),
     ("Fig. moe (right)", "MoE batch size, √k LR rule", "moe-batch-sweep", _LR + " --x gbs"),

@@ -55,9 +55,16 @@ LAUNCHER = ROOT / "examples" / "md_decoupling" / "launch.sbatch"
 
 
 def plan(
-    experiment: str, lrs, run_root: str, ep: int, only: str | None, mbs: int = 4
+    experiment: str,
+    lrs,
+    run_root: str,
+    ep: int,
+    only: str | None,
+    mbs: int = 4,
+    methods=None,
+    text: bool = False,
 ) -> list[experiments.Run]:
-    runs = experiments.experiment(experiment, lrs)
+    runs = experiments.experiment(experiment, lrs, methods, text)
     if only:
         runs = [r for r in runs if re.search(only, r.name)]
     for r in runs:
@@ -409,6 +416,19 @@ def main(argv=None) -> None:
         default=None,
         help="matrix-LR grid (default 1e-3*2^(k/2), k=0..8)",
     )
+    ap.add_argument(
+        "--methods",
+        nargs="+",
+        choices=experiments.METHODS,
+        help="a dense ablation's methods in place of those the authors ran (e.g. adammd "
+        "muonmd); the analysis's --only then names them",
+    )
+    ap.add_argument(
+        "--paper-text",
+        action="store_true",
+        help="the paper's text where it differs from the authors' runs (the default), for the "
+        "experiments experiments.TEXT_READINGS names; run root runs/<experiment>-paper-text",
+    )
     ap.add_argument("--only", help="regular expression on run names")
     ap.add_argument("--nodes", type=int, default=int(os.environ.get("NODES", 1)))
     ap.add_argument("--time", default=os.environ.get("TIME_LIMIT", "24:00:00"))
@@ -447,8 +467,13 @@ def main(argv=None) -> None:
     if args.experiment not in experiments.EXPERIMENTS:
         known = ", ".join(experiments.EXPERIMENTS)
         ap.error(f"experiment {args.experiment!r} is not one of {known}")
-    run_root = os.path.abspath(args.run_root or ROOT / "runs" / args.experiment)
-    runs = plan(args.experiment, args.lrs, run_root, args.ep, args.only, args.micro_batch_size)
+    default_root = args.experiment + ("-paper-text" if args.paper_text else "")
+    run_root = os.path.abspath(args.run_root or ROOT / "runs" / default_root)
+    try:
+        runs = plan(args.experiment, args.lrs, run_root, args.ep, args.only,
+                    args.micro_batch_size, args.methods, args.paper_text)  # fmt: skip
+    except ValueError as e:
+        ap.error(str(e))
     if not runs:
         ap.error(f"--only {args.only!r} matches no run of {args.experiment}")
     manifest_path = args.manifest or Path(run_root) / "manifest.json"

@@ -56,11 +56,12 @@ def iters_for(tokens: float, gbs: int = GBS, seq: int = SEQ) -> int:
 
 
 # ---- optimizer recipes ----
-def dense_recipe(method: str, matrix_lr: float) -> list[str]:
+def dense_recipe(method: str, matrix_lr: float, text: bool = False) -> list[str]:
     """Recipe §2, dense column: baselines wd 0.1 (AdamW warms up 1000 steps), MD none; linear
     decay to 1e-8; betas (0.9, 0.99); clip 1.0; embedding LR 3e-3, LM head 1e-3, the other
     Adam groups (norm gains) at the base Adam LR 1e-3 (appendix "The different parameter-group
-    learning rates": "our 1e-3 choice")."""
+    learning rates": "our 1e-3 choice"). ``text``: the paper's text where it differs from the
+    authors' runs (``TEXT_GAINS``)."""
     common = [
         "--lr-decay-style=linear",
         "--min-lr=1e-8",
@@ -73,10 +74,21 @@ def dense_recipe(method: str, matrix_lr: float) -> list[str]:
         f"--matrix-lr={fmt(matrix_lr)}",
         "--lr=1e-3",
     ]
-    return common + _method_flags(method, moe=False)
+    return common + _method_flags(method, moe=False) + _text_gains(method, text)
 
 
-def moe_recipe(method: str, matrix_lr: float, t: Transfer | None = None) -> list[str]:
+#: the paper's text, where the authors' runs give the LM head and the router the matrices'
+#: gains (fork: ``md_decoupling.py`` ``_resolve_gains_mode``): LM-head rows at unit norm, no gains
+TEXT_GAINS = ["--md-output-gains=none", "--md-router-gains=none"]
+
+
+def _text_gains(method: str, text: bool) -> list[str]:
+    return TEXT_GAINS if text and method in ("adammd", "adammd-lw", "muonmd") else []
+
+
+def moe_recipe(
+    method: str, matrix_lr: float, t: Transfer | None = None, text: bool = False
+) -> list[str]:
     """The MoE appendix as the authors ran it (feat/scaling-sweeps
     _research/launch/framework/recipes/{adamw,muon,master,muown}.sh and lib/common.sh): betas
     (0.9, 0.95), linear decay to 1e-5 (absolute, per group), embedding/output/1-D LR 1e-3
@@ -84,7 +96,9 @@ def moe_recipe(method: str, matrix_lr: float, t: Transfer | None = None) -> list
     (megatron's default, which the runs keep: the paper's text says Muon and MuonMD ran
     unclipped; ``--clip-grad 0`` is that reading), the scaled output-projection init σ/sqrt(2L)
     for every method (megatron's default init there; MuonMD's sphere and shape_up follow it),
-    baselines warm up 1000 steps with weight decay 0.1 × ``t.wd``."""
+    baselines warm up 1000 steps with weight decay 0.1 × ``t.wd``. ``text``: the paper's text
+    where it differs from the runs: Muon and MuonMD unclipped, the scaled init for MuonMD only,
+    no gains on the LM head and the router (``TEXT_GAINS``)."""
     t = t or Transfer(1.0, 1.0, 1.0, 1.0)
     side, scalar = fmt(1e-3 * t.side_lr), fmt(1e-3 * t.scalar_lr)
     common = [
@@ -97,10 +111,11 @@ def moe_recipe(method: str, matrix_lr: float, t: Transfer | None = None) -> list
         f"--output-lr={side}",
         f"--lr={scalar}",  # norm gains: the scalar LR, transferred in length only
         f"--matrix-lr={fmt(matrix_lr)}",
-        "--clip-grad=1.0",
-        "--scaled-output-init",
+        "--clip-grad=" + ("0" if text and method in ("muon", "muonmd") else "1.0"),
     ]
-    flags = common + _method_flags(method, moe=True, wd=0.1 * t.wd)
+    if not text or method == "muonmd":
+        common.append("--scaled-output-init")
+    flags = common + _method_flags(method, moe=True, wd=0.1 * t.wd) + _text_gains(method, text)
     if method == "muonmd":  # the runs' --gains-lr is the scalar LR
         flags += [f"--md-gain-lr={scalar}"]
     return flags
