@@ -318,3 +318,39 @@ def test_replayed_args_are_parser_destinations():
 
     dests = {a.dest for a in restore._parser()._actions}
     assert set(restore.ARCH) - dests == set() and set(restore.DATA) - dests == set()
+
+
+def test_exported_rope_scaling_is_megatrons():
+    """The exported model's Llama 3.x RoPE scaling gives megatron-core's frequencies
+    (RotaryEmbedding with rope_scaling, the dense presets' head dim 128 and base 5e5, and 64 at
+    base 1e4) to float32 rounding, and reaches the forward pass: logits at position 0 (angle 0)
+    are unchanged, later ones differ; the export's config carries the factor where the run
+    scaled, and nothing refuses it."""
+    import argparse
+
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron.md.export import hf_export, hf_modeling
+
+    for dim, base in ((128, 500000.0), (64, 10000.0)):
+        plain = RotaryEmbedding(dim, 1.0, rotary_base=base).inv_freq
+        ref = RotaryEmbedding(dim, 1.0, rotary_base=base, rope_scaling=True).inv_freq
+        ours = hf_modeling.llama3_scaled(plain.float(), 8.0)
+        assert torch.allclose(ours, ref.float(), rtol=1e-6, atol=0), (dim, base)
+        assert not torch.allclose(ref, plain)  # the scaling changes some frequencies
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=64, hidden_size=32, num_layers=1, num_attention_heads=2,
+               num_query_groups=1, kv_channels=16, ffn_hidden_size=64,
+               rotary_base=500000.0)  # fmt: skip
+    a = hf_modeling.MegatronMDForCausalLM(hf_modeling.MegatronMDConfig(**cfg))
+    for p in a.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    b = hf_modeling.MegatronMDForCausalLM(
+        hf_modeling.MegatronMDConfig(**cfg, rope_scaling_factor=8.0)
+    )
+    b.load_state_dict(a.state_dict())
+    ids = torch.randint(0, 64, (1, 64))
+    la, lb = a(ids).logits, b(ids).logits
+    assert torch.equal(la[:, 0], lb[:, 0]) and not torch.allclose(la[:, 1:], lb[:, 1:])
+    args = argparse.Namespace(use_rope_scaling=True, rope_scaling_factor=8.0)
+    assert hf_export.unsupported(args) == []

@@ -712,6 +712,10 @@ def test_bad_checkpoints_are_named(runs, tmp_path):
         return ckpt_checks.check_all(ckpt_checks.Checkpoint(str(path), "torch_dist"), a)
 
     assert check(md_ckpt) is True  # the run that saved it
+    rope = copy.copy(args)  # the same shapes, other positions (the dense presets' RoPE scaling)
+    rope.use_rope_scaling = not args.use_rope_scaling
+    with pytest.raises(SystemExit, match="another position encoding"):
+        check(md_ckpt, rope)
     assert sorted(p.name for p in md_ckpt.glob("md_checksums.*")) == [
         "md_checksums.0.json", "md_checksums.1.json"]  # fmt: skip
     assert digest.mismatches(str(md_ckpt)) == ([], 0)

@@ -1335,3 +1335,62 @@ def test_a_dataset_flag_megatron_no_longer_has_stops_at_start(capsys, monkeypatc
 
     monkeypatch.setattr(data, "DATASET_FLAGS", {**data.DATASET_FLAGS, "gone_flag": "x"})
     assert "megatron's parser no longer has gone_flag" in fails(capsys)
+
+
+def test_the_dense_presets_scale_rope_as_the_authors_dense_runs(capsys):
+    """The paper's dense presets turn Llama 3.x RoPE scaling on (factor 8), as the authors'
+    dense runs (gainz submissions/submit.sh: --use-rope-scaling; megatron's factor default 8);
+    the MoE ladder, the 150M re-warming model and the laptop presets do not (feat/scaling-sweeps
+    lib/common.sh has none); --no-rope-scaling is the paper's text; with megatron's own
+    --use-rope-scaling it contradicts, refused."""
+    from megatron.md.train.presets import PRESETS
+
+    scaled = {n for n in PRESETS if "--rope-scaling" in PRESETS[n].flags()}
+    assert scaled == {n for n in PRESETS if n.startswith("dense-") and n != "dense-150M"}
+    dense = [f for f in BASE if not f.startswith("--preset")] + ["--preset=dense-181M"]
+    from megatron.md.export import hf_export
+
+    args, _ = parse(base=dense)
+    assert args.use_rope_scaling is True and args.rope_scaling_factor == 8.0
+    assert hf_export.config(args)["rope_scaling_factor"] == 8.0  # what the export writes
+    args, _ = parse("--no-rope-scaling", base=dense)
+    assert args.use_rope_scaling is False and hf_export.config(args)["rope_scaling_factor"] is None
+    args, _ = parse("--rope-scaling")  # tiny: off unless asked
+    assert args.use_rope_scaling is True and parse()[0].use_rope_scaling is False
+    msg = fails(capsys, "--use-rope-scaling", "--no-rope-scaling", base=dense)
+    assert "--use-rope-scaling and --no-rope-scaling contradict each other" in msg
+
+
+def test_a_resumed_run_keeps_its_position_encoding(capsys):
+    """A run resuming its own checkpoint (--load) under other RoPE settings is refused before
+    anything is read, naming each difference and the flags that restore the checkpoint's (a run
+    started before the dense presets scaled RoPE resumes with --no-rope-scaling); a new run
+    from the checkpoint (--init-from) or --finetune may change them; the factor matters only
+    where both scale."""
+    from megatron.md.train import ckpt_checks
+
+    saved = argparse.Namespace(position_embedding_type="rope", rotary_base=500000,
+                               rotary_percent=1.0, use_rope_scaling=False,
+                               rope_scaling_factor=8.0)  # fmt: skip
+    now = argparse.Namespace(**{**vars(saved), "use_rope_scaling": True, "finetune": False})
+    ckpt = ckpt_checks.Checkpoint("/runs/a/iter_0000100", "torch_dist")
+    with pytest.raises(SystemExit) as e:
+        ckpt_checks.check_positions(ckpt, saved, now)
+    msg = str(e.value.code)
+    assert "--load: checkpoint /runs/a/iter_0000100: it was trained with another position" in msg
+    assert "use_rope_scaling: checkpoint False, this run True" in msg
+    assert "(--no-rope-scaling;" in msg and "nothing was read or changed" in msg
+    ckpt_checks.check_positions(ckpt, saved, argparse.Namespace(**{**vars(now), "finetune": True}))
+    new_run = ckpt_checks.Checkpoint("/runs/a/iter_0000100", "torch_dist", flag="--init-from")
+    ckpt_checks.check_positions(new_run, saved, now)
+    same = argparse.Namespace(**{**vars(saved), "finetune": False, "rope_scaling_factor": 4.0})
+    ckpt_checks.check_positions(ckpt, saved, same)  # no scaling on either side: factor unread
+    both = argparse.Namespace(**{**vars(saved), "use_rope_scaling": True})
+    with pytest.raises(SystemExit, match=r"--rope-scaling-factor=8.0"):
+        ckpt_checks.check_positions(
+            ckpt, both, argparse.Namespace(**{**vars(same), "use_rope_scaling": True})
+        )
+    with pytest.raises(SystemExit, match=r"--rotary-base=500000"):
+        ckpt_checks.check_positions(
+            ckpt, saved, argparse.Namespace(**{**vars(same), "rotary_base": 10000})
+        )

@@ -20,6 +20,7 @@ ARCH = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "group_query_attention", "kv_channels", "seq_length", "max_position_embeddings",
     "position_embedding_type", "rotary_base", "rotary_percent", "rotary_interleaved",
+    "use_rope_scaling", "rope_scaling_factor", "rotary_seq_len_interpolation_factor",
     "add_bias_linear", "add_qkv_bias", "squared_relu", "swiglu",
     "untie_embeddings_and_output_weights", "layernorm_zero_centered_gamma", "normalization",
     "layernorm_epsilon",

@@ -31,7 +31,6 @@ NEEDS = (
     ("multi_latent_attention", False, "multi-latent attention"),
     ("layernorm_zero_centered_gamma", False, "zero-centred norm weights"),
     ("attention_output_gate", False, "an attention output gate"),
-    ("use_rope_scaling", False, "RoPE scaling"),
     ("rotary_seq_len_interpolation_factor", None, "RoPE position interpolation"),
     ("no_rope_freq", None, "layers without RoPE"),
     ("qk_l2_norm", False, "QK L2 normalization"),
@@ -78,6 +77,7 @@ def config(args) -> dict:
         "embedding_scale": bool(args.embedding_scale),
         "share_embeddings": not args.untie_embeddings_and_output_weights,
         "max_position_embeddings": args.max_position_embeddings,
+        "rope_scaling_factor": float(args.rope_scaling_factor) if args.use_rope_scaling else None,
         "torch_dtype": "bfloat16" if args.bf16 else "float32",
     }
 

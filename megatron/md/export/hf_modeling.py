@@ -5,7 +5,8 @@ checkpoint's weights load by name.
 
 The computation is megatron-core's: RMSNorm; fused QKV laid out per query group (the group's
 query heads, then its key and its value head); Q/K RMSNorm per head before RoPE
-(non-interleaved, ``rotary_base``, full head dimension); causal softmax(QKᵀ/√d_head) V;
+(non-interleaved, ``rotary_base``, full head dimension; Llama 3.x scaling of its
+frequencies where ``rope_scaling_factor`` is set); causal softmax(QKᵀ/√d_head) V;
 SwiGLU (the first half of fc1 gated by SiLU); Sandwich Norm (``α · RMSNorm(block output)``
 added to the residual); embeddings × √d; an untied or tied LM head over the padded vocabulary.
 No key/value cache: every call reads the whole sequence.
@@ -47,6 +48,7 @@ class MegatronMDConfig(_Config):
         embedding_scale: bool = True,
         share_embeddings: bool = False,
         max_position_embeddings: int = 4096,
+        rope_scaling_factor: float | None = None,
         **kwargs,
     ):
         self.vocab_size, self.hidden_size, self.num_layers = vocab_size, hidden_size, num_layers
@@ -60,8 +62,21 @@ class MegatronMDConfig(_Config):
         self.sandwich_norm, self.block_output_scale = sandwich_norm, block_output_scale
         self.embedding_scale, self.share_embeddings = embedding_scale, share_embeddings
         self.max_position_embeddings = max_position_embeddings
+        self.rope_scaling_factor = rope_scaling_factor
         kwargs["tie_word_embeddings"] = False  # a tied head reads the embedding (forward)
         super().__init__(**kwargs)
+
+
+def llama3_scaled(inv_freq: torch.Tensor, factor: float, low: float = 1.0, high: float = 4.0,
+                  context: float = 8192.0) -> torch.Tensor:  # fmt: skip
+    """Llama 3.x RoPE scaling with megatron-core's constants (rotary_pos_embedding.py
+    ``_apply_scaling``): frequencies of wavelength under ``context / high`` kept, over
+    ``context / low`` divided by ``factor``, in between blended linearly in context/wavelength."""
+    wavelen = 2 * math.pi / inv_freq
+    s = (context / wavelen - low) / (high - low)
+    blended = (1 - s) * inv_freq / factor + s * inv_freq
+    divided = torch.where(wavelen > context / low, inv_freq / factor, blended)
+    return torch.where(wavelen < context / high, inv_freq, divided)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -191,6 +206,8 @@ class MegatronMDForCausalLM(PreTrainedModel, GenerationMixin):
         inv_freq = 1.0 / (
             c.rotary_base ** (torch.arange(0, hn, 2, dtype=torch.float32, device=dev) / hn)
         )
+        if c.rope_scaling_factor:
+            inv_freq = llama3_scaled(inv_freq, c.rope_scaling_factor)
         pos = torch.arange(input_ids.shape[1], device=dev, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)[None, :, None, :]  # [1, s, 1, hn]

@@ -135,6 +135,14 @@ def add_md_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "paper's MoE models have none)",
     )
     g.add_argument(
+        "--rope-scaling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Llama 3.x RoPE scaling by --rope-scaling-factor (megatron's --use-rope-scaling): "
+        "on in the paper's dense presets, as the authors' dense runs; --no-rope-scaling is the "
+        "paper's text (RoPE with base 5e5 alone)",
+    )
+    g.add_argument(
         "--block-output-scale",
         choices=BLOCK_SCALES,
         default="1/L",

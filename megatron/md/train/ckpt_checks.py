@@ -223,6 +223,41 @@ def check_shape(where: str | Checkpoint, saved_args, args) -> None:
         fail(where, "it is a model of another shape (" + "; ".join(diff) + ")")
 
 
+#: megatron args that set the position encoding: a resumed run computing other positions than
+#: its checkpoint was trained with would continue as another model (nothing in the shapes shows)
+POSITION_ARGS = (
+    "position_embedding_type", "rotary_base", "rotary_percent", "use_rope_scaling",
+    "rope_scaling_factor",
+)  # fmt: skip
+
+
+def _flag_for(name: str, value) -> str:
+    if name == "use_rope_scaling":
+        return "--rope-scaling" if value else "--no-rope-scaling"
+    return f"--{name.replace('_', '-')}={value}"
+
+
+def check_positions(where: Checkpoint, saved_args, args) -> None:
+    """A resumed run (``--load`` of its own run, not ``--finetune``) keeps the position
+    encoding its checkpoint was trained with: the paper's dense presets turn RoPE scaling on
+    (2026-12-03), so a run started before resumes with ``--no-rope-scaling``, which the
+    refusal names. A new run from a checkpoint's weights may change it (long-context)."""
+    if where.flag != "--load" or args.finetune:
+        return
+    scaled = getattr(saved_args, "use_rope_scaling", False) and args.use_rope_scaling
+    names = [k for k in POSITION_ARGS if k != "rope_scaling_factor" or scaled]
+    diff = [k for k in names if hasattr(saved_args, k) and hasattr(args, k)
+            and getattr(saved_args, k) != getattr(args, k)]  # fmt: skip
+    if diff:
+        was = "; ".join(f"{k}: checkpoint {getattr(saved_args, k)!r}, this run "
+                        f"{getattr(args, k)!r}" for k in diff)  # fmt: skip
+        fix = " ".join(_flag_for(k, getattr(saved_args, k)) for k in diff)
+        fail(where, f"it was trained with another position encoding ({was}): resuming would "
+             f"continue as another model; give the checkpoint's ({fix}; the paper's dense "
+             "presets turn RoPE scaling on since 2026-12-03), or start a new run from its "
+             "weights with --init-from")  # fmt: skip
+
+
 def optimizer_name(a) -> str:
     """AdamW, AdamMD, Muon, MuonMD, Muown, as the run's flags make it."""
     base = {"adam": "Adam", "muon": "Muon"}.get(a.optimizer, a.optimizer)
@@ -407,6 +442,7 @@ def check_all(ckpt: Checkpoint, args) -> bool:
     saved = common.get("args")
     if saved is not None:
         check_shape(ckpt, saved, args)
+        check_positions(ckpt, saved, args)
         check_optimizer(ckpt, saved, args)
         check_resharding(ckpt, saved, common, ckpt.keys, args)
         check_param_layout(ckpt, saved, args)

@@ -86,6 +86,10 @@ def finalize(args, argv: list[str]) -> None:
     args.given_flags = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
     if args.paper_arch and not given(argv, "--init-method-std"):
         args.init_method_std = 1 / math.sqrt(args.hidden_size)  # the paper: 1/sqrt(d)
+    if args.rope_scaling is not None:  # ours (the dense presets give it) sets megatron's switch
+        if given(argv, "--use-rope-scaling") and not args.rope_scaling:
+            errors.fail("--use-rope-scaling and --no-rope-scaling contradict each other: give one")
+        args.use_rope_scaling = args.rope_scaling
     for flag in ("sandwich_norm", "embedding_scale"):  # on with --paper-arch unless given
         if getattr(args, flag) is None:
             setattr(args, flag, args.paper_arch and args.arch == "gpt")

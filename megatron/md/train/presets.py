@@ -43,6 +43,11 @@ class Preset:
     """The paper's active parameter count (MoE)."""
     sandwich: bool = True
     """Sandwich Norm on block outputs (dense yes, MoE no: the paper's MoE fork had none)."""
+    rope_scaling: bool = False
+    """Llama 3.x RoPE scaling, factor 8 (``--rope-scaling``): the paper's dense sizes, as the
+    authors' dense runs (gainz ``submissions/submit.sh`` passes ``--use-rope-scaling``; the
+    paper's text names RoPE with base 5e5 alone); not the MoE ladder nor the 150M re-warming
+    model (feat/scaling-sweeps ``lib/common.sh``), nor the laptop presets."""
 
     def flags(self) -> list[str]:
         f = [
@@ -72,11 +77,13 @@ class Preset:
             ]
         if not self.sandwich:
             f.append("--no-sandwich-norm")
+        if self.rope_scaling:
+            f.append("--rope-scaling")
         return f
 
 
 def _dense(d, layers, heads, params):
-    return Preset(d, layers, heads, heads // 2, 4 * d, params=params)
+    return Preset(d, layers, heads, heads // 2, 4 * d, params=params, rope_scaling=True)
 
 
 def _moe(d, dense, moe, heads, kv, expert_ffn, active, total, ffn=None):
