@@ -62,7 +62,7 @@ SHAPES = _unique_shapes()
 
 def test_experiment_sizes():
     counts = {e: len(experiments.experiment(e)) for e in experiments.EXPERIMENTS}
-    assert counts["dense-grid"] == 12 * 4 * 9 + 2 * 9 and counts["moe-ladder"] == 4 * 3 * 4
+    assert counts["dense-grid"] == (4 + 9 + 2 + 3 + 2) * 9 and counts["moe-ladder"] == 4 * 3 * 4
     assert counts["throughput"] == 30 and all(n > 0 for n in counts.values())
     names = [r.name for e in experiments.EXPERIMENTS for r in experiments.experiment(e)]
     assert len(names) == len(set(names))  # run names are unique: they are directories
@@ -108,16 +108,18 @@ def test_dense_ablations_run_what_the_authors_ran():
     """The dense ablations' methods and arms as the authors' runs (gainz submissions/exp*.sh;
     the paper: "we default to Muon as the matrix optimizer under MD decoupling"): MuonMD, plain
     Muon for its scale modes (exp9, exp10: 1000 warmup steps for every mode, shape_scaling and
-    rms_match without), Muon and MuonMD for warmup (exp10); MuonMD's scale modes on the sphere
+    rms_match without; unit_rms_norm's two arms are dense-grid's), MuonMD for warmup (exp10; Muon's
+    two arms dense-grid's); MuonMD's scale modes on the sphere
     alone (exp9 "master-muon, no gains"), with gains under the text's reading; rank 4 (exp14);
     --methods replaces the runs' methods."""
     methods = {a: {r.meta["method"] for r in experiments.experiment(f"ablation-{a}")}
                for a in experiments.ABLATIONS}  # fmt: skip
-    assert methods.pop("muon-scale") == {"muon"} and methods.pop("warmup") == {"muon", "muonmd"}
+    assert methods.pop("muon-scale") == {"muon"}
     assert all(m == {"muonmd"} for m in methods.values()), methods
     scale = {r.meta["variant"] for r in experiments.experiment("ablation-muon-scale")}
-    assert scale == {"unit_rms_norm-w1000", "shape_scaling-w1000", "shape_scaling-w0",
-                     "rms_match-w1000", "rms_match-w0"}  # fmt: skip
+    # unit_rms_norm: dense-grid's Muon (warmup-free and w1000)
+    assert scale == {"shape_scaling-w1000", "shape_scaling-w0", "rms_match-w1000",
+                     "rms_match-w0"}  # fmt: skip
     runs = experiments.experiment("ablation-muonmd-scale")
     assert len(runs) == 27 and all("--md-gains=none" in r.flags for r in runs)
     text = experiments.experiment("ablation-muonmd-scale", text=True)
@@ -133,6 +135,28 @@ def test_dense_ablations_run_what_the_authors_ran():
         experiments.experiment("ablation-muon-scale", text=True)
 
 
+def test_the_dense_grid_sweeps_what_the_paper_sweeps():
+    """Fig. headline (left): the four methods and the sphere alone at 181M; fig. transfer:
+    MuonMD across width, depth and both (gainz exp2, exp3, exp4); fig. transfer-baselines: AdamW
+    and Muon across the joint sweep, Muon with 1000 warmup steps as exp4 (181M too, tagged,
+    beside the headline's warmup-free Muon); --methods: those at every size."""
+    grid = experiments.experiment("dense-grid", [8e-3])
+    plan = {}
+    for r in grid:
+        plan.setdefault((r.meta["method"], r.meta.get("variant", "")), set()).add(r.meta["size"])
+    sizes = set(experiments.DENSE_SIZES)
+    assert len(sizes) == 10 and plan.pop(("muonmd", "")) == sizes
+    joint = {"dense-181M", "dense-361M", "dense-646M"}
+    assert plan.pop(("adamw", "")) == joint and plan.pop(("muon", "w1000")) == joint
+    base = {"dense-181M"}
+    assert plan == {("adammd", ""): base, ("muon", ""): base, ("adammd", "frobenius"): base,
+                    ("muonmd", "frobenius"): base}  # fmt: skip
+    warm = [r for r in grid if r.meta.get("variant") == "w1000"]
+    assert all("--lr-warmup-iters=1000" in r.flags for r in warm)
+    every = experiments.experiment("dense-grid", [8e-3], methods=["adammd"])
+    assert {r.meta["size"] for r in every} == sizes and len(every) == 10
+
+
 def test_side_lr_panels_as_the_runs():
     """Fig. lr-panels-combined as gainz exp1b-lr-supplement.sh and exp5-base-matrix-grid.sh:
     the base LR × 2^(k/2), k = -3…3, AdamW at matrix LR 8e-3, the LM head following it (unset in
@@ -143,9 +167,9 @@ def test_side_lr_panels_as_the_runs():
     def value(run, name):
         return float([f for f in run.flags if f.startswith(name + "=")][-1].split("=")[1])
 
-    base = experiments.experiment("side-base-lr")
-    assert [r.meta["matrix_lr"] for r in base] == [8e-3] * 7
-    for r, k in zip(base, range(-3, 4)):
+    base = experiments.experiment("side-base-lr")  # k = 0: dense-grid's AdamW at 8e-3
+    assert [r.meta["matrix_lr"] for r in base] == [8e-3] * 6
+    for r, k in zip(base, (-3, -2, -1, 1, 2, 3)):
         b = 1e-3 * 2 ** (k / 2)
         assert r.meta["base_lr"] == b and value(r, "--lr") == pytest.approx(b, rel=1e-3)
         assert value(r, "--output-lr") == value(r, "--lr") and value(r, "--embedding-lr") == 3e-3
@@ -155,10 +179,14 @@ def test_side_lr_panels_as_the_runs():
     assert sorted({value(r, "--embedding-lr") for r in elr}) == pytest.approx(
         [2e-3, 2.828e-3, 4e-3, 5.657e-3], rel=1e-3)  # fmt: skip
     assert len(elr) == 4 * 9 and {r.meta["method"] for r in elr} == {"muonmd"}
-    glr = experiments.experiment("side-gain-lr")
-    assert [r.meta["matrix_lr"] for r in glr] == [8e-3] * 6
+    glr = experiments.experiment("side-gain-lr")  # k = 6, 8e-3: dense-grid's (the matrix LR)
+    assert [r.meta["matrix_lr"] for r in glr] == [8e-3] * 5
     assert [value(r, "--md-gain-lr") for r in glr] == pytest.approx(
-        [1e-3 * 2 ** (k / 2) for k in range(3, 9)], rel=1e-3)  # fmt: skip
+        [1e-3 * 2 ** (k / 2) for k in (3, 4, 5, 7, 8)], rel=1e-3)  # fmt: skip
+    recipe = [r for r in experiments.experiment("dense-grid", [8e-3])
+              if r.name in ("dense-181M-adamw-lr0.008", "dense-181M-muonmd-lr0.008")]  # fmt: skip
+    assert [(r.meta["base_lr"], r.meta.get("gain_lr")) for r in recipe] == [(1e-3, None),
+                                                                          (1e-3, 8e-3)]  # fmt: skip
     fixed = experiments.experiment("side-gain-lr-fixed")
     assert len(fixed) == 9 and all(value(r, "--md-gain-lr") == 1e-3 for r in fixed)
 
@@ -171,32 +199,33 @@ def test_each_ablation_is_read_beside_the_dense_grid_runs_it_compares_against():
     for axis, ab in experiments.ABLATIONS.items():
         only = re.search(r"--only '([^']+)'", experiments._with_base(axis)).group(1)
         assert all(re.search(only, r.name) for r in experiments.experiment(f"ablation-{axis}"))
+        pairs = [(m, b) for m in ab.methods for b in ab.base]
+        pairs += [p for m, t in ab.beside for p in ((m, ""), (m, t))]
         want = {f"dense-181M-{m}-lr{recipes.fmt(lr)}" + (f"-{b}" if b else "")
-                for m in ab.methods for lr in recipes.lr_grid() for b in ab.base}  # fmt: skip
+                for m, b in pairs for lr in recipes.lr_grid()}  # fmt: skip
         assert {n for n in grid if re.search(only, n)} == want, axis
 
 
-def test_no_ablation_arm_trains_a_dense_grid_run_again(parse_env):
-    """Every dense ablation arm parses (megatron's parser plus ours) to a different run than
-    each dense-grid run it is drawn beside: an arm restating the recipe (e.g. --md-gains=rowcol)
-    would train the same model twice."""
-
-    def parsed(flags):
-        parse_env.unset_global_variables()
-        args, md = pg.parse(flags + SITE, on_cpu=True)
-        return {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}, md
-
-    grid = {r.name: r for r in sweep.plan("dense-grid", [8e-3], "/runs", 1, None)}
-    seen = {}
-    for axis, ab in experiments.ABLATIONS.items():
-        for run in sweep.plan(f"ablation-{axis}", [8e-3], "/runs", 1, None):
-            mine = parsed(run.flags)
-            for b in ab.base:
-                name = f"dense-181M-{run.meta['method']}-lr0.008" + (f"-{b}" if b else "")
-                if name not in seen:
-                    seen[name] = parsed(grid[name].flags)
-                assert mine != seen[name], (run.name, name)
-    assert parsed(grid["dense-181M-muonmd-lr0.008"].flags) == seen["dense-181M-muonmd-lr0.008"]
+def test_no_dense_run_is_trained_twice(parse_env):
+    """Across every dense experiment at matrix LR 8e-3 (dense-grid, the ablations, the side-LR
+    panels, the nGPT comparison), no two runs parse (megatron's parser plus ours: megatron's
+    args and the MD config) to the same run: an arm restating the recipe (e.g. --md-gains=rowcol
+    beside dense-grid's MuonMD) would train the same model twice. The figures read dense-grid's
+    runs beside instead (test_each_ablation_is_read_beside_...)."""
+    dense = [e for e in experiments.EXPERIMENTS
+             if e == "dense-grid" or e.startswith(("ablation-", "side-", "ngpt"))
+             and e != "ablation-rewarm"]  # fmt: skip
+    seen: dict[str, str] = {}
+    for exp in dense:
+        for run in sweep.plan(exp, [8e-3], "/runs", 1, None):
+            parse_env.unset_global_variables()
+            args, md = pg.parse(run.flags + SITE, on_cpu=True)
+            simple = {k: v for k, v in vars(args).items()
+                      if isinstance(v, (int, float, str, bool)) and k != "given_flags"}  # fmt: skip
+            key = repr((sorted(simple.items()), md))
+            assert key not in seen, (run.name, seen.get(key))
+            seen[key] = run.name
+    assert len(seen) > 60
 
 
 def test_moe_recipe_as_the_runs():
@@ -371,7 +400,7 @@ def test_list_shows_runs_and_gpu_hours(capsys):
     sweep.main(["--list"])
     out = capsys.readouterr().out
     rows = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines()[1:]}
-    assert rows["dense-grid"][0] == "450" and float(rows["dense-grid"][1].replace(",", "")) > 1e3
+    assert rows["dense-grid"][0] == "180" and float(rows["dense-grid"][1].replace(",", "")) > 1e3
     assert rows["smoke"] == ["2", "0"] and "all" in rows
 
 

@@ -50,14 +50,44 @@ def _dense_run(
     return Run(name, flags, {"size": size, "method": method, "matrix_lr": lr, **meta})
 
 
-DENSE_SIZES = (
-    "dense-181M", "dense-307M", "dense-457M", "dense-827M", "dense-1.29B", "dense-205M",
-    "dense-229M", "dense-252M", "dense-361M", "dense-646M", "dense-150M", "dense-1.54B",
-)  # fmt: skip
-#: the depth sweep at d = 512 (12, 18, 24, 30 layers; gainz exp3-depth-transfer.sh)
+#: the width sweep at L = 12, the depth sweep at d = 512, the joint width-depth sweep (paper
+#: table "Dense model configurations"; gainz exp2, exp3, exp4)
+WIDTHS = ("dense-307M", "dense-457M", "dense-827M", "dense-1.29B")
 DEPTHS = ("dense-181M", "dense-205M", "dense-229M", "dense-252M")
+JOINT = ("dense-181M", "dense-361M", "dense-646M")
+DENSE_SIZES = ("dense-181M", *WIDTHS, *DEPTHS[1:], *JOINT[1:])
 WSD = ["--lr-decay-style=WSD", "--lr-wsd-decay-style=minus_sqrt", "--wsd-cooldown-fraction=0.2"]
 WARMUP = {"w0": ["--lr-warmup-iters=0"], "w1000": ["--lr-warmup-iters=1000"]}
+#: Muon in the joint width-depth sweep (fig. transfer-baselines) as exp4 ran it: 1000 warmup
+#: steps (the headline's Muon is warmup-free: its 181M point is also run with them, tagged)
+MUON_WARM = "w1000"
+
+
+def dense_grid(lrs: list[float], methods=None, text: bool = False) -> list[Run]:
+    """What the paper sweeps on the dense models (fig. headline left, transfer,
+    transfer-dynamics, transfer-baselines; gainz exp1–exp4): the four methods and the sphere
+    alone (AdamMD, MuonMD without gains) at 181M; MuonMD across width, depth and both; AdamW
+    and Muon across the joint sweep, Muon there with 1000 warmup steps as exp4 (``MUON_WARM``).
+    ``methods``: those at every size instead. Every run's meta names its base LR and, MD, its
+    gains' LR (the side-LR panels read the recipe's point from here)."""
+
+    def run(size, m, lr, tag="", extra=(), **meta):
+        gain = {"gain_lr": lr} if "md" in m else {}
+        return _dense_run(size, m, lr, tag, extra, text=text, base_lr=1e-3, **gain, **meta)
+
+    if methods:
+        return [run(s, m, lr) for s in DENSE_SIZES for m in methods for lr in lrs]
+    plan = [("dense-181M", m) for m in METHODS] + [(s, "muonmd") for s in DENSE_SIZES[1:]]
+    plan += [(s, "adamw") for s in JOINT[1:]]
+    warm = {"axis": "warmup", "variant": MUON_WARM}
+    sphere = {"axis": "sphere", "variant": "frobenius"}
+    return (
+        [run(s, m, lr) for s, m in plan for lr in lrs]
+        + [run(s, "muon", lr, MUON_WARM, WARMUP["w1000"], **warm) for s in JOINT for lr in lrs]
+        + [run("dense-181M", m, lr, SPHERE_ARM, SPHERE_ONLY, **sphere)
+           for m in ("adammd", "muonmd") for lr in lrs]
+    )  # fmt: skip
+
 
 #: the sphere alone (fig. headline left: "fixing the weights onto a sphere improves the optimal
 #: loss, and adding learnable magnitudes gives a further boost"): MD without gains
@@ -81,16 +111,19 @@ class Ablation:
     sphere alone"""
     text_arms: dict[str, list[str]] | None = None
     """the arms as the paper's text reads them, where it differs from the runs (--paper-text)"""
+    beside: tuple[tuple[str, str], ...] = ()
+    """dense-grid's 181M runs of other methods drawn beside: (method, its recipe run and the
+    one whose name ends in this tag)"""
 
 
 #: Muon's scale modes × warmup (fig. muon-scale-modes, left) as the runs (gainz exp9 and exp10:
 #: every mode with 1000 warmup steps; rms_match, Moonlight's 0.2·sqrt(max) = their
-#: ``spectral`` × 0.2, and shape_scaling without); unit_rms_norm without warmup is dense-grid's
-#: Muon (the recipe)
+#: ``spectral`` × 0.2, and shape_scaling without); unit_rms_norm without warmup and with 1000
+#: steps are dense-grid's Muon (the recipe, ``MUON_WARM``)
 _MUON_SCALE = {
     f"{a}-{w}": [f"--muon-scale-mode={a}", *WARMUP[w]]
-    for a, w in (("unit_rms_norm", "w1000"), ("shape_scaling", "w1000"),
-                 ("shape_scaling", "w0"), ("rms_match", "w1000"), ("rms_match", "w0"))
+    for a, w in (("shape_scaling", "w1000"), ("shape_scaling", "w0"), ("rms_match", "w1000"),
+                 ("rms_match", "w0"))
 }  # fmt: skip
 _MUONMD_SCALES = ("unit_rms_norm", "shape_scaling", "rms_match")
 
@@ -133,7 +166,7 @@ ABLATIONS: dict[str, Ablation] = {
         {"none": ["--md-embedding-norm=none", "--md-output-norm=none"]},
         text_arms={"none": ["--md-embedding-norm=none"]},
     ),
-    "muon-scale": Ablation(("muon",), _MUON_SCALE),
+    "muon-scale": Ablation(("muon",), _MUON_SCALE, ("", MUON_WARM)),
     # fig. muon-scale-modes (center, right): the runs swept MuonMD's scale modes on the sphere
     # alone (exp9 "master-muon, no gains"), shape_up being dense-grid's sphere alone; the text
     # says MuonMD
@@ -147,9 +180,9 @@ ABLATIONS: dict[str, Ablation] = {
     "tangent": Ablation(("muonmd",), {"on": ["--md-tangent-grad"]}),
     # fig. lr-decay: WSD, 1-sqrt over the last 20 % (exp7-lr-decay.sh); linear is dense-grid's
     "schedule": Ablation(("muonmd",), {"wsd": WSD}),
-    # fig. warmup (left): 1000 warmup steps for MuonMD and for Muon (exp10-lr-warmup.sh); both
-    # recipes are warmup-free (dense-grid's)
-    "warmup": Ablation(("muon", "muonmd"), {"w1000": WARMUP["w1000"]}),
+    # fig. warmup (left): 1000 warmup steps for MuonMD (exp10-lr-warmup.sh), beside dense-grid's
+    # MuonMD and Muon without (the recipes) and Muon with (``MUON_WARM``)
+    "warmup": Ablation(("muonmd",), {"w1000": WARMUP["w1000"]}, beside=(("muon", MUON_WARM),)),
 }
 
 
@@ -201,10 +234,10 @@ def side_runs(name: str, lrs: list[float] | None, text: bool = False) -> list[Ru
             emb = [f"--embedding-lr={fmt(3 * b)}"] if text else []
             return [f"--lr={fmt(b)}", f"--output-lr={fmt(b)}", *emb]
 
-        return [
+        return [  # k = 0 is dense-grid's AdamW (base LR 1e-3)
             run("adamw", lr, f"blr{fmt(b)}", base(b), base_lr=b)
             for lr in fixed
-            for b in pow2(range(-3, 4))
+            for b in pow2((-3, -2, -1, 1, 2, 3))
         ]
     if name == "side-embedding-lr":
         return [
@@ -213,10 +246,11 @@ def side_runs(name: str, lrs: list[float] | None, text: bool = False) -> list[Ru
             for lr in lrs or lr_grid()
         ]
     if name == "side-gain-lr":
-        return [
+        return [  # the gains at the matrix LR are dense-grid's MuonMD (their default)
             run("muonmd", lr, f"glr{fmt(g)}", [f"--md-gain-lr={fmt(g)}"], gain_lr=g)
             for lr in fixed
             for g in pow2(range(3, 9))
+            if fmt(g) != fmt(lr)
         ]
     if name == "side-gain-lr-fixed":
         return [run("muonmd", lr, "glr0.001", ["--md-gain-lr=0.001"]) for lr in lrs or lr_grid()]
@@ -350,18 +384,17 @@ def ngpt_runs(lrs: list[float]) -> list[Run]:
     the same with its residual scales stored at 1 (the grey line), nGPT's architecture with our
     Frobenius sphere and no gains, and with AdamMD. Muon family: nGPT's unit vectors under Muon
     (no gains) and nGPT's architecture with MuonMD. Our base AdamMD and MuonMD (Sandwich Norm)
-    for reference. Extras, labelled: nGPT as proposed with every parameter at the swept LR
-    (``-onelr``: nGPT's own training), and the Muon family with 1e-2 for every Adam-stepped
-    parameter (``-side1e-2``: at 3e-3 nGPT's scaling vectors learned slowly in the laptop run,
-    docs/cpu_repro.md). Assumed where the paper is silent: the recipe's schedule (linear decay,
-    no warmup) for every arm."""
+    for reference are dense-grid's runs. Extras, labelled: nGPT as proposed with every
+    parameter at the swept LR (``-onelr``: nGPT's own training), and the Muon family with 1e-2
+    for every Adam-stepped parameter (``-side1e-2``: at 3e-3 nGPT's scaling vectors learned
+    slowly in the laptop run, docs/cpu_repro.md). Assumed where the paper is silent: the
+    recipe's schedule (linear decay, no warmup) for every arm."""
 
     def one_lr(lr):  # nGPT trains every parameter at one LR
         return [f"--lr={fmt(lr)}", f"--embedding-lr={fmt(lr)}", f"--output-lr={fmt(lr)}"]
 
     side = one_lr(1e-2)
     arms = {  # variant -> (methods, extra flags for a matrix LR)
-        "base": (("adammd", "muonmd"), lambda lr: []),
         "ngpt": (("adammd",), lambda lr: [*NGPT, *NGPT_SPHERE]),
         "ngpt-alpha1": (("adammd",), lambda lr: [*NGPT, *NGPT_SPHERE, "--ngpt-residual-scale=1"]),
         "ngpt-arch-frobenius": (("adammd",), lambda lr: [*NGPT, "--md-gains=none"]),
@@ -466,23 +499,17 @@ def experiment(
     """Every run of a named experiment (see ``EXPERIMENTS``). ``methods``: a dense ablation's
     methods in place of the runs' (``Ablation.methods``); ``text``: the paper's text's reading
     where it differs from the authors' runs (``TEXT_READINGS``)."""
-    if methods and name.removeprefix("ablation-") not in ABLATIONS:
-        raise ValueError(f"{name} has no methods to choose (--methods: the dense ablations "
-                         f"{', '.join('ablation-' + a for a in ABLATIONS)})")  # fmt: skip
+    if methods and name != "dense-grid" and name.removeprefix("ablation-") not in ABLATIONS:
+        raise ValueError(f"{name} has no methods to choose (--methods: dense-grid and the dense "
+                         f"ablations {', '.join('ablation-' + a for a in ABLATIONS)})")  # fmt: skip
     if methods and (bad := [m for m in methods if m not in METHODS]):
         raise ValueError(f"--methods {' '.join(bad)}: not one of {', '.join(METHODS)}")
     if text and name not in TEXT_READINGS:
         raise ValueError(f"{name}: the paper's text and the authors' runs agree (--paper-text "
                          f"changes {', '.join(TEXT_READINGS)})")  # fmt: skip
     given, lrs = lrs, lrs or lr_grid()
-    if name == "dense-grid":  # + the headline's sphere-only arms (MD without gains) at 181M
-        runs = [_dense_run(s, m, lr, text=text) for s in DENSE_SIZES for m in METHODS for lr in lrs]
-        meta = {"text": text, "axis": "sphere", "variant": "frobenius"}
-        return runs + [
-            _dense_run("dense-181M", m, lr, SPHERE_ARM, SPHERE_ONLY, **meta)
-            for m in ("adammd", "muonmd")
-            for lr in lrs
-        ]
+    if name == "dense-grid":
+        return dense_grid(lrs, methods, text)
     if name == "ablation-block-scale":  # α = 1/L is dense-grid's depth sweep
         alpha = ["--block-output-scale=1/sqrt(2L)"]
         meta = {"text": text, "axis": "block-scale", "variant": "1sqrt2L"}
@@ -528,12 +555,15 @@ _BOTH = _LR + "; " + _DIAG
 _GRID = "runs/dense-grid/manifest.json"
 
 
-def _beside(e: str, methods, tails: list[str], base: bool, sizes=("181M",)) -> str:
+def _beside(e: str, methods, tails: list[str], base: bool, sizes=("181M",), lr="[0-9.]+",
+            x="") -> str:  # fmt: skip
     """lr_sweep over ``e``'s runs and the dense-grid runs drawn beside them: ``methods``'
-    recipe runs where ``base``, and the runs whose names end in one of ``tails``."""
+    recipe runs (at ``lr``, a pattern) where ``base``, and the runs whose names end in one of
+    ``tails``; ``x``: the figure's x axis (a run meta key) where not the matrix LR."""
     tail = f"({'|'.join(tails)}){'?' if base else ''}"
-    only = f"^dense-({'|'.join(sizes)})-({'|'.join(methods)})-lr[0-9.]+{tail}$"
-    return (f"python tools/lr_sweep.py runs/{e}/manifest.json {_GRID} --only '{only}' "
+    only = f"^dense-({'|'.join(sizes)})-({'|'.join(methods)})-lr{lr}{tail}$"
+    x = f" --x {x}" if x else ""
+    return (f"python tools/lr_sweep.py runs/{e}/manifest.json {_GRID} --only '{only}'{x} "
             f"--out runs/{e}/analysis")  # fmt: skip
 
 
@@ -541,7 +571,11 @@ def _with_base(axis: str) -> str:
     """An ablation's analysis: its runs beside dense-grid's arms (``Ablation.base``)."""
     ab = ABLATIONS[axis]
     tails = [f"-{axis}-.+", *(f"-{b}" for b in ab.base if b)]
-    return _beside(f"ablation-{axis}", ab.methods, tails, "" in ab.base)
+    own = f"({'|'.join(ab.methods)})-lr[0-9.]+({'|'.join(tails)}){'?' if '' in ab.base else ''}"
+    runs = "|".join([own, *(f"{m}-lr[0-9.]+(-{t})?" for m, t in ab.beside)])
+    e = f"ablation-{axis}"
+    return (f"python tools/lr_sweep.py runs/{e}/manifest.json {_GRID} --only "
+            f"'^dense-181M-({runs})$' --out runs/{e}/analysis")  # fmt: skip
 
 
 def _diag_with_base(axis: str) -> str:
@@ -595,12 +629,14 @@ PAPER = (
      _beside("ablation-block-scale", ["muonmd"], ["-alpha1sqrt2L"], True,
              [d.removeprefix("dense-") for d in DEPTHS]) + "; " + _DIAG.replace(
          " --out", " runs/dense-grid/dense-252M-muonmd-lr*[0-9]/metrics.jsonl --out")),
-    ("Fig. lr-panels-combined (left)", "base Adam LR (AdamW at matrix LR 8e-3)", "side-base-lr",
-     _LR + " --x base_lr"),
+    ("Fig. lr-panels-combined (left)", "base Adam LR (AdamW at matrix LR 8e-3)",
+     "side-base-lr, dense-grid", _beside("side-base-lr", ["adamw"], ["-blr.+"], True,
+                                         lr=fmt(SIDE_MATRIX_LR), x="base_lr")),
     ("Fig. lr-panels-combined (center-left)", "embedding LR × matrix LR",
      "side-embedding-lr, dense-grid", _beside("side-embedding-lr", ["muonmd"], ["-elr.+"], True)),
     ("Fig. lr-panels-combined (center-right)", "gains LR (MuonMD at matrix LR 8e-3)",
-     "side-gain-lr", _LR + " --x gain_lr"),
+     "side-gain-lr, dense-grid", _beside("side-gain-lr", ["muonmd"], ["-glr.+"], True,
+                                         lr=fmt(SIDE_MATRIX_LR), x="gain_lr")),
     ("Fig. lr-panels-combined (right)", "matrix LR, gains LR held at 1e-3",
      "side-gain-lr-fixed, dense-grid",
      _beside("side-gain-lr-fixed", ["muonmd"], ["-glr0.001"], True)),
@@ -614,7 +650,8 @@ PAPER = (
      "python tools/evaluate.py --load runs/moe-ladder/RUN --tasks paper "
      "--out runs/moe-ladder/evals/RUN.json"),
     ("Fig. ngpt", "nGPT as proposed, its architecture with our sphere / MD, residual scale 1",
-     "ngpt-comparison", _LR),
+     "ngpt-comparison, dense-grid",
+     _beside("ngpt-comparison", ["adammd", "muonmd"], ["-ngpt.*"], True)),
 )  # fmt: skip
 
 
