@@ -420,8 +420,8 @@ def main(argv=None) -> None:
         "--methods",
         nargs="+",
         choices=experiments.METHODS,
-        help="a dense ablation's methods in place of those the authors ran (e.g. adammd "
-        "muonmd); the analysis's --only then names them",
+        help="dense-grid's or a dense ablation's methods in place of those the paper ran "
+        "(e.g. adammd muonmd); the analysis's --only then names them",
     )
     ap.add_argument(
         "--paper-text",

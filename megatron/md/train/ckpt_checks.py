@@ -252,10 +252,11 @@ def check_positions(where: Checkpoint, saved_args, args) -> None:
         was = "; ".join(f"{k}: checkpoint {getattr(saved_args, k)!r}, this run "
                         f"{getattr(args, k)!r}" for k in diff)  # fmt: skip
         fix = " ".join(_flag_for(k, getattr(saved_args, k)) for k in diff)
+        if "use_rope_scaling" in diff:
+            fix += "; the paper's dense presets turn RoPE scaling on since 2026-12-03"
         fail(where, f"it was trained with another position encoding ({was}): resuming would "
-             f"continue as another model; give the checkpoint's ({fix}; the paper's dense "
-             "presets turn RoPE scaling on since 2026-12-03), or start a new run from its "
-             "weights with --init-from")  # fmt: skip
+             f"continue as another model; give the checkpoint's ({fix}), or start a new run "
+             "from its weights with --init-from")  # fmt: skip
 
 
 def optimizer_name(a) -> str:
