@@ -132,7 +132,10 @@ def test_dense_ablations_run_what_the_authors_ran():
     with pytest.raises(ValueError, match="moe-ladder has no methods to choose"):
         experiments.experiment("moe-ladder", methods=["muonmd"])
     with pytest.raises(ValueError, match="the paper's text and the authors' runs agree"):
-        experiments.experiment("ablation-muon-scale", text=True)
+        experiments.experiment("ablation-rewarm", text=True)
+    muon = experiments.experiment("ablation-muon-scale", text=True)  # the text: RoPE unscaled
+    assert all("--no-rope-scaling" in r.flags for r in muon)
+    assert not any("--no-rope-scaling" in r.flags for r in experiments.experiment("dense-grid"))
 
 
 def test_the_dense_grid_sweeps_what_the_paper_sweeps():
@@ -344,6 +347,20 @@ def test_a_second_submission_needs_resume_and_resume_keeps_the_other_entries(
     kept = json.loads((tmp_path / "manifest.json").read_text())["runs"]
     assert sorted(e["name"] for e in kept) == sorted(names)
     assert [e for e in kept if e["name"] == names[1]] == [runs[1]]
+
+
+def test_flags_reach_every_run_and_are_validated(tmp_path, capsys):
+    """--flags adds pretrain_gpt.py flags after every run's own (here: continuing dense-preset
+    runs started before the presets scaled RoPE), and they are validated with the rest: an
+    unknown one stops the submission, naming the run."""
+    sweep.main(["ablation-tangent", "--dry-run", "--mock-data", "--run-root", str(tmp_path),
+                "--flags=--no-rope-scaling --log-interval 5"])  # fmt: skip
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 9 and all(ln.endswith(" --no-rope-scaling --log-interval 5")
+                                   for ln in lines)  # fmt: skip
+    with pytest.raises(SystemExit, match="does not validate"):
+        sweep.main(["ablation-tangent", "--dry-run", "--mock-data", "--run-root", str(tmp_path),
+                    "--flags=--no-such-flag"])  # fmt: skip
 
 
 def test_data_arguments_are_explicit(tmp_path, capsys, monkeypatch):

@@ -477,20 +477,21 @@ def gpu_hours(run: Run) -> float:
 
 
 _NO_HEAD_GAINS = "no gains on the LM head and the router (MD runs)"
+_DENSE_TEXT = "RoPE without the dense presets' scaling; " + _NO_HEAD_GAINS
+_MOE_TEXT = "Muon and MuonMD unclipped, the scaled init for MuonMD only; " + _NO_HEAD_GAINS
 #: what --paper-text changes, per experiment: the paper's text where it differs from the
 #: authors' runs (docs/experiments.md, "The paper and the authors' runs vs. these recipes")
 TEXT_READINGS = {
-    **{e: _NO_HEAD_GAINS for e in ("dense-grid", "ablation-block-scale", *SIDE_LR)},
-    **{f"ablation-{a}": _NO_HEAD_GAINS for a in ABLATIONS if a != "muon-scale"},
-    "ablation-embedding-norm": _NO_HEAD_GAINS + "; the free arm frees the embeddings alone",
-    "ablation-muonmd-scale": _NO_HEAD_GAINS + "; the scale modes with gains (the runs: the "
+    **{e: _DENSE_TEXT for e in ("dense-grid", "ablation-block-scale", *SIDE_LR)},
+    **{f"ablation-{a}": _DENSE_TEXT for a in ABLATIONS},
+    "ablation-embedding-norm": _DENSE_TEXT + "; the free arm frees the embeddings alone",
+    "ablation-muonmd-scale": _DENSE_TEXT + "; the scale modes with gains (the runs: the "
     "sphere alone), beside dense-grid's MuonMD",
-    "side-base-lr": "the embeddings' LR scaled with the base LR",
-    "moe-base-sweep": "Muon and MuonMD unclipped, the scaled init for MuonMD only, "
-    + _NO_HEAD_GAINS + ", the WSD arm a 20 % linear cooldown",
-    **{e: "Muon and MuonMD unclipped, the scaled init for MuonMD only, " + _NO_HEAD_GAINS
-       for e in ("moe-batch-sweep", "moe-ladder")},
-}  # fmt: skip
+    "side-base-lr": _DENSE_TEXT + "; the embeddings' LR scaled with the base LR",
+    "moe-base-sweep": _MOE_TEXT + "; the WSD arm a 20 % linear cooldown",
+    "moe-batch-sweep": _MOE_TEXT,
+    "moe-ladder": _MOE_TEXT,
+}
 
 
 def experiment(

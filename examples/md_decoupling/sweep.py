@@ -63,12 +63,13 @@ def plan(
     mbs: int = 4,
     methods=None,
     text: bool = False,
+    extra: list[str] = (),
 ) -> list[experiments.Run]:
     runs = experiments.experiment(experiment, lrs, methods, text)
     if only:
         runs = [r for r in runs if re.search(only, r.name)]
     for r in runs:
-        r.flags = [f.format(run_root=run_root, ep=ep, mbs=mbs) for f in r.flags]
+        r.flags = [f.format(run_root=run_root, ep=ep, mbs=mbs) for f in r.flags] + list(extra)
     return runs
 
 
@@ -429,6 +430,13 @@ def main(argv=None) -> None:
         help="the paper's text where it differs from the authors' runs (the default), for the "
         "experiments experiments.TEXT_READINGS names; run root runs/<experiment>-paper-text",
     )
+    ap.add_argument(
+        "--flags",
+        default="",
+        help="pretrain_gpt.py flags added to every run's (one string, split as a shell would; "
+        "they come last, so they win), e.g. --flags=--no-rope-scaling to continue dense-preset "
+        "runs started before the presets scaled RoPE",
+    )
     ap.add_argument("--only", help="regular expression on run names")
     ap.add_argument("--nodes", type=int, default=int(os.environ.get("NODES", 1)))
     ap.add_argument("--time", default=os.environ.get("TIME_LIMIT", "24:00:00"))
@@ -471,7 +479,8 @@ def main(argv=None) -> None:
     run_root = os.path.abspath(args.run_root or ROOT / "runs" / default_root)
     try:
         runs = plan(args.experiment, args.lrs, run_root, args.ep, args.only,
-                    args.micro_batch_size, args.methods, args.paper_text)  # fmt: skip
+                    args.micro_batch_size, args.methods, args.paper_text,
+                    shlex.split(args.flags))  # fmt: skip
     except ValueError as e:
         ap.error(str(e))
     if not runs:

@@ -61,7 +61,7 @@ def dense_recipe(method: str, matrix_lr: float, text: bool = False) -> list[str]
     decay to 1e-8; betas (0.9, 0.99); clip 1.0; embedding LR 3e-3, LM head 1e-3, the other
     Adam groups (norm gains) at the base Adam LR 1e-3 (appendix "The different parameter-group
     learning rates": "our 1e-3 choice"). ``text``: the paper's text where it differs from the
-    authors' runs (``TEXT_GAINS``)."""
+    authors' runs (``TEXT_GAINS``; RoPE without the dense presets' scaling)."""
     common = [
         "--lr-decay-style=linear",
         "--min-lr=1e-8",
@@ -74,7 +74,8 @@ def dense_recipe(method: str, matrix_lr: float, text: bool = False) -> list[str]
         f"--matrix-lr={fmt(matrix_lr)}",
         "--lr=1e-3",
     ]
-    return common + _method_flags(method, moe=False) + _text_gains(method, text)
+    text_rope = ["--no-rope-scaling"] if text else []
+    return common + _method_flags(method, moe=False) + _text_gains(method, text) + text_rope
 
 
 #: the paper's text, where the authors' runs give the LM head and the router the matrices'
