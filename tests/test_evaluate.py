@@ -254,9 +254,12 @@ def test_replayed_flags_parse_back_to_the_saved_values():
     saved = argparse.Namespace(hidden_size=96, qk_layernorm=True, swiglu=False,
                                sandwich_norm=False, embedding_scale=True, block_output_scale="1",
                                moe_layer_freq=[1, 0, 1], normalization="RMSNorm",
-                               untie_embeddings_and_output_weights=True)  # fmt: skip
+                               untie_embeddings_and_output_weights=True, use_rope_scaling=True,
+                               rope_scaling_factor=4.0)  # fmt: skip
     flags = restore.replay(saved, set(vars(saved)))
     assert "--no-sandwich-norm" in flags and "--moe-layer-freq=[1,0,1]" in flags
+    assert {"use_rope_scaling", "rope_scaling_factor"} <= set(restore.ARCH)  # the dense presets'
+    assert "--use-rope-scaling" in flags and "--rope-scaling-factor=4.0" in flags
     back, _ = restore._parser().parse_known_args(flags)
     for k, v in vars(saved).items():
         assert getattr(back, k) == v, k
