@@ -160,6 +160,31 @@ def test_the_dense_grid_sweeps_what_the_paper_sweeps():
     assert {r.meta["size"] for r in every} == sizes and len(every) == 10
 
 
+def test_runs_log_and_evaluate_as_the_authors_runs():
+    """Every run of the paper's experiments logs every iteration (both forks: --log-interval 1,
+    so lr_sweep's tail loss is the paper's mean over the last 25 iterations; megatron's default
+    100 made it a mean over 2,500), MD's diagnostics every 50 (their internals interval); the
+    dense runs evaluate every 1000 iterations on 50 batches (gainz submit.sh), the MoE framework's
+    never (lib/common.sh --eval-iters 0); the throughput runs as tools/throughput.py measures:
+    diagnostics only at iteration 1, no evaluation."""
+
+    def last(run, name):
+        vals = [f.split("=", 1)[1] for f in run.flags if f.startswith(name + "=")]
+        return vals[-1] if vals else None
+
+    for exp in experiments.EXPERIMENTS:
+        if exp == "smoke":
+            continue
+        for r in experiments.experiment(exp):
+            tput = exp == "throughput"
+            assert last(r, "--log-interval") == "1", r.name
+            assert last(r, "--md-log-interval") == ("201" if tput else "50"), r.name
+            moe = r.meta["size"].startswith("moe-") or exp == "ablation-rewarm"
+            assert last(r, "--eval-iters") == ("0" if moe or tput else "50"), r.name
+            if not (moe or tput):
+                assert last(r, "--eval-interval") == "1000", r.name
+
+
 def test_side_lr_panels_as_the_runs():
     """Fig. lr-panels-combined as gainz exp1b-lr-supplement.sh and exp5-base-matrix-grid.sh:
     the base LR × 2^(k/2), k = -3…3, AdamW at matrix LR 8e-3, the LM head following it (unset in

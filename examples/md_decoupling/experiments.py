@@ -37,16 +37,27 @@ class Run:
     meta: dict = field(default_factory=dict)
 
 
+#: logging as the authors' runs (gainz submit.sh and feat/scaling-sweeps lib/common.sh: every
+#: iteration, so the tail loss is the paper's, the mean over the last 25 iterations; their
+#: internals every 50, here MD's diagnostics)
+LOGGING = ["--log-interval=1", "--md-log-interval=50"]
+#: evaluation as the runs: the dense ones every 1000 iterations on 50 batches (gainz
+#: ``--eval-every 1000 --eval-iters 50``), the MoE framework's never (``--eval-iters 0``)
+DENSE_EVAL = ["--eval-interval=1000", "--eval-iters=50"]
+MOE_EVAL = ["--eval-iters=0"]
+
+
 def _seq_flags(iters: int, gbs: int = GBS) -> list[str]:
     return [f"--train-iters={iters}", f"--seq-length={SEQ}", f"--max-position-embeddings={SEQ}",
-            f"--global-batch-size={gbs}", "--micro-batch-size={mbs}"]  # fmt: skip
+            f"--global-batch-size={gbs}", "--micro-batch-size={mbs}", *LOGGING]  # fmt: skip
 
 
 def _dense_run(
     size: str, method: str, lr: float, tag: str = "", extra=(), iters=50_000, text=False, **meta
 ):
     name = f"{size}-{method}-lr{fmt(lr)}" + (f"-{tag}" if tag else "")
-    flags = [f"--preset={size}", *_seq_flags(iters), *dense_recipe(method, lr, text), *extra]
+    flags = [f"--preset={size}", *_seq_flags(iters), *DENSE_EVAL, *dense_recipe(method, lr, text),
+             *extra]  # fmt: skip
     return Run(name, flags, {"size": size, "method": method, "matrix_lr": lr, **meta})
 
 
@@ -274,7 +285,7 @@ MOE_WSD_TEXT = ["--lr-decay-style=WSD", "--lr-wsd-decay-style=linear",
 
 
 def _moe_run(size, method, lr, tokens, t=None, gbs=GBS, extra=(), tag="", text=False, **meta):
-    flags = [f"--preset={size}", *_seq_flags(iters_for(tokens, gbs), gbs),
+    flags = [f"--preset={size}", *_seq_flags(iters_for(tokens, gbs), gbs), *MOE_EVAL,
              *moe_recipe(method, lr, t, text), "--expert-model-parallel-size={ep}",
              *extra]  # fmt: skip
     name = f"{size}-{method}-" + (tag or f"{tokens / 1e9:.4g}B")
@@ -350,7 +361,8 @@ def rewarm_runs(lrs: list[float]) -> list[Run]:
 
     def run(lr, tag, iters, extra=(), **meta):
         name = f"dense-150M-muonmd-lr{fmt(lr)}-rewarm-{tag}"
-        flags = ["--preset=dense-150M", *_seq_flags(iters), *moe_recipe("muonmd", lr), *extra]
+        flags = ["--preset=dense-150M", *_seq_flags(iters), *MOE_EVAL, *moe_recipe("muonmd", lr),
+                 *extra]  # fmt: skip
         meta = {"size": "dense-150M", "method": "muonmd", "matrix_lr": lr, "axis": "rewarm",
                 "variant": tag, **meta}  # fmt: skip
         return Run(name, flags, meta)
@@ -416,7 +428,10 @@ def ngpt_runs(lrs: list[float]) -> list[Run]:
 def throughput_runs() -> list[Run]:
     """The paper's throughput table: 5 sizes (+ the 1.54B at twice the batch) × 4 methods,
     200 iterations with --log-throughput, 2 nodes × 4 GPUs (DP = 8); AdamMD both as the paper
-    ran it (layer-wise, ``adammd-lw``) and inside ZeRO-1."""
+    ran it (layer-wise, ``adammd-lw``) and inside ZeRO-1. Measured as tools/throughput.py
+    measures: every iteration logged with megatron's timers, no evaluation, MD's diagnostics
+    only at iteration 1 (on every 50th they would be in the timed iterations, MD's costing
+    more than the baselines')."""
     runs = []
     for size, gbs in (
         ("dense-181M", GBS), ("dense-457M", GBS), ("dense-827M", GBS), ("dense-1.29B", GBS),
@@ -425,7 +440,8 @@ def throughput_runs() -> list[Run]:
         for m in (*METHODS, "adammd-lw"):
             flags = [f"--preset={size}", *_seq_flags(200, gbs), *dense_recipe(m, 4e-3),
                      "--lr-warmup-iters=0",  # the recipe's 1000 exceed the run; speed unaffected
-                     "--log-throughput", "--log-interval=10"]  # fmt: skip
+                     "--log-throughput", "--timing-log-level=2", "--eval-iters=0",
+                     "--eval-interval=201", "--md-log-interval=201"]  # fmt: skip
             meta = {"size": size, "method": m, "gbs": gbs, "nodes": 2}
             runs.append(Run(f"tput-{size}-gbs{gbs}-{m}", flags, meta))
     return runs
