@@ -179,6 +179,10 @@ def test_tokenizer_must_encode_text_for_tasks(tmp_path):
         evaluate.check_tokenizer(argparse.Namespace(tokenizer_type="NullTokenizer"), a)
     only_valid = evaluate.parse_args(["--load", str(tmp_path), "--valid-loss"])
     evaluate.check_tokenizer(argparse.Namespace(tokenizer_type="NullTokenizer"), only_valid)
+    # a run that never evaluated (the paper's MoE runs: --eval-iters 0) has no samples to score
+    none = argparse.Namespace(tokenizer_type="NullTokenizer", eval_iters=0)
+    with pytest.raises(SystemExit, match=r"evaluated none \(--eval-iters 0\)"):
+        evaluate.check_valid_loss(none, only_valid)
 
 
 @pytest.fixture(scope="module")

@@ -129,6 +129,16 @@ def check_tokenizer(saved, a) -> None:
         )
 
 
+def check_valid_loss(saved, a) -> None:
+    """``--valid-loss`` needs a run that evaluated (the paper's MoE and re-warming runs did
+    not: ``--eval-iters 0``, as the authors' MoE framework)."""
+    if a.valid_loss and not getattr(saved, "eval_iters", 1):
+        raise SystemExit(
+            "evaluate: error: --valid-loss scores the samples the run's evaluations read, and "
+            "this run evaluated none (--eval-iters 0): score it with --tasks or --local-task"
+        )
+
+
 def valid_loss(lm, args) -> dict:
     """Mean per-token loss of the samples the run's first evaluation read (indices 0 ..
     eval_iters × global batch of its validation split), scored by ``lm.rolling``."""
@@ -185,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
 
     saved, path = restore.saved_args(a.load, a.ckpt_step)
     check_tokenizer(saved, a)
+    check_valid_loss(saved, a)
     flags = restore.argv_for(saved, a.load, a.ckpt_step, a.valid_loss, a.tokenizer_model)
     net, args, iteration = restore.build(flags)
 
