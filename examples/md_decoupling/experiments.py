@@ -572,27 +572,34 @@ _BOTH = _LR + "; " + _DIAG
 _GRID = "runs/dense-grid/manifest.json"
 
 
-def _beside(e: str, methods, tails: list[str], base: bool, sizes=("181M",), lr="[0-9.]+",
-            x="") -> str:  # fmt: skip
-    """lr_sweep over ``e``'s runs and the dense-grid runs drawn beside them: ``methods``'
-    recipe runs (at ``lr``, a pattern) where ``base``, and the runs whose names end in one of
-    ``tails``; ``x``: the figure's x axis (a run meta key) where not the matrix LR."""
-    tail = f"({'|'.join(tails)}){'?' if base else ''}"
-    only = f"^dense-({'|'.join(sizes)})-({'|'.join(methods)})-lr{lr}{tail}$"
+def _sweep_cmd(e: str, only: str, x: str = "") -> str:
+    """lr_sweep over ``e``'s manifest and dense-grid's, the runs named by ``only``."""
     x = f" --x {x}" if x else ""
     return (f"python tools/lr_sweep.py runs/{e}/manifest.json {_GRID} --only '{only}'{x} "
             f"--out runs/{e}/analysis")  # fmt: skip
 
 
+def _runs(methods, tails: list[str], base: bool, lr: str = "[0-9.]+") -> str:
+    """Run names (after the size) of ``methods``' recipe runs at ``lr`` (a pattern) where
+    ``base``, and of those whose names end in one of ``tails``."""
+    return f"({'|'.join(methods)})-lr{lr}({'|'.join(tails)}){'?' if base else ''}"
+
+
+def _beside(e: str, methods, tails: list[str], base: bool, sizes=("181M",), lr="[0-9.]+",
+            x="") -> str:  # fmt: skip
+    """lr_sweep over ``e``'s runs and the dense-grid runs drawn beside them (``_runs``);
+    ``x``: the figure's x axis (a run meta key) where not the matrix LR."""
+    return _sweep_cmd(e, f"^dense-({'|'.join(sizes)})-{_runs(methods, tails, base, lr)}$", x)
+
+
 def _with_base(axis: str) -> str:
-    """An ablation's analysis: its runs beside dense-grid's arms (``Ablation.base``)."""
+    """An ablation's analysis: its runs beside dense-grid's arms (``Ablation.base``, and
+    ``Ablation.beside``'s other methods)."""
     ab = ABLATIONS[axis]
     tails = [f"-{axis}-.+", *(f"-{b}" for b in ab.base if b)]
-    own = f"({'|'.join(ab.methods)})-lr[0-9.]+({'|'.join(tails)}){'?' if '' in ab.base else ''}"
-    runs = "|".join([own, *(f"{m}-lr[0-9.]+(-{t})?" for m, t in ab.beside)])
-    e = f"ablation-{axis}"
-    return (f"python tools/lr_sweep.py runs/{e}/manifest.json {_GRID} --only "
-            f"'^dense-181M-({runs})$' --out runs/{e}/analysis")  # fmt: skip
+    runs = [_runs(ab.methods, tails, "" in ab.base), *(_runs([m], [f"-{t}"], True)
+                                                       for m, t in ab.beside)]  # fmt: skip
+    return _sweep_cmd(f"ablation-{axis}", f"^dense-181M-({'|'.join(runs)})$")
 
 
 def _diag_with_base(axis: str) -> str:

@@ -211,16 +211,20 @@ def check_complete(ckpt: Checkpoint) -> None:
     ckpt.keys = dict(meta.state_dict_metadata)
 
 
+def _differing(saved_args, args, names) -> list[str]:
+    """The args of ``names`` both hold, with different values."""
+    return [k for k in names if hasattr(saved_args, k) and hasattr(args, k)
+            and getattr(saved_args, k) != getattr(args, k)]  # fmt: skip
+
+
+def _described(saved_args, args, names: list[str]) -> str:
+    return "; ".join(f"{k}: checkpoint {getattr(saved_args, k)!r}, this run "
+                     f"{getattr(args, k)!r}" for k in names)  # fmt: skip
+
+
 def check_shape(where: str | Checkpoint, saved_args, args) -> None:
-    diff = [
-        f"{k}: checkpoint {getattr(saved_args, k)!r}, this run {getattr(args, k)!r}"
-        for k in SHAPE_ARGS
-        if hasattr(saved_args, k)
-        and hasattr(args, k)
-        and getattr(saved_args, k) != getattr(args, k)
-    ]
-    if diff:
-        fail(where, "it is a model of another shape (" + "; ".join(diff) + ")")
+    if diff := _differing(saved_args, args, SHAPE_ARGS):
+        fail(where, f"it is a model of another shape ({_described(saved_args, args, diff)})")
 
 
 #: megatron args that set the position encoding: a resumed run computing other positions than
@@ -246,11 +250,8 @@ def check_positions(where: Checkpoint, saved_args, args) -> None:
         return
     scaled = getattr(saved_args, "use_rope_scaling", False) and args.use_rope_scaling
     names = [k for k in POSITION_ARGS if k != "rope_scaling_factor" or scaled]
-    diff = [k for k in names if hasattr(saved_args, k) and hasattr(args, k)
-            and getattr(saved_args, k) != getattr(args, k)]  # fmt: skip
-    if diff:
-        was = "; ".join(f"{k}: checkpoint {getattr(saved_args, k)!r}, this run "
-                        f"{getattr(args, k)!r}" for k in diff)  # fmt: skip
+    if diff := _differing(saved_args, args, names):
+        was = _described(saved_args, args, diff)
         fix = " ".join(_flag_for(k, getattr(saved_args, k)) for k in diff)
         if "use_rope_scaling" in diff:
             fix += "; the paper's dense presets turn RoPE scaling on since 2026-12-03"
