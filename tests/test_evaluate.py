@@ -273,8 +273,9 @@ def test_replayed_flags_parse_back_to_the_saved_values():
 def test_export_to_hugging_face_gives_megatrons_logits(trained, tmp_path):
     """tools/export_hf.py on the run of ``trained``: the folder loads with transformers
     (trust_remote_code) and its logits equal megatron's (--check: relative 1e-4 at most; seen
-    3.5e-7 on fp32); the run's tokenizer comes along; an existing --out and an MoE model are
-    refused (the latter by name, in test_export_refuses_what_the_hf_model_cannot_compute)."""
+    3.5e-7 on fp32); the run's tokenizer comes along; an existing --out is refused (what the
+    HF model cannot compute: test_export_refuses_what_the_hf_model_cannot_compute; an MoE run's
+    export: test_pretrain_e2e)."""
     run, _ = trained
     out = tmp_path / "hf"
     cmd = [sys.executable, str(ROOT / "tools" / "export_hf.py"), f"--load={run}", f"--out={out}",
@@ -303,10 +304,7 @@ def test_export_refuses_what_the_hf_model_cannot_compute():
     ok = dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, num_experts=None)
     assert hf_export.unsupported(argparse.Namespace(**ok)) == []
     moe = argparse.Namespace(**{**ok, "num_experts": 8, "normalization": "LayerNorm"})
-    assert hf_export.unsupported(moe) == [
-        "LayerNorm (normalization='LayerNorm')",
-        "mixture-of-experts layers (num_experts=8)",
-    ]
+    assert hf_export.unsupported(moe) == ["LayerNorm (normalization='LayerNorm')"]
     # flags that reach megatron's model since 2026-11-29 (or through its TransformerConfig)
     # and that the exported model does not compute: its logits would differ, unnamed
     other = argparse.Namespace(**{**ok, "qk_l2_norm": True, "window_size": (8, 0),
@@ -315,6 +313,61 @@ def test_export_refuses_what_the_hf_model_cannot_compute():
         "RoPE position interpolation (rotary_seq_len_interpolation_factor=2)",
         "QK L2 normalization (qk_l2_norm=True)",
         "sliding-window attention (window_size=(8, 0))",
+    ]
+    # MoE routing the exported router does not compute: token dropping, groups, sinkhorn
+    routed = argparse.Namespace(**{**ok, "num_experts": 8, "moe_expert_capacity_factor": 1.0,
+                                   "moe_router_num_groups": 4,
+                                   "moe_router_load_balancing_type": "sinkhorn"})  # fmt: skip
+    assert hf_export.unsupported(routed) == [
+        "routing other than top-k (moe_router_load_balancing_type='sinkhorn')",
+        "group-limited routing (moe_router_num_groups=4)",
+        "token dropping (an expert capacity) (moe_expert_capacity_factor=1.0)",
+    ]
+    fine = {
+        "moe_router_load_balancing_type": "seq_aux_loss",
+        "moe_router_score_function": "sigmoid",
+    }
+    assert hf_export.unsupported(argparse.Namespace(**{**ok, "num_experts": 8, **fine})) == []
+
+
+def test_exported_moe_names_and_layer_pattern():
+    """The MoE layer pattern is megatron's (an int k: experts in every k-th layer from the
+    first; a list as given); Transformer Engine's grouped experts (``linear_fc1.weight3``) are
+    renamed to the local spec's ``local_experts.3``; a weight the HF model does not have, or of
+    another shape, is named before anything is written."""
+    import argparse
+
+    from megatron.md.export import hf_export
+
+    def ns(**kw):
+        return argparse.Namespace(**{"num_layers": 4, "num_experts": 8, **kw})
+
+    assert hf_export.moe_layers(ns(moe_layer_freq=2)) == [1, 0, 1, 0]
+    assert hf_export.moe_layers(ns(moe_layer_freq=[0, 1, 1, 1])) == [0, 1, 1, 1]
+    assert hf_export.moe_layers(ns(num_experts=None, moe_layer_freq=1)) == [0, 0, 0, 0]
+    w = torch.zeros(2, 2)
+    te = {"module.decoder.layers.1.mlp.experts.linear_fc1.weight3": w,
+          "decoder.layers.1.mlp.experts.linear_fc2.weight12": w,
+          "decoder.layers.1.mlp.experts.linear_fc1._extra_state": None}  # fmt: skip
+    assert sorted(hf_export.tensors(te)) == [
+        "decoder.layers.1.mlp.experts.local_experts.12.linear_fc2.weight",
+        "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight",
+    ]
+    cfg = dict(vocab_size=16, hidden_size=8, num_layers=2, num_attention_heads=2,
+               num_query_groups=1, kv_channels=4, ffn_hidden_size=8, moe_layers=[0, 1],
+               num_experts=2, moe_ffn_hidden_size=4, moe_expert_bias=True)  # fmt: skip
+    from megatron.md.export import hf_modeling
+
+    full = hf_modeling.MegatronMDForCausalLM(hf_modeling.MegatronMDConfig(**cfg)).state_dict()
+    assert hf_export.mismatched(cfg, full) == []
+    bad = {k: v for k, v in full.items() if "expert_bias" not in k}
+    bad["decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"] = torch.zeros(8, 2)
+    bad["decoder.layers.1.mlp.experts.weight1"] = w
+    assert hf_export.mismatched(cfg, bad) == [
+        "decoder.layers.1.mlp.router.expert_bias missing",
+        "decoder.layers.1.mlp.experts.weight1 not in the HF model",
+        "decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight: (8, 2) where the HF "
+        "model has (8, 4)",
     ]
 
 

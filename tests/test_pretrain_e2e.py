@@ -219,20 +219,50 @@ def test_adam_md_layer_wise_equals_zero1(runs, tmp_path):
     assert max(lw[20]["md"]["sphere_drift"].values()) < 1e-5
 
 
-def test_adam_md_expert_parallel(tmp_path):
+@pytest.fixture(scope="module")
+def expert_parallel(tmp_path_factory):
+    """AdamMD on the tiny MoE at EP=2, 4 ranks, 10 iterations, saved at 10: (rows, save)."""
+    flags = ["--train-iters=10", "--preset=tiny-moe", "--optimizer=adam", "--md-decoupling",
+             "--lr=1e-2", "--expert-model-parallel-size=2", "--micro-batch-size=2"]  # fmt: skip
+    return pretrain(tmp_path_factory.mktemp("ep"), "ep", *flags, nproc=4)
+
+
+def test_adam_md_expert_parallel(expert_parallel):
     """EP=2 at 4 ranks: expert matrices are ZeRO-1 slices over the expert-data-parallel group
     (2 ranks), dense ones over the data-parallel group (4). A norm reduced over the wrong group
     puts the matrix off its sphere: every MD matrix of the saved checkpoint (all 4 experts of
     both EP ranks included) must be on it."""
-    flags = ["--train-iters=10", "--preset=tiny-moe", "--optimizer=adam", "--md-decoupling",
-             "--lr=1e-2", "--expert-model-parallel-size=2", "--micro-batch-size=2"]  # fmt: skip
-    rows, save = pretrain(tmp_path, "ep", *flags, nproc=4)
+    rows, save = expert_parallel
     train = train_rows(rows)
     assert sorted(train) == list(range(1, 11)) and train[10]["lm loss"] < 0.8 * train[1]["lm loss"]
     errs = sphere_errors(read_checkpoint(save / "iter_0000010"), "softplus")
     experts = [k for k in errs if "experts" in k and "shared" not in k]
     assert len(experts) >= 2 and any("router" in k for k in errs), sorted(errs)
     assert max(errs.values()) < 1e-5, sorted(errs.items(), key=lambda kv: -kv[1])[:3]
+
+
+def test_an_expert_parallel_moe_run_exports_to_hugging_face(expert_parallel, tmp_path):
+    """tools/export_hf.py on the EP=2 run (saved over 4 ranks, read on one): the tiny MoE's
+    dense first layer and three MoE layers (sigmoid router with the expert bias choosing, top-2
+    normalized and scaled by 2.5, 8 experts, a shared expert) give megatron's logits through
+    transformers (--check: 1e-4 at most; seen 5.3e-7, where leaving out the expert bias moved
+    them by 0.13, the scaling factor by 0.48, softmax scores by 0.26; 2026-12-03)."""
+    from safetensors.torch import load_file
+
+    _, save = expert_parallel
+    out = tmp_path / "hf"
+    cmd = [sys.executable, str(ROOT / "tools" / "export_hf.py"), f"--load={save}",
+           f"--out={out}", "--check"]  # fmt: skip
+    res = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env=command(tmp_path, "x")[1]
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rel = float(res.stdout.split("relative difference ")[1].split()[0])
+    assert rel < 1e-5
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["moe_layers"] == [0, 1, 1, 1] and cfg["num_experts"] == 8
+    bias = load_file(out / "model.safetensors")["decoder.layers.1.mlp.router.expert_bias"]
+    assert bias.abs().max() > 0  # the bias moved: routing the export must reproduce
 
 
 def test_expert_parallel_communication_overlap_trains_as_without(tmp_path):

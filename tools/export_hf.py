@@ -7,8 +7,8 @@ custom modeling file loaded with ``trust_remote_code=True``).
 
 The model is rebuilt from the run's saved args and loaded on one process exactly as
 ``tools/evaluate.py`` does (any saved parallel layout, MD or not), then written with
-megatron's parameter names (``megatron/md/export``). Dense models of the paper's architecture
-only: anything the HF model cannot compute (MoE, biases, LayerNorm, partial RoPE, ...) is
+megatron's parameter names (``megatron/md/export``). The paper's dense and MoE architectures:
+anything the HF model cannot compute (biases, LayerNorm, partial RoPE, token dropping, ...) is
 refused by name before any weight is read. ``--out`` must not exist (nothing is overwritten);
 the folder appears only when complete. ``--check`` loads it back with transformers and
 compares its logits with megatron's.
@@ -63,8 +63,12 @@ def main(argv: list[str] | None = None) -> None:
     tok = args.tokenizer_model if args.tokenizer_type == "HuggingFaceTokenizer" else None
     source = {"checkpoint": path, "iteration": iteration, "torch": torch.__version__,
               "megatron_core": megatron.core.__version__}  # fmt: skip
-    out = Path(a.out)
-    hf_export.write(out, hf_export.config(args), hf_export.tensors(net.state_dict()), tok, source)
+    out, cfg, weights = Path(a.out), hf_export.config(args), hf_export.tensors(net.state_dict())
+    wrong = hf_export.mismatched(cfg, weights)
+    if wrong:
+        raise SystemExit("export_hf: error: the weights do not fit the HF model: "
+                         + "; ".join(wrong[:8]) + (" ..." if len(wrong) > 8 else ""))  # fmt: skip
+    hf_export.write(out, cfg, weights, tok, source)
     print(f"[export_hf] wrote {out} (iteration {iteration} of {a.load})", flush=True)
     if a.check:
         check(net, out, args)
@@ -72,7 +76,11 @@ def main(argv: list[str] | None = None) -> None:
 
 def check(net, out: Path, args) -> None:
     """The exported folder through ``AutoModelForCausalLM.from_pretrained`` against megatron's
-    model on random tokens: relative difference of the logits (fp32: ≤ 1e-4; bf16: ≤ 2e-2)."""
+    model on random tokens, relative difference of the logits. A bf16 run first in bf16 (≤ 2e-2;
+    for an MoE model only reported: bf16 rounding near a tie of the router's scores sends a
+    token to another expert, and the difference grows from there), then both models upcast to
+    float32, the checkpoint's weights exact in it: ≤ 1e-4, every run (the weights and the
+    computation are megatron's)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -81,13 +89,28 @@ def check(net, out: Path, args) -> None:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.padded_vocab_size, (2, n), generator=g)
     device = next(net.parameters()).device
-    with torch.no_grad():
-        ours = net(tokens.to(device), torch.arange(n, device=device).expand(2, n), None).float()
-        theirs = hf.to(device)(tokens.to(device)).logits.float()
-    rel = float((ours - theirs).norm() / ours.norm())
-    print(f"[export_hf] logits of the exported model vs megatron's: relative difference {rel:.2e}")
-    if not rel <= (2e-2 if args.bf16 else 1e-4):
-        raise SystemExit(f"export_hf: error: the exported model's logits differ ({rel:.2e})")
+    tokens, pos = tokens.to(device), torch.arange(n, device=device).expand(2, n)
+    hf.to(device)
+
+    def rel() -> float:
+        with torch.no_grad():
+            ours, theirs = net(tokens, pos, None).float(), hf(tokens).logits.float()
+        return float((ours - theirs).norm() / ours.norm())
+
+    if args.bf16:
+        r = rel()
+        moe = bool(args.num_experts)
+        print(f"[export_hf] logits in bf16 vs megatron's: relative difference {r:.2e}"
+              + (" (MoE: reported, not checked)" if moe else ""))  # fmt: skip
+        if not moe and not r <= 2e-2:
+            raise SystemExit(f"export_hf: error: the exported model's bf16 logits differ ({r:.2e})")
+        net.float(), hf.float()
+    r, both = rel(), " (both in float32)" if args.bf16 else ""
+    print(
+        f"[export_hf] logits of the exported model vs megatron's{both}: relative difference {r:.2e}"
+    )
+    if not r <= 1e-4:
+        raise SystemExit(f"export_hf: error: the exported model's logits differ ({r:.2e})")
 
 
 if __name__ == "__main__":

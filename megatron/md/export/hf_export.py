@@ -3,13 +3,14 @@ file), ``model.safetensors`` (megatron's parameter names, the checkpoint's dtype
 ``modeling_megatron_md.py`` (``hf_modeling.py``), the run's tokenizer files where it used a
 Hugging Face tokenizer, and ``megatron_md_export.json`` (where it came from).
 
-Dense models of the paper's architecture only (``UNSUPPORTED`` names what is refused); the
-fused weight tensors of an MD run are ordinary weights, so MD and plain runs export alike.
+The paper's dense and MoE architectures (``NEEDS`` names what is refused); the fused weight
+tensors of an MD run are ordinary weights, so MD and plain runs export alike.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -18,7 +19,8 @@ import torch
 from megatron.md.train.model import block_scale
 
 MODELING = Path(__file__).with_name("hf_modeling.py")
-#: (arg, the value the exported model needs, what the HF model lacks otherwise)
+#: (arg, the value the exported model needs (a frozenset: one of them), what the HF model
+#: lacks otherwise)
 NEEDS = (
     ("normalization", "RMSNorm", "LayerNorm"),
     ("swiglu", True, "an activation other than SwiGLU"),
@@ -27,7 +29,6 @@ NEEDS = (
     ("position_embedding_type", "rope", "position embeddings other than RoPE"),
     ("rotary_percent", 1.0, "partial RoPE"),
     ("rotary_interleaved", False, "interleaved RoPE"),
-    ("num_experts", None, "mixture-of-experts layers"),
     ("multi_latent_attention", False, "multi-latent attention"),
     ("layernorm_zero_centered_gamma", False, "zero-centred norm weights"),
     ("attention_output_gate", False, "an attention output gate"),
@@ -39,18 +40,58 @@ NEEDS = (
     ("apply_residual_connection_post_layernorm", False, "residuals taken after the norm"),
     ("mtp_num_layers", None, "multi-token prediction layers"),
     ("arch", "gpt", "the nGPT architecture"),
+    # MoE layers: megatron-core's TopKRouter and MoELayer, without token dropping
+    (
+        "moe_router_load_balancing_type",
+        frozenset({"aux_loss", "seq_aux_loss", "global_aux_loss", "none"}),
+        "routing other than top-k",
+    ),  # fmt: skip
+    ("moe_router_num_groups", None, "group-limited routing"),
+    ("moe_expert_capacity_factor", None, "token dropping (an expert capacity)"),
+    ("moe_apply_probs_on_input", False, "router probabilities applied to the experts' input"),
+    ("moe_latent_size", None, "latent MoE projections"),
+    ("moe_input_jitter_eps", None, "router input jitter"),
+    ("moe_router_force_load_balancing", False, "random router logits"),
+    ("moe_router_force_biased", None, "biased random router logits"),
+    ("moe_mlp_glu_interleave_size", None, "interleaved expert GLU weights"),
+    ("moe_shared_expert_glu_interleave_size", None, "interleaved shared-expert GLU weights"),
+    ("moe_single_grouped_weight", False, "experts' weights in one grouped tensor"),
 )
 #: Transformer Engine's fused norm weights → the local spec's names (hf_modeling's)
 TE_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
+#: Transformer Engine's grouped experts (TEGroupedMLP: ``linear_fc1.weight3``) → the local
+#: spec's SequentialMLP (``local_experts.3.linear_fc1.weight``)
+TE_GROUPED = (re.compile(r"\.mlp\.experts\.linear_fc([12])\.weight(\d+)$"),
+              r".mlp.experts.local_experts.\2.linear_fc\1.weight")  # fmt: skip
+
+
+def _fits(args, name: str, want) -> bool:
+    if not hasattr(args, name):  # an argument this megatron-core does not have
+        return True
+    value = getattr(args, name)
+    return value in want if isinstance(want, frozenset) else value == want
 
 
 def unsupported(args) -> list[str]:
     """What of the run ``hf_modeling`` cannot compute (empty: it exports)."""
     return [f"{why} ({name}={getattr(args, name)!r})" for name, want, why in NEEDS
-            if getattr(args, name, want) != want]  # fmt: skip
+            if not _fits(args, name, want)]  # fmt: skip
+
+
+def moe_layers(args) -> list[int]:
+    """1 for each MoE layer, 0 for a dense one (megatron's moe_layer_freq, gpt_layer_specs.py:
+    an int k puts experts in every k-th layer from the first; a list is the pattern)."""
+    if not getattr(args, "num_experts", None):
+        return [0] * args.num_layers
+    freq = args.moe_layer_freq
+    return (
+        [int(i % freq == 0) for i in range(args.num_layers)]
+        if isinstance(freq, int)
+        else list(freq)
+    )
 
 
 def config(args) -> dict:
@@ -78,13 +119,25 @@ def config(args) -> dict:
         "share_embeddings": not args.untie_embeddings_and_output_weights,
         "max_position_embeddings": args.max_position_embeddings,
         "rope_scaling_factor": float(args.rope_scaling_factor) if args.use_rope_scaling else None,
+        "moe_layers": moe_layers(args),
+        "num_experts": args.num_experts or 0,
+        "moe_ffn_hidden_size": args.moe_ffn_hidden_size or 0,
+        "moe_shared_ffn_hidden_size": args.moe_shared_expert_intermediate_size,
+        "moe_shared_expert_gate": bool(args.moe_shared_expert_gate),
+        "moe_topk": args.moe_router_topk,
+        "moe_score_function": args.moe_router_score_function,
+        "moe_pre_softmax": bool(args.moe_router_pre_softmax),
+        "moe_topk_scaling_factor": args.moe_router_topk_scaling_factor,
+        "moe_expert_bias": bool(args.num_experts and args.moe_router_enable_expert_bias),
+        "moe_router_dtype": args.moe_router_dtype,
         "torch_dtype": "bfloat16" if args.bf16 else "float32",
     }
 
 
 def tensors(state: dict) -> dict[str, torch.Tensor]:
     """The model's state dict under hf_modeling's names (Float16Module's ``module.`` prefix
-    off, Transformer Engine's fused norm weights renamed, TE's ``_extra_state`` dropped)."""
+    off, Transformer Engine's fused norm weights and grouped experts renamed, TE's
+    ``_extra_state`` dropped)."""
     out = {}
     for name, t in state.items():
         if not torch.is_tensor(t) or name.endswith("_extra_state"):
@@ -92,8 +145,23 @@ def tensors(state: dict) -> dict[str, torch.Tensor]:
         name = name.removeprefix("module.")
         for te, local in TE_NAMES.items():
             name = name.replace(te, local)
-        out[name] = t.detach().contiguous().cpu()
+        out[TE_GROUPED[0].sub(TE_GROUPED[1], name)] = t.detach().contiguous().cpu()
     return out
+
+
+def mismatched(cfg: dict, weights: dict) -> list[str]:
+    """Names and shapes where the weights and the HF model ``cfg`` builds (on the meta device)
+    disagree: a layout the export does not know, named before anything is written."""
+    from megatron.md.export import hf_modeling
+
+    with torch.device("meta"):
+        model = hf_modeling.MegatronMDForCausalLM(hf_modeling.MegatronMDConfig(**cfg))
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    have = {k: tuple(v.shape) for k, v in weights.items()}
+    out = [f"{k} missing" for k in sorted(want.keys() - have.keys())]
+    out += [f"{k} not in the HF model" for k in sorted(have.keys() - want.keys())]
+    return out + [f"{k}: {have[k]} where the HF model has {want[k]}"
+                  for k in sorted(want.keys() & have.keys()) if want[k] != have[k]]  # fmt: skip
 
 
 def write(out: Path, cfg: dict, weights: dict, tokenizer: str | None, source: dict) -> None:

@@ -1,5 +1,5 @@
-"""The paper's dense GPT as a Hugging Face model (``trust_remote_code``): written into every
-folder ``tools/export_hf.py`` makes, as ``modeling_megatron_md.py``. Self-contained (torch and
+"""The paper's dense and MoE GPTs as a Hugging Face model (``trust_remote_code``): written into
+every folder ``tools/export_hf.py`` makes, as ``modeling_megatron_md.py``. Self-contained (torch and
 transformers only). Module and parameter names are megatron-core's (local layer spec), so a
 checkpoint's weights load by name.
 
@@ -9,6 +9,11 @@ query heads, then its key and its value head); Q/K RMSNorm per head before RoPE
 frequencies where ``rope_scaling_factor`` is set); causal softmax(QKᵀ/√d_head) V;
 SwiGLU (the first half of fc1 gated by SiLU); Sandwich Norm (``α · RMSNorm(block output)``
 added to the residual); embeddings × √d; an untied or tied LM head over the padded vocabulary.
+MoE layers (the layers ``moe_layers`` marks) as megatron-core's ``MoELayer`` without token
+dropping: the router's logits in ``moe_router_dtype``, its score function, top-k (the expert
+bias moving the choice only), the scores of the chosen experts normalized and scaled as
+``topk_routing_with_score_function``; each chosen expert's SwiGLU output weighted by its
+probability before fc2 (``MLP.forward``'s ``per_token_scale``); the shared expert added.
 No key/value cache: every call reads the whole sequence.
 """
 
@@ -49,6 +54,17 @@ class MegatronMDConfig(_Config):
         share_embeddings: bool = False,
         max_position_embeddings: int = 4096,
         rope_scaling_factor: float | None = None,
+        moe_layers: list[int] | None = None,
+        num_experts: int = 0,
+        moe_ffn_hidden_size: int = 0,
+        moe_shared_ffn_hidden_size: int | None = None,
+        moe_shared_expert_gate: bool = False,
+        moe_topk: int = 2,
+        moe_score_function: str = "softmax",
+        moe_pre_softmax: bool = False,
+        moe_topk_scaling_factor: float | None = None,
+        moe_expert_bias: bool = False,
+        moe_router_dtype: str | None = None,
         **kwargs,
     ):
         self.vocab_size, self.hidden_size, self.num_layers = vocab_size, hidden_size, num_layers
@@ -63,6 +79,13 @@ class MegatronMDConfig(_Config):
         self.embedding_scale, self.share_embeddings = embedding_scale, share_embeddings
         self.max_position_embeddings = max_position_embeddings
         self.rope_scaling_factor = rope_scaling_factor
+        self.moe_layers = list(moe_layers or [0] * num_layers)
+        self.num_experts, self.moe_ffn_hidden_size = num_experts, moe_ffn_hidden_size
+        self.moe_shared_ffn_hidden_size = moe_shared_ffn_hidden_size
+        self.moe_shared_expert_gate, self.moe_topk = moe_shared_expert_gate, moe_topk
+        self.moe_score_function, self.moe_pre_softmax = moe_score_function, moe_pre_softmax
+        self.moe_topk_scaling_factor = moe_topk_scaling_factor
+        self.moe_expert_bias, self.moe_router_dtype = moe_expert_bias, moe_router_dtype
         kwargs["tie_word_embeddings"] = False  # a tied head reads the embedding (forward)
         super().__init__(**kwargs)
 
@@ -139,23 +162,96 @@ class _Attention(nn.Module):
 
 
 class _MLP(nn.Module):
+    def __init__(self, c: MegatronMDConfig, ffn: int, gate: bool = False):
+        super().__init__()
+        self.linear_fc1 = _Weight(2 * ffn, c.hidden_size)
+        self.linear_fc2 = _Weight(c.hidden_size, ffn)
+        if gate:  # SharedExpertMLP's sigmoid gate
+            self.gate_weight = nn.Parameter(torch.zeros(1, c.hidden_size))
+        self.gated = gate
+
+    def forward(self, x, prob=None):
+        gate, up = F.linear(x, self.linear_fc1.weight).chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        if prob is not None:  # in the probability's dtype, back to the activation's (MLP.forward)
+            h = (h * prob.unsqueeze(-1)).to(x.dtype)
+        out = F.linear(h, self.linear_fc2.weight)
+        return out * torch.sigmoid(F.linear(x, self.gate_weight)) if self.gated else out
+
+
+class _Router(nn.Module):
     def __init__(self, c: MegatronMDConfig):
         super().__init__()
-        self.linear_fc1 = _Weight(2 * c.ffn_hidden_size, c.hidden_size)
-        self.linear_fc2 = _Weight(c.hidden_size, c.ffn_hidden_size)
+        self.weight = nn.Parameter(torch.zeros(c.num_experts, c.hidden_size))
+        if c.moe_expert_bias:  # a float32 buffer in megatron; never trained by gradients
+            self.expert_bias = nn.Parameter(torch.zeros(c.num_experts), requires_grad=False)
+        self.c = c
 
     def forward(self, x):
-        gate, up = F.linear(x, self.linear_fc1.weight).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.linear_fc2.weight)
+        """(probabilities, expert ids), each [tokens, topk]: topk_routing_with_score_function."""
+        c, k = self.c, self.c.moe_topk
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(c.moe_router_dtype, x.dtype)
+        logits = F.linear(x.to(dtype), self.weight.to(dtype))
+        if c.moe_score_function == "softmax":
+            if c.moe_pre_softmax:
+                probs, ids = torch.softmax(logits, -1, dtype=torch.float32).topk(k, dim=-1)
+            else:
+                top, ids = logits.topk(k, dim=-1)
+                probs = torch.softmax(top, -1, dtype=torch.float32)
+        else:
+            if c.moe_score_function == "sigmoid":
+                scores = torch.sigmoid(logits.float())
+            else:  # sqrtsoftplus
+                scores = F.softplus(logits.float()).sqrt()
+            if c.moe_expert_bias:
+                ids = (scores + self.expert_bias.float()).topk(k, dim=-1).indices
+                scores = scores.gather(-1, ids)
+            else:
+                scores, ids = scores.topk(k, dim=-1)
+            probs = scores / (scores.sum(-1, keepdim=True) + 1e-20) if k > 1 else scores
+        if c.moe_topk_scaling_factor:
+            probs = probs * c.moe_topk_scaling_factor
+        return probs.to(logits.dtype), ids
+
+
+class _Experts(nn.Module):
+    def __init__(self, c: MegatronMDConfig):
+        super().__init__()
+        self.local_experts = nn.ModuleList(
+            _MLP(c, c.moe_ffn_hidden_size) for _ in range(c.num_experts)
+        )
+
+
+class _MoE(nn.Module):
+    """megatron-core's MoELayer (no token dropping): routed experts plus the shared expert."""
+
+    def __init__(self, c: MegatronMDConfig):
+        super().__init__()
+        self.router, self.experts = _Router(c), _Experts(c)
+        if c.moe_shared_ffn_hidden_size:
+            self.shared_experts = _MLP(c, c.moe_shared_ffn_hidden_size, c.moe_shared_expert_gate)
+        self.shared = bool(c.moe_shared_ffn_hidden_size)
+
+    def forward(self, x):
+        t = x.reshape(-1, x.shape[-1])
+        probs, ids = self.router(t)
+        out = torch.zeros_like(t)
+        for e, expert in enumerate(self.experts.local_experts):
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            if tok.numel():
+                out.index_add_(0, tok, expert(t[tok], probs[tok, slot]))
+        if self.shared:
+            out = out + self.shared_experts(t)
+        return out.view_as(x)
 
 
 class _Layer(nn.Module):
-    def __init__(self, c: MegatronMDConfig):
+    def __init__(self, c: MegatronMDConfig, moe: bool):
         super().__init__()
         self.input_layernorm = _Norm(c.hidden_size, c.norm_epsilon)
         self.self_attention = _Attention(c)
         self.pre_mlp_layernorm = _Norm(c.hidden_size, c.norm_epsilon)
-        self.mlp = _MLP(c)
+        self.mlp = _MoE(c) if moe else _MLP(c, c.ffn_hidden_size)
         if c.sandwich_norm:
             self.self_attn_bda, self.mlp_bda = _Sandwich(c), _Sandwich(c)
         self.sandwich = c.sandwich_norm
@@ -170,7 +266,7 @@ class _Layer(nn.Module):
 class _Decoder(nn.Module):
     def __init__(self, c: MegatronMDConfig):
         super().__init__()
-        self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(_Layer(c, bool(m)) for m in c.moe_layers)
         self.final_layernorm = _Norm(c.hidden_size, c.norm_epsilon)
 
 
