@@ -41,8 +41,9 @@ SITE = [
     "--use-distributed-optimizer",
     "--save=/tmp/x",
     "--load=/tmp/x",
-    "--save-interval=1000",
 ]
+#: the launcher's, in front of the run's flags (launch.sbatch: a run's own interval wins)
+LAUNCHER = ["--save-interval=1000"]
 
 
 def _unique_shapes():
@@ -166,7 +167,10 @@ def test_runs_log_and_evaluate_as_the_authors_runs():
     100 made it a mean over 2,500), MD's diagnostics every 50 (their internals interval); the
     dense runs evaluate every 1000 iterations on 50 batches (gainz submit.sh), the MoE framework's
     never (lib/common.sh --eval-iters 0); the throughput runs as tools/throughput.py measures:
-    diagnostics only at iteration 1, no evaluation."""
+    diagnostics only at iteration 1, no evaluation. Checkpoints kept as the runs kept them:
+    dense every 10,000 iterations (gainz SAVE_FREQ), the MoE framework's every 5,722
+    (sizes/*-moe.sh), those between deleted at the next save (--save-retain-interval; the
+    launcher's saves every 1000 divide 10,000, the MoE runs save every 2,861)."""
 
     def last(run, name):
         vals = [f.split("=", 1)[1] for f in run.flags if f.startswith(name + "=")]
@@ -183,6 +187,9 @@ def test_runs_log_and_evaluate_as_the_authors_runs():
             assert last(r, "--eval-iters") == ("0" if moe or tput else "50"), r.name
             if not (moe or tput):
                 assert last(r, "--eval-interval") == "1000", r.name
+            keep = None if tput else "5722" if moe else "10000"
+            assert last(r, "--save-retain-interval") == keep, r.name
+            assert last(r, "--save-interval") == ("2861" if moe else None), r.name
 
 
 def test_side_lr_panels_as_the_runs():
@@ -247,7 +254,7 @@ def test_no_dense_run_is_trained_twice(parse_env):
     for exp in dense:
         for run in sweep.plan(exp, [8e-3], "/runs", 1, None):
             parse_env.unset_global_variables()
-            args, md = pg.parse(run.flags + SITE, on_cpu=True)
+            args, md = pg.parse(LAUNCHER + run.flags + SITE, on_cpu=True)
             simple = {k: v for k, v in vars(args).items()
                       if isinstance(v, (int, float, str, bool)) and k != "given_flags"}  # fmt: skip
             key = repr((sorted(simple.items()), md))
@@ -306,7 +313,7 @@ def test_every_command_parses_and_builds(parse_env, tmp_path):
     for exp, run in SHAPES:
         parse_env.unset_global_variables()
         flags = [re.sub(r"^--init-from=.*", f"--init-from={tmp_path}", f) for f in run.flags]
-        args, md = pg.parse(flags + SITE, on_cpu=True)
+        args, md = pg.parse(LAUNCHER + flags + SITE, on_cpu=True)
         uses_md = "md" in run.meta["method"] or run.meta["method"] == "muown"  # MD machinery
         assert (md is not None) == uses_md, run.name
         preset = presets.PRESETS[run.meta["size"]]
@@ -388,6 +395,21 @@ def test_flags_reach_every_run_and_are_validated(tmp_path, capsys):
                     "--flags=--no-such-flag"])  # fmt: skip
 
 
+def test_the_launchers_save_interval_is_validated_with_the_runs(tmp_path, capsys, monkeypatch):
+    """The commands are validated with the launcher's --save-interval (SAVE_INTERVAL, 1000
+    unset) in front of the run's flags, as the jobs get it: one that does not divide the dense
+    runs' retained interval (10,000) stops the submission before anything is submitted; the
+    MoE runs' own interval wins over it."""
+    monkeypatch.setenv("SAVE_INTERVAL", "1500")
+    with pytest.raises(SystemExit, match="does not validate.*save_retain_interval"):
+        sweep.main(["ablation-tangent", "--dry-run", "--mock-data", "--run-root", str(tmp_path)])
+    assert "would submit" not in capsys.readouterr().out
+    sweep.main(["ablation-rewarm", "--dry-run", "--mock-data", "--run-root", str(tmp_path)])
+    monkeypatch.setenv("SAVE_INTERVAL", "2000")
+    sweep.main(["ablation-tangent", "--dry-run", "--mock-data", "--run-root", str(tmp_path)])
+    assert capsys.readouterr().out.count("would submit") == 9 + 6
+
+
 def test_data_arguments_are_explicit(tmp_path, capsys, monkeypatch):
     """Three named cases: DATA_ARGS unset is refused (every job would start without data)
     unless --mock-data asks for mock data; data the login node cannot see is said, and the
@@ -438,12 +460,28 @@ def test_a_login_node_without_torch_is_named(tmp_path):
     assert out.returncode == 0 and "9 would be submitted" in out.stderr, out.stderr
 
 
-def test_list_shows_runs_and_gpu_hours(capsys):
+def test_list_shows_runs_gpu_hours_and_checkpoint_disk(capsys):
+    """--list: runs, GPU-hours and the disk the kept checkpoints take. A 50k-iteration dense
+    run keeps 5 (every 10,000), a 14.3k-iteration MoE run 3 (5,722, 11,444 and its last), each
+    parameters × the family's measured bytes; every 1000 iterations kept, the dense one held 50."""
+    from megatron.md.train.presets import PRESETS, count_params
+
     sweep.main(["--list"])
     out = capsys.readouterr().out
     rows = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines()[1:]}
     assert rows["dense-grid"][0] == "180" and float(rows["dense-grid"][1].replace(",", "")) > 1e3
-    assert rows["smoke"] == ["2", "0"] and "all" in rows
+    assert rows["smoke"] == ["2", "0", "0.0"] and "all" in rows
+    run = experiments.experiment("dense-grid")[0]
+    params = count_params(PRESETS[run.meta["size"]])[0]
+    family = "muon" if "muo" in run.meta["method"] else "adam"
+    assert experiments.checkpoint_bytes(run) == 5 * params * experiments.CKPT_BYTES[family]
+    every = experiments.Run(run.name, [f for f in run.flags if "retain" not in f], run.meta)
+    assert experiments.checkpoint_bytes(every) == 10 * experiments.checkpoint_bytes(run)
+    moe = [r for r in experiments.experiment("moe-ladder") if r.meta["tokens"] == 7.5e9][0]
+    assert "--train-iters=14305" in moe.flags
+    params = count_params(PRESETS[moe.meta["size"]])[0]
+    family = "muon" if "muo" in moe.meta["method"] else "adam"
+    assert experiments.checkpoint_bytes(moe) == 3 * params * experiments.CKPT_BYTES[family]
 
 
 def test_status_shows_progress_and_eta(tmp_path, capsys, monkeypatch):

@@ -45,6 +45,14 @@ LOGGING = ["--log-interval=1", "--md-log-interval=50"]
 #: ``--eval-every 1000 --eval-iters 50``), the MoE framework's never (``--eval-iters 0``)
 DENSE_EVAL = ["--eval-interval=1000", "--eval-iters=50"]
 MOE_EVAL = ["--eval-iters=0"]
+#: checkpoints kept as the runs kept them: the dense ones every 10,000 iterations (gainz
+#: submit.sh ``SAVE_FREQ``), the MoE framework's every 5,722 (feat/scaling-sweeps
+#: sizes/*-moe.sh ``SAVE_INTERVAL``). The launcher saves every ``SAVE_INTERVAL`` (1000) and at
+#: every stop; megatron's --save-retain-interval deletes, at each save, the one before unless
+#: its iteration is a multiple (the latest always stays). The MoE runs save every 2,861 (half
+#: of 5,722: the interval must divide it). Without it every save stayed: 50 per dense run.
+DENSE_KEEP = ["--save-retain-interval=10000"]
+MOE_KEEP = ["--save-interval=2861", "--save-retain-interval=5722"]
 
 
 def _seq_flags(iters: int, gbs: int = GBS) -> list[str]:
@@ -56,8 +64,8 @@ def _dense_run(
     size: str, method: str, lr: float, tag: str = "", extra=(), iters=50_000, text=False, **meta
 ):
     name = f"{size}-{method}-lr{fmt(lr)}" + (f"-{tag}" if tag else "")
-    flags = [f"--preset={size}", *_seq_flags(iters), *DENSE_EVAL, *dense_recipe(method, lr, text),
-             *extra]  # fmt: skip
+    flags = [f"--preset={size}", *_seq_flags(iters), *DENSE_EVAL, *DENSE_KEEP,
+             *dense_recipe(method, lr, text), *extra]  # fmt: skip
     return Run(name, flags, {"size": size, "method": method, "matrix_lr": lr, **meta})
 
 
@@ -285,7 +293,7 @@ MOE_WSD_TEXT = ["--lr-decay-style=WSD", "--lr-wsd-decay-style=linear",
 
 
 def _moe_run(size, method, lr, tokens, t=None, gbs=GBS, extra=(), tag="", text=False, **meta):
-    flags = [f"--preset={size}", *_seq_flags(iters_for(tokens, gbs), gbs), *MOE_EVAL,
+    flags = [f"--preset={size}", *_seq_flags(iters_for(tokens, gbs), gbs), *MOE_EVAL, *MOE_KEEP,
              *moe_recipe(method, lr, t, text), "--expert-model-parallel-size={ep}",
              *extra]  # fmt: skip
     name = f"{size}-{method}-" + (tag or f"{tokens / 1e9:.4g}B")
@@ -361,8 +369,8 @@ def rewarm_runs(lrs: list[float]) -> list[Run]:
 
     def run(lr, tag, iters, extra=(), **meta):
         name = f"dense-150M-muonmd-lr{fmt(lr)}-rewarm-{tag}"
-        flags = ["--preset=dense-150M", *_seq_flags(iters), *MOE_EVAL, *moe_recipe("muonmd", lr),
-                 *extra]  # fmt: skip
+        flags = ["--preset=dense-150M", *_seq_flags(iters), *MOE_EVAL, *MOE_KEEP,
+                 *moe_recipe("muonmd", lr), *extra]  # fmt: skip
         meta = {"size": "dense-150M", "method": "muonmd", "matrix_lr": lr, "axis": "rewarm",
                 "variant": tag, **meta}  # fmt: skip
         return Run(name, flags, meta)
@@ -490,6 +498,29 @@ def gpu_hours(run: Run) -> float:
     ) * seq  # fmt: skip
     per_token = 6 * (active - p.vocab * p.hidden) + 12 * p.layers * p.heads * p.head_dim * seq
     return per_token * tokens / (MFU * PEAK_FLOPS) / 3600
+
+
+#: checkpoint bytes per parameter, bf16 under megatron's distributed optimizer (bf16 weights,
+#: fp32 main weights, the moments: Adam's two, Muon's one for the matrices it steps), measured
+#: on the tiny preset's torch_dist checkpoints at one rank (2026-12-03, megatron-core 0.19.2):
+#: AdamW 14.3, AdamMD 14.6, Muon 11.1, MuonMD 11.4; the MD numbers, the larger, for each family
+CKPT_BYTES = {"adam": 14.6, "muon": 11.4}
+
+
+def checkpoint_bytes(run: Run) -> float:
+    """An estimate of the disk a run's checkpoints hold when it ends: those megatron's
+    --save-retain-interval keeps (without it, every one the launcher's 1000-iteration saves
+    make) and the last, × parameters × ``CKPT_BYTES`` of its optimizer family."""
+    from megatron.md.train.presets import PRESETS, count_params
+
+    p = PRESETS.get(run.meta.get("size", ""))
+    if p is None or p.hidden < 256:  # the tiny CPU presets
+        return 0.0
+    iters = int(_flag(run.flags, "--train-iters", 0))
+    every = int(_flag(run.flags, "--save-retain-interval", 0) or 1000)
+    kept = iters // every + (iters % every > 0)
+    family = "muon" if "muo" in run.meta.get("method", "") else "adam"
+    return kept * count_params(p)[0] * CKPT_BYTES[family]
 
 
 _NO_HEAD_GAINS = "no gains on the LM head and the router (MD runs)"

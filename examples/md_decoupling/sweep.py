@@ -233,7 +233,9 @@ def validate(runs: list[experiments.Run], data: list[str]) -> None:
         print(f"[sweep] not visible on this node: {', '.join(unseen)}; the flags are checked "
               "here, the data and tokenizer when each job starts", file=sys.stderr)  # fmt: skip
         site = shlex.split(MOCK_DATA)  # megatron builds the tokenizer while parsing
-    site += ["--save=/nonexistent-run-dir", "--load=/nonexistent-run-dir", "--save-interval=1"]
+    site += ["--save=/nonexistent-run-dir", "--load=/nonexistent-run-dir"]
+    # the launcher's --save-interval comes before the run's flags (a run's own wins)
+    first = [f"--save-interval={os.environ.get('SAVE_INTERVAL') or 1000}"]
     seen = set()
     saved = dict(os.environ), list(sys.argv)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -246,7 +248,7 @@ def validate(runs: list[experiments.Run], data: list[str]) -> None:
             gv.unset_global_variables()
             try:
                 with contextlib.redirect_stdout(io.StringIO()):  # megatron prints every arg
-                    cli.parse(run.flags + site, on_cpu=True, check_save=False)
+                    cli.parse(first + run.flags + site, on_cpu=True, check_save=False)
             except SystemExit as e:
                 sys.exit(f"[sweep] {run.name}: its command does not validate: {e.code}\n"
                          "[sweep] nothing was submitted")  # fmt: skip
@@ -370,17 +372,20 @@ def submit_array(runs: list, args, run_root: str, manifest: dict, path: Path) ->
 
 
 def list_experiments() -> None:
-    """Each experiment's runs and GPU-hours (``experiments.gpu_hours``: an estimate)."""
-    print(f"{'experiment':<26} {'runs':>5} {'GPU-hours':>10}")
-    total = 0.0
+    """Each experiment's runs, GPU-hours and checkpoint disk (``experiments.gpu_hours``,
+    ``experiments.checkpoint_bytes``: estimates)."""
+    print(f"{'experiment':<26} {'runs':>5} {'GPU-hours':>10} {'checkpoints TB':>15}")
+    total = disk = 0.0
     for name in experiments.EXPERIMENTS:
         runs = experiments.experiment(name)
         hours = sum(experiments.gpu_hours(r) for r in runs)
-        total += hours
-        print(f"{name:<26} {len(runs):>5} {hours:>10,.0f}")
-    print(f"{'all':<26} {'':>5} {total:>10,.0f}")
+        tb = sum(experiments.checkpoint_bytes(r) for r in runs) / 1e12
+        total, disk = total + hours, disk + tb
+        print(f"{name:<26} {len(runs):>5} {hours:>10,.0f} {tb:>15,.1f}")
+    print(f"{'all':<26} {'':>5} {total:>10,.0f} {disk:>15,.1f}")
     print(f"(GPU-hours estimated: training FLOPs at {experiments.MFU:.0%} of an H100's bf16 "
-          "peak; tools/throughput.py measures the real rate)", file=sys.stderr)  # fmt: skip
+          "peak; tools/throughput.py measures the real rate. Checkpoints: those kept when the "
+          "runs end, bf16, ZeRO-1)", file=sys.stderr)  # fmt: skip
 
 
 def main(argv=None) -> None:
