@@ -8,6 +8,7 @@ its checkpoint: the adapter's loss on the run's validation samples equals the va
 the run logged, a local multiple-choice task writes its JSON, and the Hugging Face export
 gives megatron's logits."""
 
+import csv
 import json
 import math
 import os
@@ -188,7 +189,7 @@ def test_tokenizer_must_encode_text_for_tasks(tmp_path):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A 2-rank ZeRO-1 AdamMD run of the paper architecture on a BPE corpus, 12 iterations,
-    evaluated and saved at 12: (its run directory, the corpus text)."""
+    saved at 6 and 12, evaluated at 12: (its run directory, the corpus text)."""
     import cpu_demo  # (examples/md_decoupling, on the path above)
     import preprocess_data
     import train_tokenizer
@@ -210,7 +211,7 @@ def trained(tmp_path_factory):
              "--split=90,10,0", "--seq-length=64", "--max-position-embeddings=64",
              "--micro-batch-size=2", "--global-batch-size=4", "--train-iters=12",
              "--eval-interval=12", "--eval-iters=2", "--log-interval=4", f"--save={run}",
-             "--save-interval=12"]  # fmt: skip
+             "--save-interval=6"]  # fmt: skip
     out = subprocess.run(local_ranks(ROOT / "pretrain_gpt.py", 2, flags), capture_output=True,
                          text=True, timeout=600, env=env(), cwd=tmp)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -219,11 +220,13 @@ def trained(tmp_path_factory):
 
 @pytest.mark.distributed
 def test_checkpoint_scores_its_own_validation_loss_and_runs_a_task(trained, tmp_path):
-    """The run of ``trained`` evaluated from its checkpoint on one process: the adapter's mean
-    loss over the samples of the run's evaluation at iteration 12 equals the validation loss the
-    run logged there (the rebuilt model is the trained one: a missed Sandwich Norm or embedding
-    scale moves it by far more), and a local multiple-choice task writes its metrics to the
-    JSON."""
+    """The run of ``trained`` evaluated from its checkpoints on one process, as a trajectory
+    (--trajectory 1/2: iterations 6 and 12, the model built at 6 and 12's weights loaded into
+    it): the adapter's mean loss over the samples of the run's evaluation at iteration 12
+    equals the validation loss the run logged there (the rebuilt model is the trained one, and
+    the reload replaced every weight: a missed Sandwich Norm or embedding scale, or 6's weights,
+    move it by far more), a local multiple-choice task writes its metrics to each checkpoint's
+    JSON with the training tokens, and a second call finds both written and builds nothing."""
     run, text = trained
     logged = [json.loads(ln) for ln in (run / "metrics.jsonl").open() if '"valid"' in ln][0]
     assert logged["iteration"] == 12
@@ -231,21 +234,48 @@ def test_checkpoint_scores_its_own_validation_loss_and_runs_a_task(trained, tmp_
     quiz.write_text("".join(json.dumps({"question": text[i : i + 80], "choices": [
         text[i + 80 : i + 100], text[i + 300 : i + 320], text[i + 600 : i + 620]], "answer": 0})
         + "\n" for i in range(0, 1500, 300)))  # fmt: skip
-    report = tmp_path / "eval" / "report.json"
+    folder = tmp_path / "eval"
     cmd = [sys.executable, str(ROOT / "tools" / "evaluate.py"), f"--load={run}", "--valid-loss",
-           f"--local-task=quiz={quiz}", f"--out={report}", "--batch-size=3"]  # fmt: skip
+           f"--local-task=quiz={quiz}", f"--out={folder}", "--batch-size=3",
+           "--trajectory=1/2"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env(), cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    got = json.loads(report.read_text())
-    assert got["iteration"] == 12 and got["valid"]["samples"] == 8
+    assert sorted(p.name for p in folder.iterdir()) == ["iter_0000006.json", "iter_0000012.json"]
+    first, got = (json.loads((folder / f"iter_{i:07d}.json").read_text()) for i in (6, 12))
+    assert (first["iteration"], got["iteration"]) == (6, 12) and got["valid"]["samples"] == 8
+    assert (first["tokens"], got["tokens"]) == (6 * 4 * 64, 12 * 4 * 64)
     assert got["valid"]["lm loss"] == pytest.approx(logged["lm loss"], rel=1e-5)
+    assert first["valid"]["lm loss"] > got["valid"]["lm loss"] * 1.01  # 6 trained less
     assert logged["lm loss"] < 5.0  # trained: below ln(300) = 5.7 for the uniform guess
-    quiz_metrics = got["tasks"]["quiz"]
-    assert set(quiz_metrics) >= {"acc", "acc_norm"}
-    assert all(
-        v * 5 == round(v * 5) and 0 <= v <= 1
-        for v in (quiz_metrics["acc"], quiz_metrics["acc_norm"])
+    for rep in (first, got):
+        quiz_metrics = rep["tasks"]["quiz"]
+        assert set(quiz_metrics) >= {"acc", "acc_norm"}
+        assert all(v * 5 == round(v * 5) and 0 <= v <= 1
+                   for v in (quiz_metrics["acc"], quiz_metrics["acc_norm"]))  # fmt: skip
+    again = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env=env(), cwd=tmp_path
     )
+    assert again.returncode == 0 and "(2), 2 of them already in" in again.stdout, again.stdout
+    assert "validation loss" not in again.stdout
+
+
+def test_trajectory_arguments_are_checked(capsys):
+    """--trajectory takes a fraction in [0, 1] and a folder --out, and no --ckpt-step."""
+    import evaluate
+
+    base = ["--load=x", "--valid-loss"]
+    a = evaluate.parse_args([*base, "--trajectory=2/3", "--out=/tmp/evals-folder"])
+    assert a.trajectory == pytest.approx(2 / 3)
+    cases = (
+        (["--trajectory=3/2", "--out=/tmp/e"], "fraction of the run"),
+        (["--trajectory=x", "--out=/tmp/e"], "fraction of the run"),
+        (["--trajectory=1/2"], "give --out FOLDER"),
+        (["--trajectory=1/2", "--out=/tmp/e", "--ckpt-step=4"], "drop --ckpt-step"),
+    )
+    for bad, why in cases:
+        with pytest.raises(SystemExit):
+            evaluate.parse_args([*base, *bad])
+        assert why in capsys.readouterr().err, bad
 
 
 def test_replayed_flags_parse_back_to_the_saved_values():
@@ -414,3 +444,39 @@ def test_exported_rope_scaling_is_megatrons():
     assert torch.equal(la[:, 0], lb[:, 0]) and not torch.allclose(la[:, 1:], lb[:, 1:])
     args = argparse.Namespace(use_rope_scaling=True, rope_scaling_factor=8.0)
     assert hf_export.unsupported(args) == []
+
+
+def test_downstream_table_and_trajectory(tmp_path, capsys):
+    """tools/downstream.py on evaluate.py reports of three runs (a trajectory folder each, and a
+    report without the paper's tasks, left out): the table holds each run's last checkpoint,
+    rows named by the part of the run names that differs, the best per column in bold (ties
+    too), the CSV the same values, and the figure is drawn from every checkpoint."""
+    import downstream
+
+    names = {"adamw": 45.2, "muon": 47.6, "muonmd": 48.7}  # the paper's averages
+    for k, (m, avg) in enumerate(names.items()):
+        folder = tmp_path / "evals" / f"moe-0.81B-6.7B-{m}-44.15B"
+        folder.mkdir(parents=True)
+        for it in (60_000, 84_209):
+            late = it == 84_209
+            paper = {"mmlu": 25.6 if m != "muonmd" else 23.3, "hellaswag": 50 + k + late,
+                     "average": avg - 2 * (not late)}  # fmt: skip
+            rep = {"checkpoint": f"/runs/moe-ladder/{folder.name}/iter_{it:07d}",
+                   "iteration": it, "tokens": it * 128 * 4096, "paper": paper}  # fmt: skip
+            (folder / f"iter_{it:07d}.json").write_text(json.dumps(rep))
+    (tmp_path / "valid.json").write_text(json.dumps({"checkpoint": "/r/x/iter_0000001",
+                                                     "iteration": 1, "tasks": {}}))  # fmt: skip
+    out = tmp_path / "report"
+    downstream.main([*map(str, (tmp_path / "evals").iterdir()), str(tmp_path / "valid.json"),
+                     f"--out={out}"])  # fmt: skip
+    assert "none of the paper's tasks; left out" in capsys.readouterr().err
+    md = (out / "table.md").read_text().splitlines()
+    assert md[0] == "| run | MMLU | HellaSwag | Avg. |"
+    assert md[2:5] == ["| adamw | **25.6** | 51.0 | 45.2 |", "| muon | **25.6** | 52.0 | 47.6 |",
+                       "| muonmd | 23.3 | **53.0** | **48.7** |"]  # fmt: skip
+    assert "muonmd: iteration 84209, 44.15B tokens" in md[-1]
+    rows = list(csv.DictReader((out / "table.csv").open()))
+    assert [(r["label"], float(r["average"])) for r in rows] == list(names.items())
+    assert (out / "trajectory.png").stat().st_size > 20_000
+    with pytest.raises(SystemExit, match="no report holds the paper's tasks"):
+        downstream.main([str(tmp_path / "valid.json"), f"--out={out}"])

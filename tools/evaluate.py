@@ -15,9 +15,16 @@ read) through the same adapter: the mean must equal the validation loss the run 
 
     python tools/evaluate.py --load runs/moe-muonmd --tasks paper --out evals/moe-muonmd.json
     python tools/evaluate.py --load runs/tiny --local-task quiz=quiz.jsonl --valid-loss
+    # the paper's trajectory: every kept checkpoint of the last third, one JSON each
+    python tools/evaluate.py --load runs/moe-muonmd --tasks paper --trajectory 2/3 \\
+        --out evals/moe-muonmd/
 
-Writes ``--out`` (JSON: the checkpoint, its iteration, per-task metrics, the paper's headline
-metric per task and their average, versions) and prints one line per task.
+Writes ``--out`` (JSON: the checkpoint, its iteration and training tokens, per-task metrics,
+the paper's headline metric per task and their average, versions) and prints one line per
+task. With ``--trajectory F``, ``--out`` is a folder of ``iter_NNNNNNN.json``, one per
+checkpoint from F × the latest iteration on (the model built once, each checkpoint's weights
+loaded into it); checkpoints already evaluated there are skipped, so a job cut by its time
+limit goes on where it stopped. ``tools/downstream.py`` makes the paper's table and figure.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import math
 import os
 import sys
 import tempfile
+from fractions import Fraction
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,8 +67,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the tokenizer folder, where it moved since training")  # fmt: skip
     p.add_argument("--valid-loss", action="store_true",
                    help="also score the run's first validation evaluation's samples")  # fmt: skip
-    p.add_argument("--out", default=None, help="results JSON (default: print only)")
+    p.add_argument("--out", default=None,
+                   help="results JSON (default: print); a folder with --trajectory")  # fmt: skip
+    p.add_argument("--trajectory", default=None, metavar="F",
+                   help="every checkpoint from F (e.g. 2/3) × the latest iteration on")  # fmt: skip
     a = p.parse_args(argv)
+    if a.trajectory is not None:
+        try:
+            a.trajectory = float(Fraction(a.trajectory))
+        except (ValueError, ZeroDivisionError):
+            a.trajectory = -1.0
+        if not 0 <= a.trajectory <= 1:
+            p.error("--trajectory: give a fraction of the run in [0, 1], e.g. 2/3")
+        if a.ckpt_step is not None:
+            p.error("--trajectory evaluates several checkpoints: drop --ckpt-step")
+        if not a.out:
+            p.error("--trajectory writes one JSON per checkpoint: give --out FOLDER")
     a.tasks = [t for t in a.tasks.split(",") if t]
     if "paper" in a.tasks:
         a.tasks = [t for t in a.tasks if t != "paper"] + list(PAPER_TASKS)
@@ -76,10 +98,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         from megatron.md.errors import Refusal
         from megatron.md.train.args import check_writable
 
-        if os.path.isdir(a.out):
+        if a.trajectory is None and os.path.isdir(a.out):
             p.error(f"--out {a.out} is a directory: give the results file's path")
+        if a.trajectory is not None and os.path.isfile(a.out):
+            p.error(f"--out {a.out} is a file: --trajectory writes a folder of JSONs")
         try:
-            check_writable("--out", os.path.dirname(os.path.abspath(a.out)))
+            out = a.out if a.trajectory is not None else os.path.dirname(os.path.abspath(a.out))
+            check_writable("--out", out)
         except Refusal as e:
             p.error(e.msg)
     return a
@@ -193,10 +218,19 @@ def main(argv: list[str] | None = None) -> None:
     cpu_mode.maybe_activate()  # first: CPU mode on a machine without CUDA, before megatron
     from megatron.md.evaluation import restore
 
-    saved, path = restore.saved_args(a.load, a.ckpt_step)
+    steps, outs = [a.ckpt_step], [a.out]
+    if a.trajectory is not None:
+        every = restore.trajectory(a.load, a.trajectory)
+        steps = [s for s in every if not Path(a.out, f"iter_{s:07d}.json").exists()]
+        print(f"[evaluate] {a.load}: checkpoints {every[0]}…{every[-1]} ({len(every)}), "
+              f"{len(every) - len(steps)} of them already in {a.out}", flush=True)  # fmt: skip
+        if not steps:
+            return
+        outs = [str(Path(a.out, f"iter_{s:07d}.json")) for s in steps]
+    saved, path = restore.saved_args(a.load, steps[0])
     check_tokenizer(saved, a)
     check_valid_loss(saved, a)
-    flags = restore.argv_for(saved, a.load, a.ckpt_step, a.valid_loss, a.tokenizer_model)
+    flags = restore.argv_for(saved, a.load, steps[0], a.valid_loss, a.tokenizer_model)
     net, args, iteration = restore.build(flags)
 
     import torch
@@ -212,11 +246,25 @@ def main(argv: list[str] | None = None) -> None:
 
     tok = get_tokenizer()
     lm = MegatronLM(forward, tok.tokenize, tok.eod, args.seq_length, a.batch_size, device)
-    report = {"checkpoint": path, "iteration": iteration, "tasks": {}}
+    for k, (step, out) in enumerate(zip(steps, outs)):
+        if k:
+            iteration = restore.reload(net, step)
+            saved, path = restore.saved_args(a.load, step)
+        evaluate(lm, a, args, saved, path, iteration, out)
+
+
+def evaluate(lm, a, args, saved, path: str, iteration: int, out: str | None) -> None:
+    """One checkpoint's report, written to ``out`` (printed where None)."""
+    import torch
+
+    samples = getattr(saved, "consumed_train_samples", None)
+    report = {"checkpoint": path, "iteration": iteration, "tasks": {},
+              "tokens": samples * saved.seq_length if samples else None}  # fmt: skip
     if a.valid_loss:
         report["valid"] = valid_loss(lm, args)
-        print(f"[evaluate] validation loss {report['valid']['lm loss']:.6f} over "
-              f"{report['valid']['samples']} samples", flush=True)  # fmt: skip
+        print(f"[evaluate] iteration {iteration}: validation loss "
+              f"{report['valid']['lm loss']:.6f} over {report['valid']['samples']} samples",
+              flush=True)  # fmt: skip
     if a.tasks or a.local:
         with tempfile.TemporaryDirectory() as workdir:
             report["tasks"] = run_tasks(lm, a, workdir)
@@ -224,16 +272,17 @@ def main(argv: list[str] | None = None) -> None:
         for task, m in report["tasks"].items():
             shown = ", ".join(f"{k} {v:.4f}" for k, v in m.items() if isinstance(v, float)
                               and math.isfinite(v))  # fmt: skip
-            print(f"[evaluate] {task}: {shown}", flush=True)
+            print(f"[evaluate] iteration {iteration}: {task}: {shown}", flush=True)
     import lm_eval
     import megatron.core
 
     report["versions"] = {"torch": torch.__version__, "lm_eval": lm_eval.__version__,
                           "megatron_core": megatron.core.__version__}  # fmt: skip
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        Path(a.out).write_text(json.dumps(report, indent=1, default=str) + "\n")
-        print(f"[evaluate] wrote {a.out}", flush=True)
+    if out:  # complete or absent: a trajectory goes on from the checkpoints it wrote
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        Path(out + ".partial").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        os.replace(out + ".partial", out)
+        print(f"[evaluate] wrote {out}", flush=True)
 
 
 if __name__ == "__main__":

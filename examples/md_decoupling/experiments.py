@@ -645,6 +645,13 @@ def _diag_with_base(axis: str) -> str:
 
 
 #: the paper's fit leaves out the undertrained 810M-active @ 7.5B point (plotted, hollow)
+#: the paper's downstream evaluation: the largest MoE at the largest budget, per method, its
+#: last third of training (appendix "Downstream Evaluations"), then its table and figure
+_EVAL_RUNS = f"{MOE_RUNGS[-1]}-{{{','.join(MOE_METHODS)}}}-{MOE_BUDGETS[-1] / 1e9:.4g}B"
+_EVALS = (f"for RUN in {_EVAL_RUNS}; do python tools/evaluate.py --load runs/{{e}}/$RUN "
+          "--tasks paper --trajectory 2/3 --out runs/{e}/evals/$RUN; done; python "
+          f"tools/downstream.py runs/{{e}}/evals/{_EVAL_RUNS.split('{')[0]}*-"
+          f"{MOE_BUDGETS[-1] / 1e9:.4g}B --out runs/{{e}}/evals/report")  # fmt: skip
 _LAW = ("python tools/scaling_law.py runs/{e}/analysis/lr_sweep.csv --target-loss 2.635 "
         "--fit-exclude '0.81B-6.7B-.*-7.5B$'")  # fmt: skip
 #: (paper figure or table, what it shows, experiment(s), analysis command)
@@ -700,10 +707,8 @@ PAPER = (
     ("Fig. moe (right)", "MoE batch size, √k LR rule", "moe-batch-sweep", _LR + " --x gbs"),
     ("Tab. throughput", "tokens/s per GPU", "throughput",
      "python tools/throughput.py --manifest runs/throughput/manifest.json"),
-    ("Tab. moe-evals, fig. moe-evals", "downstream zero-shot (largest MoE per method; "
-     "--ckpt-step N for the trajectory)", "moe-ladder",
-     "python tools/evaluate.py --load runs/moe-ladder/RUN --tasks paper "
-     "--out runs/moe-ladder/evals/RUN.json"),
+    ("Tab. moe-evals, fig. moe-evals", "downstream zero-shot: the largest MoE per method, "
+     "the last third of its training", "moe-ladder", _EVALS),
     ("Fig. ngpt", "nGPT as proposed, its architecture with our sphere / MD, residual scale 1",
      "ngpt-comparison, dense-grid",
      _beside("ngpt-comparison", ["adammd", "muonmd"], ["-ngpt.*"], True)),

@@ -159,3 +159,33 @@ def build(argv: list[str]):
     net = chunks[0]
     net.eval()
     return net, get_args(), iteration
+
+
+def reload(net, step: int) -> int:
+    """Checkpoint ``step`` of the same run into the model ``build`` made (the same checks
+    first, megatron's ``load_checkpoint`` as there): the next point of a trajectory without
+    building the model again. Returns the loaded iteration."""
+    from megatron.training import get_args
+    from megatron.training.checkpointing import load_checkpoint
+
+    from megatron.md.train import ckpt_checks
+
+    args = get_args()
+    args.ckpt_step = step
+    ckpt_checks.check_all(ckpt_checks.locate(args.load, step), args)
+    iteration, _ = load_checkpoint([net], None, None, strict=True)
+    net.eval()
+    return iteration
+
+
+def trajectory(load: str, fraction: float) -> list[int]:
+    """The complete checkpoints of run directory ``load`` at iteration ≥ ``fraction`` × its
+    latest (the tracker's), ascending, the latest included."""
+    from megatron.md.train.ckpt_checks import iterations, saved_format, tracked
+
+    last = tracked(load)
+    if last is None:
+        raise SystemExit(f"evaluate: error: --load {load}: no tracker naming an iteration "
+                         "(latest_checkpointed_iteration.txt), so no trajectory")  # fmt: skip
+    return [i for i in iterations(load) if fraction * last <= i <= last
+            and saved_format(os.path.join(load, f"iter_{i:07d}"))]  # fmt: skip
