@@ -71,7 +71,7 @@ def labels(names: list[str]) -> dict[str, str]:
     return {n: "-".join(x for x in p if x not in common) or n for n, p in zip(names, parts)}
 
 
-def table(runs: dict[str, list[dict]], out: Path) -> list[list[str]]:
+def table(runs: dict[str, list[dict]], out: Path) -> list[str]:
     """``table.md`` and ``table.csv`` from each run's last report; returns the markdown rows."""
     names = sorted(runs)
     label = labels(names)

@@ -644,7 +644,6 @@ def _diag_with_base(axis: str) -> str:
     )
 
 
-#: the paper's fit leaves out the undertrained 810M-active @ 7.5B point (plotted, hollow)
 #: the paper's downstream evaluation: the largest MoE at the largest budget, per method, its
 #: last third of training (appendix "Downstream Evaluations"), then its table and figure
 _EVAL_RUNS = f"{MOE_RUNGS[-1]}-{{{','.join(MOE_METHODS)}}}-{MOE_BUDGETS[-1] / 1e9:.4g}B"
@@ -652,6 +651,7 @@ _EVALS = (f"for RUN in {_EVAL_RUNS}; do python tools/evaluate.py --load runs/{{e
           "--tasks paper --trajectory 2/3 --out runs/{e}/evals/$RUN; done; python "
           f"tools/downstream.py runs/{{e}}/evals/{_EVAL_RUNS.split('{')[0]}*-"
           f"{MOE_BUDGETS[-1] / 1e9:.4g}B --out runs/{{e}}/evals/report")  # fmt: skip
+#: the paper's fit leaves out the undertrained 810M-active @ 7.5B point (plotted, hollow)
 _LAW = ("python tools/scaling_law.py runs/{e}/analysis/lr_sweep.csv --target-loss 2.635 "
         "--fit-exclude '0.81B-6.7B-.*-7.5B$'")  # fmt: skip
 #: (paper figure or table, what it shows, experiment(s), analysis command)
