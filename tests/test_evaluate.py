@@ -303,7 +303,8 @@ def test_replayed_flags_parse_back_to_the_saved_values():
 def test_export_to_hugging_face_gives_megatrons_logits(trained, tmp_path):
     """tools/export_hf.py on the run of ``trained``: the folder loads with transformers
     (trust_remote_code) and its logits equal megatron's (--check: relative 1e-4 at most; seen
-    3.5e-7 on fp32); the run's tokenizer comes along; an existing --out is refused (what the
+    3.5e-7 on fp32); greedy generate() is the argmax of full forward passes; the run's
+    tokenizer comes along; an existing --out is refused (what the
     HF model cannot compute: test_export_refuses_what_the_hf_model_cannot_compute; an MoE run's
     export: test_pretrain_e2e)."""
     run, _ = trained
@@ -324,6 +325,18 @@ def test_export_to_hugging_face_gives_megatrons_logits(trained, tmp_path):
     assert json.loads((out / "megatron_md_export.json").read_text())["iteration"] == 12
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env())
     assert again.returncode != 0 and "exists" in again.stderr
+    # generate() reads the whole sequence each step (no key/value cache): greedy decoding is
+    # the argmax of each full forward pass (transformers built a cache from the config and
+    # failed on its missing num_hidden_layers)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    ids = torch.tensor([[5, 17, 99, 3]])
+    with torch.no_grad():
+        got = hf.generate(ids, max_new_tokens=4, do_sample=False)
+        for _ in range(4):
+            ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(got, ids)
 
 
 def test_export_refuses_what_the_hf_model_cannot_compute():

@@ -291,6 +291,15 @@ class MegatronMDForCausalLM(PreTrainedModel, GenerationMixin):
     def _init_weights(self, module):  # every weight comes from the exported checkpoint
         pass
 
+    # generate(): no key/value cache (transformers would build one from the config and hand
+    # the model the last token alone): every step reads the whole sequence
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False
+
+    def prepare_inputs_for_generation(self, input_ids, **kwargs):
+        return {"input_ids": input_ids}
+
     def forward(self, input_ids, attention_mask=None, labels=None, **kwargs):
         c = self.config
         x = F.embedding(input_ids, self.embedding.word_embeddings.weight)
