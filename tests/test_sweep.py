@@ -323,6 +323,36 @@ def test_every_command_parses_and_builds(parse_env, tmp_path):
             assert abs(total / preset.params - 1) < (0.02 if preset.experts else 0.01)
 
 
+def test_every_preset_exports_to_hugging_face(parse_env):
+    """Every preset of the paper's tables (and the laptop ones) as its run parses it exports
+    (nothing refused), and the Hugging Face model the export's config builds (on the meta
+    device) holds the preset's parameters: the dense first layer and the MoE layers of the
+    ladder, 64 experts, the shared expert, grouped queries (the router's expert bias, a buffer
+    in megatron, is not counted)."""
+    import torch
+
+    from megatron.md.export import hf_export, hf_modeling
+
+    for name, preset in presets.PRESETS.items():
+        parse_env.unset_global_variables()
+        flags = [
+            f"--preset={name}",
+            "--lr=1e-3",
+            "--micro-batch-size=1",
+            "--train-iters=1",
+            "--seq-length=4096",
+            "--max-position-embeddings=4096",
+        ]
+        args, _ = pg.parse([*LAUNCHER, *flags, *SITE], on_cpu=True)
+        assert hf_export.unsupported(args) == [], name
+        with torch.device("meta"):
+            cfg = hf_modeling.MegatronMDConfig(**hf_export.config(args))
+            hf = hf_modeling.MegatronMDForCausalLM(cfg)
+        n = sum(p.numel() for k, p in hf.named_parameters() if not k.endswith("expert_bias"))
+        assert n == presets.count_params(preset, vocab=args.padded_vocab_size)[0], name
+        assert sum(cfg.moe_layers) == (preset.layers - 1 if preset.experts else 0), name
+
+
 def test_dry_run_prints_every_command_and_writes_nothing(tmp_path, capsys):
     """--dry-run says what would be submitted and leaves the run root as it was: an earlier
     manifest (with its job ids) is not rewritten, no log folder appears."""
