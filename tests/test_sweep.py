@@ -305,8 +305,11 @@ def parse_env(monkeypatch):
 
 def test_every_command_parses_and_builds(parse_env, tmp_path):
     """Each distinct command parses with megatron's parser plus ours and validates; its preset
-    counts to the paper's size (dense ±1 %, MoE ±2 %). A re-warming run's --init-from names
-    its source run's checkpoint, which the job's start checks: here a stand-in."""
+    counts to the paper's size (dense ±1 %, MoE ±2 %); its model exports to Hugging Face
+    (nGPT's architecture aside). A re-warming run's --init-from names its source run's
+    checkpoint, which the job's start checks: here a stand-in."""
+    from megatron.md.export import hf_export
+
     (tmp_path / "iter_0000001").mkdir()
     (tmp_path / "iter_0000001" / ".metadata").write_bytes(b"")
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
@@ -321,6 +324,8 @@ def test_every_command_parses_and_builds(parse_env, tmp_path):
         total, _ = presets.count_params(preset)
         if preset.params:
             assert abs(total / preset.params - 1) < (0.02 if preset.experts else 0.01)
+        ngpt = ["the nGPT architecture (arch='ngpt')"]
+        assert hf_export.unsupported(args) == (ngpt if args.arch == "ngpt" else []), run.name
 
 
 def test_every_preset_exports_to_hugging_face(parse_env):
