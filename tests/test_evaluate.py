@@ -462,8 +462,9 @@ def test_exported_rope_scaling_is_megatrons():
 def test_downstream_table_and_trajectory(tmp_path, capsys):
     """tools/downstream.py on evaluate.py reports of three runs (a trajectory folder each, and a
     report without the paper's tasks, left out): the table holds each run's last checkpoint,
-    rows named by the part of the run names that differs, the best per column in bold (ties
-    too), the CSV the same values, and the figure is drawn from every checkpoint."""
+    rows named by the part of the run names that differs (a method as the paper spells it),
+    the best per column in bold (ties too), the LaTeX table as the paper's, the CSV the same
+    values, and the figure is drawn from every checkpoint."""
     import downstream
 
     names = {"adamw": 45.2, "muon": 47.6, "muonmd": 48.7}  # the paper's averages
@@ -485,11 +486,17 @@ def test_downstream_table_and_trajectory(tmp_path, capsys):
     assert "none of the paper's tasks; left out" in capsys.readouterr().err
     md = (out / "table.md").read_text().splitlines()
     assert md[0] == "| run | MMLU | HellaSwag | Avg. |"
-    assert md[2:5] == ["| adamw | **25.6** | 51.0 | 45.2 |", "| muon | **25.6** | 52.0 | 47.6 |",
-                       "| muonmd | 23.3 | **53.0** | **48.7** |"]  # fmt: skip
-    assert "muonmd: iteration 84209, 44.15B tokens" in md[-1]
+    assert md[2:5] == ["| AdamW | **25.6** | 51.0 | 45.2 |", "| Muon | **25.6** | 52.0 | 47.6 |",
+                       "| MuonMD | 23.3 | **53.0** | **48.7** |"]  # fmt: skip
+    assert "MuonMD: iteration 84209, 44.15B tokens" in md[-1]
+    tex = (out / "table.tex").read_text().splitlines()
+    assert tex[:4] == ["\\begin{tabular}{lccc}", "\\toprule",
+                       "Optimizer & MMLU & HellaSwag & Avg. \\\\", "\\midrule"]  # fmt: skip
+    assert tex[6] == "MuonMD & 23.3 & \\textbf{53.0} & \\textbf{48.7} \\\\"
+    assert tex[-2:] == ["\\bottomrule", "\\end{tabular}"]
     rows = list(csv.DictReader((out / "table.csv").open()))
-    assert [(r["label"], float(r["average"])) for r in rows] == list(names.items())
+    assert [(r["label"], float(r["average"])) for r in rows] == [
+        ("AdamW", 45.2), ("Muon", 47.6), ("MuonMD", 48.7)]  # fmt: skip
     assert (out / "trajectory.png").stat().st_size > 20_000
     with pytest.raises(SystemExit, match="no report holds the paper's tasks"):
         downstream.main([str(tmp_path / "valid.json"), f"--out={out}"])

@@ -5,12 +5,12 @@ fig. moe-evals) from ``tools/evaluate.py``'s reports.
         --out runs/moe-ladder/evals/report
 
 Each argument is a report (JSON) or a folder of them (an ``evaluate.py --trajectory`` folder);
-reports are grouped by the run their checkpoint belongs to. Writes ``table.md`` and
-``table.csv`` (each run at its last evaluated checkpoint: the paper's headline metric per task
-and their average, in %, the best per column in bold, as the paper's table) and
+reports are grouped by the run their checkpoint belongs to. Writes ``table.md``, ``table.tex``
+(booktabs, as the paper's) and ``table.csv`` (each run at its last evaluated checkpoint: the
+paper's headline metric per task and their average, in %, the best per column in bold) and
 ``trajectory.png`` (one panel per task and one for the average, accuracy against training
 tokens, one line per run in its method's colour). Rows are named by what differs between the
-runs' names (the method, for the paper's three runs).
+runs' names (the method, for the paper's three runs, spelled as the paper does).
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ NAMES = {"mmlu": "MMLU", "hellaswag": "HellaSwag", "arc_challenge": "ARC-c",
          "arc_easy": "ARC-e", "winogrande": "WinoGrande", "average": "Avg."}  # fmt: skip
 #: its columns in its order (evaluate.py's set), then the average
 COLUMNS = {t: NAMES[t] for t in [*PAPER_TASKS, "average"]}
+#: methods as the paper spells them (a row named by anything else keeps its name)
+METHODS = {"adamw": "AdamW", "adammd": "AdamMD", "muon": "Muon", "muonmd": "MuonMD",
+           "muown": "Muown"}  # fmt: skip
 
 
 def read(paths: list[str]) -> dict[str, list[dict]]:
@@ -68,7 +71,8 @@ def labels(names: list[str]) -> dict[str, str]:
     """Each run's name without the ``-`` parts every name shares (the whole name if alone)."""
     parts = [n.split("-") for n in names]
     common = set.intersection(*map(set, parts)) if len(names) > 1 else set()
-    return {n: "-".join(x for x in p if x not in common) or n for n, p in zip(names, parts)}
+    out = {n: "-".join(x for x in p if x not in common) or n for n, p in zip(names, parts)}
+    return {n: METHODS.get(v, v) for n, v in out.items()}
 
 
 def table(runs: dict[str, list[dict]], out: Path) -> list[str]:
@@ -79,16 +83,21 @@ def table(runs: dict[str, list[dict]], out: Path) -> list[str]:
     last = {n: runs[n][-1]["paper"] for n in names}
     best = {c: max(last[n].get(c, float("-inf")) for n in names) for c in cols}
 
-    def cell(n, c):
+    def cell(n, c, bold="**{}**", missing="—"):
         v = last[n].get(c)
         if v is None:
-            return "—"
-        return f"**{v:.1f}**" if round(v, 1) == round(best[c], 1) else f"{v:.1f}"
+            return missing
+        return bold.format(f"{v:.1f}") if round(v, 1) == round(best[c], 1) else f"{v:.1f}"
 
     head = ["run", *(COLUMNS[c] for c in cols)]
     rows = [[label[n], *(cell(n, c) for c in cols)] for n in names]
     md = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     md += ["| " + " | ".join(r) + " |" for r in rows]
+    tex = [f"\\begin{{tabular}}{{l{'c' * len(cols)}}}", "\\toprule",
+           " & ".join(["Optimizer", *head[1:]]) + " \\\\", "\\midrule"]  # fmt: skip
+    tex += [" & ".join([label[n], *(cell(n, c, "\\textbf{{{}}}", "--") for c in cols)])
+            + " \\\\" for n in names]  # fmt: skip
+    out.joinpath("table.tex").write_text("\n".join([*tex, "\\bottomrule", "\\end{tabular}"]) + "\n")
     note = "; ".join(f"{label[n]}: iteration {runs[n][-1]['iteration']}"
                      + (f", {runs[n][-1]['tokens'] / 1e9:.4g}B tokens"
                         if runs[n][-1].get("tokens") else "") for n in names)  # fmt: skip
@@ -138,14 +147,14 @@ def figure(runs: dict[str, list[dict]], out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("reports", nargs="+", help="evaluate.py reports, or folders of them")
-    p.add_argument("--out", required=True, help="folder for table.md, table.csv, trajectory.png")
+    p.add_argument("--out", required=True, help="folder for the tables and trajectory.png")
     a = p.parse_args(argv)
     runs = read(a.reports)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     print("\n".join(table(runs, out)))
     figure(runs, out)
-    print(f"[downstream] wrote {out}/table.md, table.csv, trajectory.png "
+    print(f"[downstream] wrote {out}/table.md, table.tex, table.csv, trajectory.png "
           f"({len(runs)} runs)", flush=True)  # fmt: skip
 
 
