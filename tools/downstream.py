@@ -75,10 +75,10 @@ def labels(names: list[str]) -> dict[str, str]:
     return {n: METHODS.get(v, v) for n, v in out.items()}
 
 
-def table(runs: dict[str, list[dict]], out: Path) -> list[str]:
-    """``table.md`` and ``table.csv`` from each run's last report; returns the markdown rows."""
+def table(runs: dict[str, list[dict]], label: dict[str, str], out: Path) -> list[str]:
+    """``table.md``, ``table.tex`` and ``table.csv`` from each run's last report, rows named by
+    ``label``; returns the markdown rows."""
     names = sorted(runs)
-    label = labels(names)
     cols = [c for c in COLUMNS if any(c in runs[n][-1]["paper"] for n in names)]
     last = {n: runs[n][-1]["paper"] for n in names}
     best = {c: max(last[n].get(c, float("-inf")) for n in names) for c in cols}
@@ -113,7 +113,7 @@ def table(runs: dict[str, list[dict]], out: Path) -> list[str]:
     return md
 
 
-def figure(runs: dict[str, list[dict]], out: Path) -> None:
+def figure(runs: dict[str, list[dict]], label: dict[str, str], out: Path) -> None:
     """``trajectory.png``: a panel per task of the paper's set and one for the average."""
     import matplotlib
 
@@ -121,7 +121,6 @@ def figure(runs: dict[str, list[dict]], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = sorted(runs)
-    label = labels(names)
     cols = [c for c in COLUMNS if any(c in r["paper"] for n in names for r in runs[n])]
     tokens = all(r.get("tokens") for n in names for r in runs[n])
     fig, axes = plt.subplots(2, 3, figsize=(13, 7), squeeze=False)
@@ -152,8 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     runs = read(a.reports)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    print("\n".join(table(runs, out)))
-    figure(runs, out)
+    label = labels(sorted(runs))
+    print("\n".join(table(runs, label, out)))
+    figure(runs, label, out)
     print(f"[downstream] wrote {out}/table.md, table.tex, table.csv, trajectory.png "
           f"({len(runs)} runs)", flush=True)  # fmt: skip
 

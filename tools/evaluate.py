@@ -279,9 +279,10 @@ def evaluate(lm, a, args, saved, path: str, iteration: int, out: str | None) -> 
     report["versions"] = {"torch": torch.__version__, "lm_eval": lm_eval.__version__,
                           "megatron_core": megatron.core.__version__}  # fmt: skip
     if out:  # complete or absent: a trajectory goes on from the checkpoints it wrote
+        from megatron.md.train.files import write_whole
+
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        Path(out + ".partial").write_text(json.dumps(report, indent=1, default=str) + "\n")
-        os.replace(out + ".partial", out)
+        write_whole(out, json.dumps(report, indent=1, default=str) + "\n")
         print(f"[evaluate] wrote {out}", flush=True)
 
 

@@ -481,15 +481,23 @@ def _flag(flags: list[str], name: str, default=None):
     return default
 
 
+def _paper_preset(run: Run):
+    """The run's preset, None for the tiny CPU ones (no GPU-hours or disk to plan)."""
+    from megatron.md.train.presets import PRESETS
+
+    p = PRESETS.get(run.meta.get("size", ""))
+    return None if p is None or p.hidden < 256 else p
+
+
 def gpu_hours(run: Run) -> float:
     """An estimate of the GPU-hours one run takes: training FLOPs (6 × active parameters
     outside the input embedding, plus attention's 12 · L · heads · head dim · sequence, per
     token; megatron's own FLOP count) over ``MFU`` × ``PEAK_FLOPS``. Reported by
     ``sweep.py --list`` for planning; tools/throughput.py measures the real rate."""
-    from megatron.md.train.presets import PRESETS, count_params
+    from megatron.md.train.presets import count_params
 
-    p = PRESETS.get(run.meta.get("size", ""))
-    if p is None or p.hidden < 256:  # the tiny CPU presets
+    p = _paper_preset(run)
+    if p is None:
         return 0.0
     _, active = count_params(p)
     seq = int(_flag(run.flags, "--seq-length", SEQ))
@@ -511,10 +519,10 @@ def checkpoint_bytes(run: Run) -> float:
     """An estimate of the disk a run's checkpoints hold when it ends: those megatron's
     --save-retain-interval keeps (without it, every one the launcher's 1000-iteration saves
     make) and the last, × parameters × ``CKPT_BYTES`` of its optimizer family."""
-    from megatron.md.train.presets import PRESETS, count_params
+    from megatron.md.train.presets import count_params
 
-    p = PRESETS.get(run.meta.get("size", ""))
-    if p is None or p.hidden < 256:  # the tiny CPU presets
+    p = _paper_preset(run)
+    if p is None:
         return 0.0
     iters = int(_flag(run.flags, "--train-iters", 0))
     every = int(_flag(run.flags, "--save-retain-interval", 0) or 1000)

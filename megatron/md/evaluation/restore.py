@@ -181,11 +181,10 @@ def reload(net, step: int) -> int:
 def trajectory(load: str, fraction: float) -> list[int]:
     """The complete checkpoints of run directory ``load`` at iteration ≥ ``fraction`` × its
     latest (the tracker's), ascending, the latest included."""
-    from megatron.md.train.ckpt_checks import iterations, saved_format, tracked
+    from megatron.md.train.ckpt_checks import complete, tracked
 
     last = tracked(load)
     if last is None:
         raise SystemExit(f"evaluate: error: --load {load}: no tracker naming an iteration "
                          "(latest_checkpointed_iteration.txt), so no trajectory")  # fmt: skip
-    return [i for i in iterations(load) if fraction * last <= i <= last
-            and saved_format(os.path.join(load, f"iter_{i:07d}"))]  # fmt: skip
+    return [i for i in complete(load) if fraction * last <= i <= last]

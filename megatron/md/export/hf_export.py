@@ -82,16 +82,15 @@ def unsupported(args) -> list[str]:
 
 
 def moe_layers(args) -> list[int]:
-    """1 for each MoE layer, 0 for a dense one (megatron's moe_layer_freq, gpt_layer_specs.py:
-    an int k puts experts in every k-th layer from the first; a list is the pattern)."""
+    """1 for each MoE layer, 0 for a dense one: megatron-core's own reading of
+    ``--moe-layer-freq`` (an int k: every k-th layer from the first; a list: the pattern)."""
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_moe_layer_pattern,
+    )
+
     if not getattr(args, "num_experts", None):
         return [0] * args.num_layers
-    freq = args.moe_layer_freq
-    return (
-        [int(i % freq == 0) for i in range(args.num_layers)]
-        if isinstance(freq, int)
-        else list(freq)
-    )
+    return list(get_moe_layer_pattern(args))
 
 
 def config(args) -> dict:

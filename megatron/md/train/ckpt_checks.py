@@ -60,6 +60,11 @@ def iterations(load: str) -> list[int]:
     return sorted(int(m.group(1)) for n in names if (m := re.fullmatch(r"iter_(\d{7})", n)))
 
 
+def complete(load: str) -> list[int]:
+    """The iterations of ``load`` whose checkpoint is complete (a format's files present)."""
+    return [i for i in iterations(load) if saved_format(os.path.join(load, f"iter_{i:07d}"))]
+
+
 def tracked(d: str) -> int | None:
     """The iteration ``d``'s tracker names (None: no tracker, ``release``, or damaged)."""
     try:
@@ -72,8 +77,7 @@ def tracked(d: str) -> int | None:
 def resumable(load: str, but: str | None = None) -> str:
     """The way out of a tracker that names no complete checkpoint: the complete ones ``load``
     holds (the last five), to resume with ``--ckpt-step``."""
-    done = [i for i in iterations(load) if f"iter_{i:07d}" != but
-            and saved_format(os.path.join(load, f"iter_{i:07d}"))]  # fmt: skip
+    done = [i for i in complete(load) if f"iter_{i:07d}" != but]
     if not done:
         return f"{load} holds no other complete checkpoint"
     return (f"resume a complete one with --ckpt-step N ({load} holds "
