@@ -46,6 +46,30 @@ class _GatherLike(torch.autograd.Function):
 
 
 @pytest.mark.distributed
+def test_cpu_mode_runs_megatrons_compiled_functions_eagerly_and_compiles_md_kernels():
+    """CPU mode (on in this process: conftest) runs megatron's ``jit_fuser`` functions
+    (torch.compile) eagerly: no frame traced by dynamo; MD's compiled step still compiles its
+    kernels (``compiled.Checked`` asks for the default stance)."""
+    from megatron.core.fusions.fused_bias_swiglu import swiglu
+    from torch._dynamo.utils import counters
+
+    from megatron.md.engine import compiled
+
+    assert cpu_mode.is_active() and hasattr(swiglu, "_torchdynamo_orig_callable")
+    before = counters["stats"]["unique_graphs"]
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(swiglu(x), torch.nn.functional.silu(x[:, :4]) * x[:, 4:])
+    assert counters["stats"]["unique_graphs"] == before  # megatron's: eager
+
+    def triple(x, out):  # its own code object: a graph of its own
+        out.copy_(x * 3)
+
+    kernel = compiled.Checked(triple, torch.compile(triple, dynamic=False, fullgraph=True))
+    out = torch.empty(3, 8)
+    kernel(x, out)
+    assert torch.equal(out, x * 3) and counters["stats"]["unique_graphs"] == before + 1
+
+
 def test_cpu_mode_gathers_uneven_sizes():
     """gloo refuses an all_gather into tensors of different sizes, which NCCL takes and
     megatron's layer-wise optimizer without its param layout makes (plain Muon's 2-rank run with
@@ -92,7 +116,9 @@ WARMUP_ARGS = dict(bf16=False, fp16=False, ffn_hidden_size=96, tensor_model_para
 def test_the_cpu_jit_warmup_leaves_the_generator_as_megatrons_does(monkeypatch, layout, dynamo):
     """CPU mode replaces megatron's JIT warm-up (four dynamo compiles, ~2 s a rank) by the draws
     it makes (megatron/md/train/cpu_warmup.py): the generator ends in the same state, so the
-    weights initialized after it are megatron's. With dynamo off the warm-up itself runs."""
+    weights initialized after it are megatron's, compiled (dynamo's default stance: CPU mode
+    itself runs torch.compile'd functions eagerly and keeps the compiled warm-up's draws). With
+    dynamo off the warm-up itself runs."""
     import megatron.training.global_vars as gv
     from megatron.training.initialize import _warmup_jit_function
     from megatron.training.training import set_jit_fusion_options
@@ -102,7 +128,8 @@ def test_the_cpu_jit_warmup_leaves_the_generator_as_megatrons_does(monkeypatch, 
     monkeypatch.setattr(gv, "_GLOBAL_ARGS", argparse.Namespace(**{**WARMUP_ARGS, **layout}))
     ours = cpu_warmup.draws_only(set_jit_fusion_options)
     states = []
-    with torch._dynamo.config.patch(disable=dynamo == "off"):  # as TORCH_COMPILE_DISABLE=1
+    off = torch._dynamo.config.patch(disable=dynamo == "off")  # as TORCH_COMPILE_DISABLE=1
+    with off, torch.compiler.set_stance("default"):
         for warmup in (_warmup_jit_function, ours):
             torch.manual_seed(11)
             warmup(tp_size=2)

@@ -16,7 +16,8 @@ NCCL), which then stops instead of training on the CPU; ``1``, CPU mode whenever
 CUDA (a CPU job on purpose, e.g. on a CPU-only SLURM cluster); ``0``, never. Limits: one
 process-wide mode per thread (threads other than the one that activated it see no
 redirection), Python overhead on every torch call (fine for tiny models, not for
-benchmarking), and no fused kernels (no TE/Apex on CPU).
+benchmarking), and no fused kernels (no TE/Apex on CPU; megatron's ``torch.compile``'d
+functions run eagerly, ``_eager_torch_compile``; MD's own compiled step still compiles).
 """
 
 from __future__ import annotations
@@ -246,6 +247,18 @@ def _patch_process_group() -> None:
     dist.init_process_group = init_process_group
 
 
+def _eager_torch_compile() -> None:
+    """Functions wrapped by ``torch.compile`` run eagerly (dynamo's ``force_eager`` stance,
+    process-wide; forked ranks inherit it): megatron's fused functions (``jit_fuser`` =
+    ``torch.compile``, megatron/core/jit.py: the MoE router's, SwiGLU's, bias-dropout-add's)
+    are the same arithmetic eager, and each process traced them again with dynamo, ~4 s of a
+    tiny MoE rank's 20 iterations on a 2-core VM (2026-12-03, torch 2.15.0: 14.5 s → 10.2 s).
+    MD's compiled step (``--md-fused-step``, megatron/md/engine/compiled.py) asks for the
+    default stance around its own calls and still compiles. Megatron's JIT warm-up keeps its
+    random draws (train/cpu_warmup.py): the initial weights are those of a compiled warm-up."""
+    torch.compiler.set_stance("force_eager")
+
+
 def activate(quiet: bool = False) -> None:
     """Install the CPU shim (idempotent), and say so once unless ``quiet`` (a process forked
     with the shim installed says it at its own first call: megatron/md/forkserver.py).
@@ -257,6 +270,7 @@ def activate(quiet: bool = False) -> None:
         check_backward_seam()
         _patch_cuda()
         _patch_process_group()
+        _eager_torch_compile()
         _CpuRedirect().__enter__()  # stays pushed for the life of the process
         _ACTIVE = True
         try:

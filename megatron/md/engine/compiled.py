@@ -221,11 +221,14 @@ class Checked:
         such as the matmul precision, make more) again with the limit raised: dynamo refuses
         before it runs anything. Not raised around every call: its ``config.patch`` cost
         48-73 us a call, the compiled call 25-30 (torch 2.15.0, 2-core VM, 2026-12-03)."""
-        try:
-            return self.compiled(*args)
-        except torch._dynamo.exc.FailOnRecompileLimitHit:
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        # dynamo's default stance: compiled where CPU mode runs torch.compile'd functions
+        # eagerly (cpu_mode._eager_torch_compile); ~4 us a call
+        with torch.compiler.set_stance("default"):
+            try:
                 return self.compiled(*args)
+            except torch._dynamo.exc.FailOnRecompileLimitHit:
+                with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                    return self.compiled(*args)
 
     def _keep_eager(self, key: tuple, wrong: str, args, mine, writes, want):
         """The eager formula's results in place of the compiled kernel's, and that layout run
