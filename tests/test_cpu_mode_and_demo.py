@@ -45,7 +45,6 @@ class _GatherLike(torch.autograd.Function):
         return out.copy_(g).mul_(2)
 
 
-@pytest.mark.distributed
 def test_cpu_mode_runs_megatrons_compiled_functions_eagerly_and_compiles_md_kernels():
     """CPU mode (on in this process: conftest) runs megatron's ``jit_fuser`` functions
     (torch.compile) eagerly: no frame traced by dynamo; MD's compiled step still compiles its
@@ -70,6 +69,7 @@ def test_cpu_mode_runs_megatrons_compiled_functions_eagerly_and_compiles_md_kern
     assert torch.equal(out, x * 3) and counters["stats"]["unique_graphs"] == before + 1
 
 
+@pytest.mark.distributed
 def test_cpu_mode_gathers_uneven_sizes():
     """gloo refuses an all_gather into tensors of different sizes, which NCCL takes and
     megatron's layer-wise optimizer without its param layout makes (plain Muon's 2-rank run with

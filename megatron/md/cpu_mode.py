@@ -16,8 +16,9 @@ NCCL), which then stops instead of training on the CPU; ``1``, CPU mode whenever
 CUDA (a CPU job on purpose, e.g. on a CPU-only SLURM cluster); ``0``, never. Limits: one
 process-wide mode per thread (threads other than the one that activated it see no
 redirection), Python overhead on every torch call (fine for tiny models, not for
-benchmarking), and no fused kernels (no TE/Apex on CPU; megatron's ``torch.compile``'d
-functions run eagerly, ``_eager_torch_compile``; MD's own compiled step still compiles).
+benchmarking), and no fused kernels (no TE/Apex on CPU; every ``torch.compile``'d function,
+megatron's fused ones among them, runs eagerly: ``_eager_torch_compile``; MD's own compiled
+step still compiles).
 """
 
 from __future__ import annotations
