@@ -26,16 +26,13 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 from evaluate import PAPER_TASKS  # noqa: E402
 
-from megatron.md.figstyle import method_color  # noqa: E402
+from megatron.md.figstyle import method_color, method_name  # noqa: E402
 
 #: the paper's column names
 NAMES = {"mmlu": "MMLU", "hellaswag": "HellaSwag", "arc_challenge": "ARC-c",
          "arc_easy": "ARC-e", "winogrande": "WinoGrande", "average": "Avg."}  # fmt: skip
 #: its columns in its order (evaluate.py's set), then the average
 COLUMNS = {t: NAMES[t] for t in [*PAPER_TASKS, "average"]}
-#: methods as the paper spells them (a row named by anything else keeps its name)
-METHODS = {"adamw": "AdamW", "adammd": "AdamMD", "muon": "Muon", "muonmd": "MuonMD",
-           "muown": "Muown"}  # fmt: skip
 
 
 def read(paths: list[str]) -> dict[str, list[dict]]:
@@ -72,7 +69,7 @@ def labels(names: list[str]) -> dict[str, str]:
     parts = [n.split("-") for n in names]
     common = set.intersection(*map(set, parts)) if len(names) > 1 else set()
     out = {n: "-".join(x for x in p if x not in common) or n for n, p in zip(names, parts)}
-    return {n: METHODS.get(v, v) for n, v in out.items()}
+    return {n: method_name(v) for n, v in out.items()}
 
 
 def table(runs: dict[str, list[dict]], label: dict[str, str], out: Path) -> list[str]:

@@ -22,13 +22,25 @@ METHOD_COLORS = {
 }
 
 
+#: methods as the paper spells them (tables' rows)
+METHOD_NAMES = {"adamw": "AdamW", "adammd": "AdamMD", "muon": "Muon", "muonmd": "MuonMD",
+                "muown": "Muown"}  # fmt: skip
+
+
+def _method_key(name: str) -> str:
+    key = re.sub(r"[^a-z]", "", name.lower())
+    return {"adam": "adamw", "adamwmd": "adammd"}.get(key, key)
+
+
 def method_color(name: str) -> str | None:
     """The method's colour, whatever the spelling (``AdamMD``, ``adam_md``, ``muon-md``, a run
     name's method part); None for anything else (the figure's own colour cycle)."""
-    key = re.sub(r"[^a-z]", "", name.lower())
-    if key in ("adam", "adamwmd"):
-        key = {"adam": "adamw", "adamwmd": "adammd"}[key]
-    return METHOD_COLORS.get(key)
+    return METHOD_COLORS.get(_method_key(name))
+
+
+def method_name(name: str) -> str:
+    """The method as the paper spells it, whatever the spelling; anything else as it came."""
+    return METHOD_NAMES.get(_method_key(name), name)
 
 
 def natural_key(text) -> list:

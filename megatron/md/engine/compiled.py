@@ -34,11 +34,13 @@ import functools
 import inspect
 import os
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from megatron.md import cpu_mode
 from megatron.md.base_steps import AdamHParams
 
 #: gains and spheres the compiled kernels cover (others, the tangent projection, TP pieces and
@@ -221,9 +223,10 @@ class Checked:
         such as the matmul precision, make more) again with the limit raised: dynamo refuses
         before it runs anything. Not raised around every call: its ``config.patch`` cost
         48-73 us a call, the compiled call 25-30 (torch 2.15.0, 2-core VM, 2026-12-03)."""
-        # dynamo's default stance: compiled where CPU mode runs torch.compile'd functions
-        # eagerly (cpu_mode._eager_torch_compile); ~4 us a call
-        with torch.compiler.set_stance("default"):
+        # dynamo's default stance where CPU mode runs torch.compile'd functions eagerly
+        # (cpu_mode._eager_torch_compile; ~4 us a call): only there, off the GPU step's host path
+        stance = torch.compiler.set_stance("default") if cpu_mode.is_active() else nullcontext()
+        with stance:
             try:
                 return self.compiled(*args)
             except torch._dynamo.exc.FailOnRecompileLimitHit:
