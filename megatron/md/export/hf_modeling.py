@@ -14,7 +14,10 @@ dropping: the router's logits in ``moe_router_dtype``, its score function, top-k
 bias moving the choice only), the scores of the chosen experts normalized and scaled as
 ``topk_routing_with_score_function``; each chosen expert's SwiGLU output weighted by its
 probability before fc2 (``MLP.forward``'s ``per_token_scale``); the shared expert added.
-No key/value cache: every call reads the whole sequence.
+No key/value cache: every call reads the whole sequence. ``attention_mask`` (1 = token, 0 =
+padding, left or right) keeps padding out of every token's attention and numbers each
+sequence's positions from its first token, as an unpadded sequence's (``position_ids`` given
+are used as they are): a padded batch gives each sequence its own logits.
 """
 
 from __future__ import annotations
@@ -146,7 +149,7 @@ class _Attention(nn.Module):
             self.k_layernorm = _Norm(self.hn, c.norm_epsilon)
         self.qk_norm = c.qk_layernorm
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, mask=None):
         b, s, _ = x.shape
         per = self.np // self.ng
         qkv = F.linear(x, self.linear_qkv.weight).view(b, s, self.ng, (per + 2) * self.hn)
@@ -157,7 +160,10 @@ class _Attention(nn.Module):
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hn]
         k, v = k.repeat_interleave(per, dim=1), v.repeat_interleave(per, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return F.linear(out.transpose(1, 2).reshape(b, s, -1), self.linear_proj.weight)
 
 
@@ -256,8 +262,8 @@ class _Layer(nn.Module):
             self.self_attn_bda, self.mlp_bda = _Sandwich(c), _Sandwich(c)
         self.sandwich = c.sandwich_norm
 
-    def forward(self, x, cos, sin):
-        out = self.self_attention(self.input_layernorm(x), cos, sin)
+    def forward(self, x, cos, sin, mask=None):
+        out = self.self_attention(self.input_layernorm(x), cos, sin, mask)
         x = self.self_attn_bda(out, x) if self.sandwich else x + out
         out = self.mlp(self.pre_mlp_layernorm(x))
         return self.mlp_bda(out, x) if self.sandwich else x + out
@@ -297,10 +303,28 @@ class MegatronMDForCausalLM(PreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
 
-    def prepare_inputs_for_generation(self, input_ids, **kwargs):
-        return {"input_ids": input_ids}
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
 
-    def forward(self, input_ids, attention_mask=None, labels=None, **kwargs):
+    @staticmethod
+    def _padding(input_ids, attention_mask, position_ids):
+        """(positions [b or 1, s], attention mask [b, 1, s, s] or None): with padding, causal
+        attention to the sequence's own tokens (a padding position attends to itself alone,
+        so nothing becomes NaN) and positions counted from each sequence's first token."""
+        s, dev = input_ids.shape[1], input_ids.device
+        padded = attention_mask is not None and not bool(attention_mask.bool().all())
+        if position_ids is None:
+            if padded:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            else:
+                position_ids = torch.arange(s, device=dev)[None]
+        if not padded:
+            return position_ids, None
+        causal = torch.ones(s, s, dtype=torch.bool, device=dev).tril()
+        allowed = causal & attention_mask.bool()[:, None, None, :]
+        return position_ids, allowed | torch.eye(s, dtype=torch.bool, device=dev)
+
+    def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, **kwargs):
         c = self.config
         x = F.embedding(input_ids, self.embedding.word_embeddings.weight)
         if c.embedding_scale:
@@ -313,12 +337,12 @@ class MegatronMDForCausalLM(PreTrainedModel, GenerationMixin):
         )
         if c.rope_scaling_factor:
             inv_freq = llama3_scaled(inv_freq, c.rope_scaling_factor)
-        pos = torch.arange(input_ids.shape[1], device=dev, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)[None, :, None, :]  # [1, s, 1, hn]
+        pos, mask = self._padding(input_ids, attention_mask, position_ids)
+        freqs = pos.float()[..., None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [b or 1, s, 1, hn]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for layer in self.decoder.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, mask)
         x = self.decoder.final_layernorm(x)
         head = self.embedding.word_embeddings if c.share_embeddings else self.output_layer
         logits = F.linear(x, head.weight)
