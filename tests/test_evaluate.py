@@ -259,6 +259,41 @@ def test_checkpoint_scores_its_own_validation_loss_and_runs_a_task(trained, tmp_
     assert "validation loss" not in again.stdout
 
 
+@pytest.mark.distributed
+def test_a_transformer_engine_run_is_evaluated_where_te_does_not_load(trained, tmp_path):
+    """A run trained with Transformer Engine (its saved args say so; the checkpoint's keys are
+    the ones the local spec writes, which are TE's names: megatron-core's
+    ``sharded_state_dict_keys_map``) evaluated where TE does not load: rebuilt with the local
+    layer spec, said so, and its validation loss is the one the run logged (without the
+    fallback: refused, TE not installed)."""
+    import shutil
+
+    from megatron.md.evaluation import restore
+
+    run, _ = trained
+    te = tmp_path / "te-run"
+    shutil.copytree(run, te)
+    from megatron.core import dist_checkpointing
+
+    # the saved args rewritten: megatron-core reads a legacy common.pt before the common state
+    # inside the torch_dist files (dist_checkpointing/serialization.py, load_common_state_dict)
+    state = dist_checkpointing.load_common_state_dict(str(te / "iter_0000012"))
+    state["args"].transformer_impl = "transformer_engine"
+    torch.save(state, te / "iter_0000012" / "common.pt")
+    saved, _ = restore.saved_args(str(te), 12)
+    assert restore.local_for_te(saved) and "--transformer-impl=local" in restore.argv_for(
+        saved, str(te), 12, True
+    )
+    logged = [json.loads(ln) for ln in (run / "metrics.jsonl").open() if '"valid"' in ln][0]
+    cmd = [sys.executable, str(ROOT / "tools" / "evaluate.py"), f"--load={te}", "--valid-loss",
+           "--batch-size=4"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env(), cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "go into the local layer spec" in out.stdout
+    loss = float(re.search(r"validation loss[^0-9]*([0-9.]+)", out.stdout).group(1))
+    assert loss == pytest.approx(logged["lm loss"], rel=1e-5)
+
+
 def test_trajectory_arguments_are_checked(capsys):
     """--trajectory takes a fraction in [0, 1] and a folder --out, and no --ckpt-step."""
     import evaluate

@@ -243,3 +243,27 @@ def test_megatrons_rerun_machinery_sees_the_loss(tmp_path):
             loss_func(mask, torch.full((2, 8), float("nan")))
     finally:
         destroy_rerun_state_machine()
+
+
+@pytest.mark.usefixtures("one_process")
+def test_a_transformer_engine_moe_checkpoint_names_the_local_moe_layers_pre_mlp_norm():
+    """Evaluating a Transformer Engine run where TE does not load (evaluation/restore.py,
+    ``local_for_te``): the local spec reads TE's checkpoint names — its norms' sharded keys are
+    TE's fused ones (megatron's ``sharded_state_dict_keys_map``) — except an MoE layer's pre-MLP
+    norm, which TE saves as ``pre_mlp_layernorm.weight`` and the local spec as a dense layer's
+    fused norm: ``te_names`` gives the MoE layers TE's key, the dense first layer keeps its."""
+    import megatron.training.global_vars as gv
+
+    def saved_as(te_names: bool) -> list[tuple[str, str]]:
+        args, _ = parse("--preset=tiny-moe")
+        args.padded_vocab_size = args.vocab_size
+        args.te_names = te_names
+        sd = md_model.model_provider().sharded_state_dict()
+        gv.unset_global_variables()
+        return [tuple(sd[f"decoder.layers.{i}.{m}.weight"].key.split(".", 3)[-1]
+                      for m in ("input_layernorm", "pre_mlp_layernorm"))
+                for i in range(4)]  # fmt: skip
+
+    qkv, fc1 = "self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"
+    assert saved_as(False) == [(qkv, fc1)] * 4
+    assert saved_as(True) == [(qkv, fc1)] + [(qkv, "pre_mlp_layernorm.weight")] * 3

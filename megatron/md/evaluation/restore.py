@@ -107,13 +107,38 @@ def replay(saved, names) -> list[str]:
     return out
 
 
+#: flags of a Transformer Engine run that the local layer spec does not take
+TE_ONLY = ("--transformer-impl", "--moe-grouped-gemm")
+
+
+def local_for_te(saved) -> str | None:
+    """Why a Transformer Engine run is rebuilt with the local layer spec here (None: it is
+    not, or TE loads). Its checkpoint loads into the local spec: megatron-core's local layer
+    names its norms' sharded keys as TE's fused ones (gpt_layer_specs.py:459,
+    ``sharded_state_dict_keys_map``), its linears carry TE's ``_extra_state``
+    (tensor_parallel/layers.py:1087) and TE's grouped experts shard as ``SequentialMLP``
+    (moe/experts.py:917); an MoE layer's pre-MLP norm keeps TE's name
+    (``model.layer_spec``'s ``te_names``). The arithmetic is the same (RMSNorm, SwiGLU,
+    softmax attention), in other kernels."""
+    if getattr(saved, "transformer_impl", "local") != "transformer_engine":
+        return None
+    from megatron.md.stack import problems
+
+    found = problems("transformer_engine")
+    return found[0] if found else None
+
+
 def argv_for(
     saved, load: str, ckpt_step: int | None, valid: bool, tokenizer_model: str | None = None
 ) -> list[str]:
     """The ``pretrain_gpt.py`` command line that rebuilds the run's model to evaluate it
     (megatron's batch sizes are placeholders: the harness adapter makes its own batches);
-    ``tokenizer_model``: where the run's tokenizer is now, when it moved."""
+    ``tokenizer_model``: where the run's tokenizer is now, when it moved. A Transformer
+    Engine run where TE does not load: the local layer spec (``local_for_te``)."""
     argv = replay(saved, set(ARCH) | (set(DATA) if valid else set()))
+    if local_for_te(saved):
+        argv = [f for f in argv if f.split("=")[0] not in TE_ONLY]
+        argv += ["--transformer-impl=local"]
     argv += [
         f"--load={load}",
         "--no-load-optim",
@@ -150,6 +175,10 @@ def build(argv: list[str]):
     if int(os.environ["WORLD_SIZE"]) != 1:
         raise SystemExit("evaluate: error: run as one process (TP = PP = 1 on one device)")
     args, _ = cli.parse(argv, cpu_mode.is_active())
+    saved, _ = saved_args(args.load, args.ckpt_step)
+    if why := local_for_te(saved):
+        args.te_names = True  # model.layer_spec: the MoE layers' pre-MLP norm as TE saved it
+        print(f"evaluate: the run's weights go into the local layer spec ({why})", flush=True)
     startup.check_stack(args)
     ckpt_checks.check_all(ckpt_checks.locate(args.load, args.ckpt_step), args)
     patches.apply(None, cpu_mode.is_active())  # what pretrain_gpt.py sets up (CPU mode: gloo)

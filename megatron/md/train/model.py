@@ -165,11 +165,41 @@ def layer_spec(args, cfg, use_te: bool, vp_stage=None):
     fn, _, kw = spec_call(args, cfg, use_te, vp_stage)
     spec = fn(**kw)
     if args.num_experts:
+        if getattr(args, "te_names", False):
+            spec.layer_specs = _te_moe_names(spec.layer_specs)
         if args.sandwich_norm:
             spec.layer_specs = [_with_sandwich(s, cfg, alpha) for s in spec.layer_specs]
         return spec
     local_attention(spec, args)
     return _with_sandwich(spec, cfg, alpha) if args.sandwich_norm else spec
+
+
+def _te_moe_names(layer_specs: list) -> list:
+    """Local MoE layers whose pre-MLP norm has the sharded key Transformer Engine's MoE layer
+    saves (``pre_mlp_layernorm.weight``; TE's spec maps no name of it,
+    core/models/gpt/gpt_layer_specs.py:336), where the local spec names it as a dense layer's
+    fused norm (``mlp.linear_fc1.layer_norm_weight``, gpt_layer_specs.py:459): set only to
+    load a TE run's checkpoint into the local spec (``evaluation/restore.local_for_te``)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    def moe(mlp) -> bool:  # a ModuleSpec, or (megatron-core 0.19.2) a functools.partial
+        cls = getattr(mlp, "module", None) or getattr(mlp, "func", None)
+        return isinstance(cls, type) and issubclass(cls, MoELayer)
+
+    out, changed = [], 0
+    for spec in layer_specs:
+        keys = dict(spec.submodules.sharded_state_dict_keys_map)
+        if moe(spec.submodules.mlp) and keys.pop("pre_mlp_layernorm.", None):
+            sub = dataclasses.replace(spec.submodules, sharded_state_dict_keys_map=keys)
+            spec, changed = dataclasses.replace(spec, submodules=sub), changed + 1
+        out.append(spec)
+    if not changed:
+        raise RuntimeError(
+            "megatron-core's local MoE layer spec no longer maps its pre-MLP norm's name "
+            "(gpt_layer_specs.py:459): a Transformer Engine checkpoint's MoE layers would not "
+            "load as written for it (evaluation/restore.py, local_for_te)"
+        )
+    return out
 
 
 def local_attention(spec, args) -> None:
