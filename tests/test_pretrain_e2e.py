@@ -264,6 +264,54 @@ def test_an_expert_parallel_moe_run_exports_to_hugging_face(expert_parallel, tmp
     assert bias.abs().max() > 0  # the bias moved: routing the export must reproduce
 
 
+def test_a_transformer_engine_moe_run_exports_where_te_does_not_load(expert_parallel, tmp_path):
+    """The EP=2 run as Transformer Engine would have saved it: its args say TE with grouped
+    experts, its MoE layers' pre-MLP norms under TE's key (``pre_mlp_layernorm.weight``; the
+    local spec saves them as ``mlp.linear_fc1.layer_norm_weight``; the rest of the names are
+    TE's already). Exported where TE does not load: rebuilt with the local spec, said so, every
+    weight found (megatron loads strictly: a missed name stops it), the norms the trained ones,
+    the logits megatron's (--check)."""
+    import dataclasses
+    import pickle
+    import re
+    import shutil
+
+    from megatron.core import dist_checkpointing
+    from safetensors.torch import load_file
+
+    _, save = expert_parallel
+    te = tmp_path / "te"
+    shutil.copytree(save, te)
+    it = te / "iter_0000010"
+    for f in it.glob("md_checksums.*"):  # (they cover the metadata rewritten here)
+        f.unlink()
+    meta = pickle.loads((it / ".metadata").read_bytes())
+
+    def te_name(fqn: str) -> str:
+        return re.sub(r"^(decoder\.layers\.[123]\.)mlp\.linear_fc1\.layer_norm_weight$",
+                      r"\1pre_mlp_layernorm.weight", fqn)  # fmt: skip
+
+    meta.state_dict_metadata = {te_name(k): v for k, v in meta.state_dict_metadata.items()}
+    meta.storage_data = {dataclasses.replace(k, fqn=te_name(k.fqn)): v
+                         for k, v in meta.storage_data.items()}  # fmt: skip
+    assert sum("pre_mlp_layernorm" in k for k in meta.state_dict_metadata) == 3
+    (it / ".metadata").write_bytes(pickle.dumps(meta))
+    state = dist_checkpointing.load_common_state_dict(str(it))
+    state["args"].transformer_impl, state["args"].moe_grouped_gemm = "transformer_engine", True
+    torch.save(state, it / "common.pt")  # read before the common state in the torch_dist files
+    out = tmp_path / "hf"
+    cmd = [sys.executable, str(ROOT / "tools" / "export_hf.py"), f"--load={te}",
+           f"--out={out}", "--check"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "go into the local layer spec" in res.stdout
+    assert float(res.stdout.split("relative difference ")[1].split()[0]) < 1e-5
+    weights = load_file(out / "model.safetensors")
+    for i in (1, 2, 3):  # trained (Adam, LR 1e-2, 10 iterations), not the initial ones
+        assert (weights[f"decoder.layers.{i}.pre_mlp_layernorm.weight"] - 1).abs().max() > 1e-3
+
+
 def test_expert_parallel_communication_overlap_trains_as_without(tmp_path):
     """``--overlap-moe-expert-parallel-comm``: megatron's combined 1F1B schedule asks the
     forward step for the model's schedule plan (core/pipeline_parallel/combined_1f1b.py:384);
