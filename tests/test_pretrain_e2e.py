@@ -241,6 +241,17 @@ def test_adam_md_expert_parallel(expert_parallel):
     assert max(errs.values()) < 1e-5, sorted(errs.items(), key=lambda kv: -kv[1])[:3]
 
 
+def export_checked(load: Path, out: Path) -> tuple[float, str]:
+    """tools/export_hf.py --check on run directory ``load``: (the logits' relative difference
+    it measured, its stdout); it must succeed."""
+    cmd = [sys.executable, str(ROOT / "tools" / "export_hf.py"), f"--load={load}",
+           f"--out={out}", "--check"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return float(res.stdout.split("relative difference ")[1].split()[0]), res.stdout
+
+
 def test_an_expert_parallel_moe_run_exports_to_hugging_face(expert_parallel, tmp_path):
     """tools/export_hf.py on the EP=2 run (saved over 4 ranks, read on one): the tiny MoE's
     dense first layer and three MoE layers (sigmoid router with the expert bias choosing, top-2
@@ -251,13 +262,7 @@ def test_an_expert_parallel_moe_run_exports_to_hugging_face(expert_parallel, tmp
 
     _, save = expert_parallel
     out = tmp_path / "hf"
-    cmd = [sys.executable, str(ROOT / "tools" / "export_hf.py"), f"--load={save}",
-           f"--out={out}", "--check"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    rel = float(res.stdout.split("relative difference ")[1].split()[0])
-    assert rel < 1e-5
+    assert export_checked(save, out)[0] < 1e-5
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["moe_layers"] == [0, 1, 1, 1] and cfg["num_experts"] == 8
     bias = load_file(out / "model.safetensors")["decoder.layers.1.mlp.router.expert_bias"]
@@ -300,13 +305,8 @@ def test_a_transformer_engine_moe_run_exports_where_te_does_not_load(expert_para
     state["args"].transformer_impl, state["args"].moe_grouped_gemm = "transformer_engine", True
     torch.save(state, it / "common.pt")  # read before the common state in the torch_dist files
     out = tmp_path / "hf"
-    cmd = [sys.executable, str(ROOT / "tools" / "export_hf.py"), f"--load={te}",
-           f"--out={out}", "--check"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "go into the local layer spec" in res.stdout
-    assert float(res.stdout.split("relative difference ")[1].split()[0]) < 1e-5
+    rel, stdout = export_checked(te, out)
+    assert rel < 1e-5 and "go into the local layer spec" in stdout
     weights = load_file(out / "model.safetensors")
     for i in (1, 2, 3):  # trained (Adam, LR 1e-2, 10 iterations), not the initial ones
         assert (weights[f"decoder.layers.{i}.pre_mlp_layernorm.weight"] - 1).abs().max() > 1e-3
