@@ -553,20 +553,27 @@ def test_downstream_table_and_trajectory(tmp_path, capsys):
         downstream.main([str(tmp_path / "valid.json"), f"--out={out}"])
 
 
-def test_exported_model_reads_the_attention_mask():
-    """A padded batch (left or right, the MoE layer included) gives each sequence the logits it
-    has alone: padding is kept out of attention and positions count from each sequence's first
-    token (lm-eval's generation pads on the left); a mask without padding changes nothing, bit
-    for bit; greedy generate() on a left-padded batch continues each prompt as it does alone."""
+def random_hf_model():
+    """The exported model's class at a tiny size, a dense then an MoE layer (4 experts, top-2),
+    random weights (std 0.3), in eval mode."""
     from megatron.md.export import hf_modeling
 
-    torch.manual_seed(0)
     cfg = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4,
                num_query_groups=2, kv_channels=8, ffn_hidden_size=64, moe_layers=[0, 1],
                num_experts=4, moe_ffn_hidden_size=16, moe_topk=2)  # fmt: skip
     m = hf_modeling.MegatronMDForCausalLM(hf_modeling.MegatronMDConfig(**cfg)).eval()
     for p in m.parameters():
         torch.nn.init.normal_(p, std=0.3)
+    return m
+
+
+def test_exported_model_reads_the_attention_mask():
+    """A padded batch (left or right, the MoE layer included) gives each sequence the logits it
+    has alone: padding is kept out of attention and positions count from each sequence's first
+    token (lm-eval's generation pads on the left); a mask without padding changes nothing, bit
+    for bit; greedy generate() on a left-padded batch continues each prompt as it does alone."""
+    torch.manual_seed(0)
+    m = random_hf_model()
     a, b = torch.randint(1, 64, (7,)), torch.randint(1, 64, (4,))
     with torch.no_grad():
         alone = [m(x[None]).logits[0] for x in (a, b)]
@@ -588,3 +595,37 @@ def test_exported_model_reads_the_attention_mask():
         out = m.generate(both, attention_mask=mask, **kw)
         for row, x in zip(out, (a, b), strict=True):
             assert torch.equal(row[-3:], m.generate(x[None], **kw)[0, -3:])
+
+
+def test_exported_model_caches_keys_and_values():
+    """With a transformers ``DynamicCache`` the exported model reads only the new tokens: the
+    logits of a prompt read at once and then token by token, a left-padded batch with its mask
+    included, equal those of the whole sequence read at once (dense and MoE layers, to 1e-5);
+    greedy generate() (which uses the cache) equals the argmax of full forward passes."""
+    from transformers import DynamicCache
+
+    torch.manual_seed(1)
+    m = random_hf_model()
+    ids = torch.randint(1, 64, (2, 9))
+    ids[1, :3] = 0
+    mask = (torch.arange(9) >= 3).long()[None].expand(2, 9).clone()
+    mask[0] = 1
+    with torch.no_grad():
+        whole = m(ids, attention_mask=mask).logits
+        cache = DynamicCache()
+        steps = [m(ids[:, :5], attention_mask=mask[:, :5], cache=cache).logits]
+        for t in range(5, 9):
+            steps.append(m(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache).logits)
+        assert cache.get_seq_length() == 9
+        torch.testing.assert_close(torch.cat(steps, 1)[mask.bool()], whole[mask.bool()],
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+        x, read = ids[:1, 3:], []
+        hook = m.decoder.layers[0].register_forward_pre_hook(
+            lambda _, a: read.append(a[0].shape[1])
+        )
+        got = m.generate(x, max_new_tokens=5, do_sample=False)
+        hook.remove()
+        assert read == [6, 1, 1, 1, 1]  # the prompt, then each new token alone
+        for _ in range(5):
+            x = torch.cat([x, m(x).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(got, x)

@@ -14,10 +14,12 @@ dropping: the router's logits in ``moe_router_dtype``, its score function, top-k
 bias moving the choice only), the scores of the chosen experts normalized and scaled as
 ``topk_routing_with_score_function``; each chosen expert's SwiGLU output weighted by its
 probability before fc2 (``MLP.forward``'s ``per_token_scale``); the shared expert added.
-No key/value cache: every call reads the whole sequence. ``attention_mask`` (1 = token, 0 =
-padding, left or right) keeps padding out of every token's attention and numbers each
-sequence's positions from its first token, as an unpadded sequence's (``position_ids`` given
-are used as they are): a padded batch gives each sequence its own logits.
+``attention_mask`` (1 = token, 0 = padding, left or right) keeps padding out of every token's
+attention and numbers each sequence's positions from its first token, as an unpadded
+sequence's (``position_ids`` given are used as they are): a padded batch gives each sequence
+its own logits. ``generate()`` keeps the keys and values of the tokens read in a transformers
+``DynamicCache`` (``cache``; ``past_key_values`` before transformers 5) and reads only the new
+token at each step.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutput
+from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 try:
     from transformers import PreTrainedConfig as _Config
@@ -149,7 +151,7 @@ class _Attention(nn.Module):
             self.k_layernorm = _Norm(self.hn, c.norm_epsilon)
         self.qk_norm = c.qk_layernorm
 
-    def forward(self, x, cos, sin, mask=None):
+    def forward(self, x, cos, sin, mask=None, cache=None, idx=0):
         b, s, _ = x.shape
         per = self.np // self.ng
         qkv = F.linear(x, self.linear_qkv.weight).view(b, s, self.ng, (per + 2) * self.hn)
@@ -159,6 +161,8 @@ class _Attention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hn]
+        if cache is not None:  # the keys and values of every token read so far
+            k, v = cache.update(k, v, idx)
         k, v = k.repeat_interleave(per, dim=1), v.repeat_interleave(per, dim=1)
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -262,8 +266,8 @@ class _Layer(nn.Module):
             self.self_attn_bda, self.mlp_bda = _Sandwich(c), _Sandwich(c)
         self.sandwich = c.sandwich_norm
 
-    def forward(self, x, cos, sin, mask=None):
-        out = self.self_attention(self.input_layernorm(x), cos, sin, mask)
+    def forward(self, x, cos, sin, mask=None, cache=None, idx=0):
+        out = self.self_attention(self.input_layernorm(x), cos, sin, mask, cache, idx)
         x = self.self_attn_bda(out, x) if self.sandwich else x + out
         out = self.mlp(self.pre_mlp_layernorm(x))
         return self.mlp_bda(out, x) if self.sandwich else x + out
@@ -282,6 +286,12 @@ class _Embedding(nn.Module):
         self.word_embeddings = _Weight(c.vocab_size, c.hidden_size)
 
 
+#: the output's cache field: ``cache`` from transformers 5.x, ``past_key_values`` before
+_CACHE_FIELD = next(
+    f for f in ("cache", "past_key_values") if f in CausalLMOutputWithPast.__dataclass_fields__
+)
+
+
 class MegatronMDForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = MegatronMDConfig
     base_model_prefix = "decoder"
@@ -297,34 +307,45 @@ class MegatronMDForCausalLM(PreTrainedModel, GenerationMixin):
     def _init_weights(self, module):  # every weight comes from the exported checkpoint
         pass
 
-    # generate(): no key/value cache (transformers would build one from the config and hand
-    # the model the last token alone): every step reads the whole sequence
+    # generate(): the cache is made here, not by transformers from the config (which it reads
+    # for names this config does not have, num_hidden_layers among them)
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+        """The tokens not yet read (all at the first step), the whole mask, the cache."""
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is None and kwargs.get("use_cache", True) is not False:
+            cache = DynamicCache()
+        past = cache.get_seq_length() if cache is not None else 0
+        return {"input_ids": input_ids[:, past:], "attention_mask": attention_mask, "cache": cache}
 
     @staticmethod
-    def _padding(input_ids, attention_mask, position_ids):
-        """(positions [b or 1, s], attention mask [b, 1, s, s] or None): with padding, causal
-        attention to the sequence's own tokens (a padding position attends to itself alone,
-        so nothing becomes NaN) and positions counted from each sequence's first token."""
+    def _padding(input_ids, attention_mask, position_ids, past: int = 0):
+        """(positions [b or 1, s], attention mask [b or 1, 1, s, past + s] or None) of the ``s``
+        tokens read after ``past`` cached ones: causal attention to the sequence's own tokens
+        (a padding position attends to itself alone, so nothing becomes NaN), positions
+        counted from each sequence's first token. None: plain causal attention from 0."""
         s, dev = input_ids.shape[1], input_ids.device
         padded = attention_mask is not None and not bool(attention_mask.bool().all())
         if position_ids is None:
             if padded:
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -s:]
             else:
-                position_ids = torch.arange(s, device=dev)[None]
-        if not padded:
+                position_ids = torch.arange(past, past + s, device=dev)[None]
+        if not padded and not past:
             return position_ids, None
-        causal = torch.ones(s, s, dtype=torch.bool, device=dev).tril()
-        allowed = causal & attention_mask.bool()[:, None, None, :]
-        return position_ids, allowed | torch.eye(s, dtype=torch.bool, device=dev)
+        keys, rows = torch.arange(past + s, device=dev), torch.arange(past, past + s, device=dev)
+        allowed = (keys[None] <= rows[:, None])[None, None]  # [1, 1, s, past + s]
+        if padded:
+            allowed = allowed & attention_mask.bool()[:, None, None, :]
+        return position_ids, allowed | (keys[None] == rows[:, None])
 
     def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, **kwargs):
+        """Logits of ``input_ids``; with a ``cache`` (``past_key_values``), of the tokens after
+        the ones it holds, which it then holds too."""
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
         c = self.config
         x = F.embedding(input_ids, self.embedding.word_embeddings.weight)
         if c.embedding_scale:
@@ -337,16 +358,17 @@ class MegatronMDForCausalLM(PreTrainedModel, GenerationMixin):
         )
         if c.rope_scaling_factor:
             inv_freq = llama3_scaled(inv_freq, c.rope_scaling_factor)
-        pos, mask = self._padding(input_ids, attention_mask, position_ids)
+        past = cache.get_seq_length() if cache is not None else 0
+        pos, mask = self._padding(input_ids, attention_mask, position_ids, past)
         freqs = pos.float()[..., None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [b or 1, s, 1, hn]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        for layer in self.decoder.layers:
-            x = layer(x, cos, sin, mask)
+        for idx, layer in enumerate(self.decoder.layers):
+            x = layer(x, cos, sin, mask, cache, idx)
         x = self.decoder.final_layernorm(x)
         head = self.embedding.word_embeddings if c.share_embeddings else self.output_layer
         logits = F.linear(x, head.weight)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
-        return CausalLMOutput(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
