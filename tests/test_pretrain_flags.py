@@ -1361,6 +1361,28 @@ def test_the_dense_presets_scale_rope_as_the_authors_dense_runs(capsys):
     assert "--use-rope-scaling and --no-rope-scaling contradict each other" in msg
 
 
+def test_an_moe_checkpoint_loads_into_the_layers_that_saved_it():
+    """An MoE checkpoint saved by Transformer Engine's layers into the local spec's, or the
+    other way, is refused by name before anything is read (the pre-MLP norm's name differs:
+    megatron's load would stop on a list of missing keys); a dense model's, the same
+    implementation's, and the evaluation's local rebuild of a TE run (``te_names``) pass."""
+    from megatron.md.train import ckpt_checks
+
+    ckpt = ckpt_checks.Checkpoint("/runs/moe/iter_0000100", "torch_dist")
+    te, local = (argparse.Namespace(transformer_impl=i) for i in ("transformer_engine", "local"))
+    moe = {"num_experts": 8}
+    for saved, now in ((te, local), (local, te)):
+        with pytest.raises(SystemExit) as e:
+            ckpt_checks.check_layer_impl(ckpt, saved, argparse.Namespace(**vars(now), **moe))
+        msg = str(e.value.code)
+        assert f"saved by the {saved.transformer_impl} layers" in msg
+        assert f"give --transformer-impl {saved.transformer_impl}" in msg
+        assert "nothing was read or changed" in msg
+        ckpt_checks.check_layer_impl(ckpt, saved, argparse.Namespace(**vars(now), num_experts=None))
+        ckpt_checks.check_layer_impl(ckpt, saved, argparse.Namespace(**vars(saved), **moe))
+    ckpt_checks.check_layer_impl(ckpt, te, argparse.Namespace(**vars(local), **moe, te_names=True))
+
+
 def test_a_resumed_run_keeps_its_position_encoding(capsys):
     """A run resuming its own checkpoint (--load) under other RoPE settings is refused before
     anything is read, naming each difference and the flags that restore the checkpoint's (a run

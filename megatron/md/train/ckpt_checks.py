@@ -239,6 +239,24 @@ POSITION_ARGS = (
 )  # fmt: skip
 
 
+def check_layer_impl(where: str | Checkpoint, saved_args, args) -> None:
+    """An MoE checkpoint loads only into the layer implementation that saved it: megatron-core
+    0.19.2's local MoE layer saves its pre-MLP norm as ``mlp.linear_fc1.layer_norm_weight``,
+    Transformer Engine's as ``pre_mlp_layernorm.weight`` (core/models/gpt/gpt_layer_specs.py:
+    459, 336); a dense model's names are the same in both. The evaluation's local rebuild of a
+    TE run maps the name (``args.te_names``, evaluation/restore.py)."""
+    impls = getattr(saved_args, "transformer_impl", None), args.transformer_impl
+    if not args.num_experts or None in impls or impls[0] == impls[1]:
+        return
+    if getattr(args, "te_names", False) and impls == ("transformer_engine", "local"):
+        return
+    fail(where, f"its MoE layers were saved by the {impls[0]} layers and this run builds the "
+         f"{impls[1]} ones, which name the pre-MLP norm otherwise (megatron-core's local spec: "
+         "mlp.linear_fc1.layer_norm_weight, Transformer Engine's: pre_mlp_layernorm.weight): "
+         f"give --transformer-impl {impls[0]} (tools/evaluate.py and tools/export_hf.py read a "
+         "Transformer Engine run where TE does not load)")  # fmt: skip
+
+
 def _flag_for(name: str, value) -> str:
     if name == "use_rope_scaling":
         return "--rope-scaling" if value else "--no-rope-scaling"
@@ -448,6 +466,7 @@ def check_all(ckpt: Checkpoint, args) -> bool:
     saved = common.get("args")
     if saved is not None:
         check_shape(ckpt, saved, args)
+        check_layer_impl(ckpt, saved, args)
         check_positions(ckpt, saved, args)
         check_optimizer(ckpt, saved, args)
         check_resharding(ckpt, saved, common, ckpt.keys, args)
