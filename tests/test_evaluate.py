@@ -601,7 +601,8 @@ def test_exported_model_caches_keys_and_values():
     """With a transformers ``DynamicCache`` the exported model reads only the new tokens: the
     logits of a prompt read at once and then token by token, a left-padded batch with its mask
     included, equal those of the whole sequence read at once (dense and MoE layers, to 1e-5);
-    greedy generate() (which uses the cache) equals the argmax of full forward passes."""
+    greedy generate() (which uses the cache) equals the argmax of full forward passes, beam
+    search its own run without the cache."""
     from transformers import DynamicCache
 
     torch.manual_seed(1)
@@ -626,6 +627,10 @@ def test_exported_model_caches_keys_and_values():
         got = m.generate(x, max_new_tokens=5, do_sample=False)
         hook.remove()
         assert read == [6, 1, 1, 1, 1]  # the prompt, then each new token alone
+        # beam search reorders the cache with its beams: as without the cache, padding included
+        beam = dict(attention_mask=mask, max_new_tokens=4, num_beams=3, do_sample=False,
+                    pad_token_id=0)  # fmt: skip
+        assert torch.equal(m.generate(ids, **beam), m.generate(ids, **beam, use_cache=False))
         for _ in range(5):
             x = torch.cat([x, m(x).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(got, x)
