@@ -91,5 +91,8 @@ class MegatronLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         raise NotImplementedError(
             "MegatronLM scores log-likelihoods only (multiple-choice and perplexity tasks); "
-            "generation tasks are not supported"
+            "generation tasks are not supported here: export the checkpoint (tools/export_hf.py "
+            "--load RUN --out FOLDER) and run them with lm-eval's own Hugging Face backend "
+            "(lm_eval --model hf --model_args pretrained=FOLDER,trust_remote_code=True), whose "
+            "generation the exported model serves with a key/value cache"
         )
