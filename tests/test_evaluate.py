@@ -268,13 +268,13 @@ def test_a_transformer_engine_run_is_evaluated_where_te_does_not_load(trained, t
     fallback: refused, TE not installed)."""
     import shutil
 
+    from megatron.core import dist_checkpointing
+
     from megatron.md.evaluation import restore
 
     run, _ = trained
     te = tmp_path / "te-run"
     shutil.copytree(run, te)
-    from megatron.core import dist_checkpointing
-
     # the saved args rewritten: megatron-core reads a legacy common.pt before the common state
     # inside the torch_dist files (dist_checkpointing/serialization.py, load_common_state_dict)
     state = dist_checkpointing.load_common_state_dict(str(te / "iter_0000012"))
