@@ -168,6 +168,39 @@ def test_headline_is_the_papers_metric_per_task():
     assert math.isclose(h["average"], (25 + 50 + 50 + 50 + 25) / 5)
 
 
+def test_tasks_are_checked_before_the_model_is_built(tmp_path):
+    """``--tasks`` names lm-eval does not know, and tasks that generate text (alone or in a
+    group), are refused with the way out named, from the task index alone (no dataset read,
+    no model built); multiple-choice tasks and groups of them pass."""
+    import evaluate
+    from lm_eval.tasks import TaskManager
+
+    quiz = json.loads(evaluate.local_task_yaml("quiz", str(tmp_path / "q.jsonl")))
+    gen = {
+        **quiz,
+        "task": "answer",
+        "output_type": "generate_until",
+        "generation_kwargs": {"until": ["\n"]},
+        "metric_list": [{"metric": "exact_match"}],
+    }
+    for name, cfg in (("quiz", quiz), ("answer", gen),
+                      ("both", {"group": "both", "task": ["quiz", "answer"]}),
+                      ("mc", {"group": "mc", "task": ["quiz"]})):  # fmt: skip
+        (tmp_path / f"{name}.yaml").write_text(json.dumps(cfg))
+    manager = TaskManager(include_path=str(tmp_path), include_defaults=False)
+
+    def check(*tasks):
+        evaluate.check_tasks(evaluate.parse_args(["--load=x", f"--tasks={','.join(tasks)}"]),
+                             manager)  # fmt: skip
+
+    check("quiz", "mc")
+    with pytest.raises(SystemExit, match=r"no task, group or tag nosuch \(lm_eval --tasks list"):
+        check("quiz", "nosuch")
+    for asked in (["answer"], ["mc", "both"]):
+        with pytest.raises(SystemExit, match=r"--tasks: answer generates text.*tools/export_hf"):
+            check(*asked)
+
+
 def test_tokenizer_must_encode_text_for_tasks(tmp_path):
     """A run trained with NullTokenizer (ids only) can be scored on its validation set, not on
     text tasks: refused before the model is built."""

@@ -184,8 +184,10 @@ def valid_loss(lm, args) -> dict:
     return {"lm loss": total / tokens, "samples": n, "tokens": tokens}
 
 
-def run_tasks(lm, a, workdir: str) -> dict:
-    import lm_eval
+def task_manager(a, workdir: str):
+    """lm-eval's task index over its own tasks (where ``--tasks`` may name one: 16 s to build
+    on a 2-core VM), ``--include-path`` and the ``--local-task`` YAMLs written to ``workdir``;
+    built once, before the model, for every checkpoint evaluated."""
     from lm_eval.tasks import TaskManager
 
     include = [a.include_path] if a.include_path else []
@@ -193,8 +195,51 @@ def run_tasks(lm, a, workdir: str) -> dict:
         for name, path in a.local.items():
             Path(workdir, f"{name}.yaml").write_text(local_task_yaml(name, path))
         include.append(workdir)
-    # lm-eval's own task index (16 s to build on a 2-core VM) only where --tasks may name one
-    manager = TaskManager(include_path=include or None, include_defaults=bool(a.tasks))
+    return TaskManager(include_path=include or None, include_defaults=bool(a.tasks))
+
+
+def _generating(index: dict, name: str) -> list[str]:
+    """The tasks under ``name`` (a task, or a group's, recursively) whose configuration says
+    they generate text; a task whose output type comes from an included file is not seen."""
+    entry = index.get(name)
+    if entry is None:
+        return []
+    kind, cfg = entry.kind.name, entry.cfg or {}
+    if kind == "TASK":
+        return [name] if cfg.get("output_type") == "generate_until" else []
+    if kind == "GROUP":
+        subs = cfg.get("task", [])
+        return [t for s in (subs if isinstance(subs, list) else [subs]) if isinstance(s, str)
+                for t in _generating(index, s)]  # fmt: skip
+    return []
+
+
+def check_tasks(a, manager) -> None:
+    """Before anything is built: every ``--tasks`` name is one lm-eval knows (a task, group or
+    tag), and none generates text (the adapter scores log-likelihoods)."""
+    index = manager.task_index
+    if unknown := [t for t in a.tasks if t not in index]:
+        raise SystemExit(f"evaluate: error: --tasks: lm-eval {lm_eval_version()} has no task, "
+                         f"group or tag {', '.join(unknown)} (lm_eval --tasks list names them; "
+                         "a YAML of your own: --include-path)")  # fmt: skip
+    if gen := [g for t in a.tasks for g in _generating(index, t)]:
+        raise SystemExit(
+            f"evaluate: error: --tasks: {', '.join(gen)} "
+            f"{'generates' if len(gen) == 1 else 'generate'} text, which this tool does "
+            "not (it scores log-likelihoods): export the checkpoint (tools/export_hf.py) and "
+            "run them with lm-eval's own Hugging Face backend (docs/evaluation.md)"
+        )
+
+
+def lm_eval_version() -> str:
+    import lm_eval
+
+    return lm_eval.__version__
+
+
+def run_tasks(lm, a, manager) -> dict:
+    import lm_eval
+
     out = lm_eval.simple_evaluate(
         model=lm, tasks=a.tasks + list(a.local), num_fewshot=a.num_fewshot, limit=a.limit,
         task_manager=manager, log_samples=False, bootstrap_iters=0,
@@ -213,6 +258,13 @@ def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     for name, path in a.local.items():
         check_local(name, path)
+    with tempfile.TemporaryDirectory() as workdir:
+        evaluate_all(a, workdir)
+
+
+def evaluate_all(a, workdir: str) -> None:
+    """Check the checkpoints and tasks asked for, build the run's model once, evaluate each
+    checkpoint (the local tasks' YAMLs in ``workdir``)."""
     from megatron.md import cpu_mode
 
     cpu_mode.maybe_activate()  # first: CPU mode on a machine without CUDA, before megatron
@@ -230,6 +282,9 @@ def main(argv: list[str] | None = None) -> None:
     saved, path = restore.saved_args(a.load, steps[0])
     check_tokenizer(saved, a)
     check_valid_loss(saved, a)
+    manager = task_manager(a, workdir) if a.tasks or a.local else None
+    if manager is not None:
+        check_tasks(a, manager)
     flags = restore.argv_for(saved, a.load, steps[0], a.valid_loss, a.tokenizer_model)
     net, args, iteration = restore.build(flags)
 
@@ -250,10 +305,10 @@ def main(argv: list[str] | None = None) -> None:
         if k:
             iteration = restore.reload(net, step)
             saved, path = restore.saved_args(a.load, step)
-        evaluate(lm, a, args, saved, path, iteration, out)
+        evaluate(lm, a, manager, args, saved, path, iteration, out)
 
 
-def evaluate(lm, a, args, saved, path: str, iteration: int, out: str | None) -> None:
+def evaluate(lm, a, manager, args, saved, path: str, iteration: int, out: str | None) -> None:
     """One checkpoint's report, written to ``out`` (printed where None)."""
     import torch
 
@@ -265,9 +320,8 @@ def evaluate(lm, a, args, saved, path: str, iteration: int, out: str | None) -> 
         print(f"[evaluate] iteration {iteration}: validation loss "
               f"{report['valid']['lm loss']:.6f} over {report['valid']['samples']} samples",
               flush=True)  # fmt: skip
-    if a.tasks or a.local:
-        with tempfile.TemporaryDirectory() as workdir:
-            report["tasks"] = run_tasks(lm, a, workdir)
+    if manager is not None:
+        report["tasks"] = run_tasks(lm, a, manager)
         report["paper"] = headline(report["tasks"])
         for task, m in report["tasks"].items():
             shown = ", ".join(f"{k} {v:.4f}" for k, v in m.items() if isinstance(v, float)
