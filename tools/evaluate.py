@@ -215,8 +215,9 @@ def _generating(index: dict, name: str) -> list[str]:
 
 
 def check_tasks(a, manager) -> None:
-    """Before anything is built: every ``--tasks`` name is one lm-eval knows (a task, group or
-    tag), and none generates text (the adapter scores log-likelihoods)."""
+    """Before the model is built: every ``--tasks`` name is one lm-eval knows (a task, group or
+    tag), and none generates text (the adapter scores log-likelihoods; a tag's tasks are not
+    looked through)."""
     index = manager.task_index
     if unknown := [t for t in a.tasks if t not in index]:
         raise SystemExit(f"evaluate: error: --tasks: lm-eval {lm_eval_version()} has no task, "
