@@ -220,7 +220,9 @@ def check_tasks(a, manager) -> None:
     looked through)."""
     index = manager.task_index
     if unknown := [t for t in a.tasks if t not in index]:
-        raise SystemExit(f"evaluate: error: --tasks: lm-eval {lm_eval_version()} has no task, "
+        import lm_eval
+
+        raise SystemExit(f"evaluate: error: --tasks: lm-eval {lm_eval.__version__} has no task, "
                          f"group or tag {', '.join(unknown)} (lm_eval --tasks list names them; "
                          "a YAML of your own: --include-path)")  # fmt: skip
     if gen := [g for t in a.tasks for g in _generating(index, t)]:
@@ -230,12 +232,6 @@ def check_tasks(a, manager) -> None:
             "not (it scores log-likelihoods): export the checkpoint (tools/export_hf.py) and "
             "run them with lm-eval's own Hugging Face backend (docs/evaluation.md)"
         )
-
-
-def lm_eval_version() -> str:
-    import lm_eval
-
-    return lm_eval.__version__
 
 
 def run_tasks(lm, a, manager) -> dict:
@@ -287,7 +283,7 @@ def evaluate_all(a, workdir: str) -> None:
     if manager is not None:
         check_tasks(a, manager)
     flags = restore.argv_for(saved, a.load, steps[0], a.valid_loss, a.tokenizer_model)
-    net, args, iteration = restore.build(flags)
+    net, args, iteration = restore.build(flags, saved)
 
     import torch
     from megatron.training import get_tokenizer

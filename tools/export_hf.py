@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
             "export_hf: error: the exported model cannot compute: " + "; ".join(missing)
         )
     flags = restore.argv_for(saved, a.load, a.ckpt_step, False, a.tokenizer_model)
-    net, args, iteration = restore.build(flags)
+    net, args, iteration = restore.build(flags, saved)
 
     import megatron.core
     import torch

@@ -74,7 +74,7 @@ def reference(p, ids, a):
 
 def main():
     saved, _ = restore.saved_args(sys.argv[1])
-    net, args, _ = restore.build(restore.argv_for(saved, sys.argv[1], None, False))
+    net, args, _ = restore.build(restore.argv_for(saved, sys.argv[1], None, False), saved)
     ids = torch.randint(0, args.padded_vocab_size, (2, args.seq_length),
                         generator=torch.Generator().manual_seed(0))  # fmt: skip
     pos = torch.arange(args.seq_length).expand_as(ids)

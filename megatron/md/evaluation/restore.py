@@ -158,11 +158,12 @@ def argv_for(
     return argv
 
 
-def build(argv: list[str]):
-    """Parse as ``pretrain_gpt.py`` does (``train/cli.py``), start megatron on this one
-    process, build the model and load the checkpoint's weights. Returns (the eval-mode model,
-    megatron's args, the checkpoint's iteration). CPU mode, where wanted, is the caller's to
-    start first (``cpu_mode.maybe_activate``)."""
+def build(argv: list[str], saved):
+    """Parse ``argv`` (``argv_for(saved, ...)``) as ``pretrain_gpt.py`` does
+    (``train/cli.py``), start megatron on this one process, build the model and load the
+    checkpoint's weights. Returns (the eval-mode model, megatron's args, the checkpoint's
+    iteration). CPU mode, where wanted, is the caller's to start first
+    (``cpu_mode.maybe_activate``)."""
     from megatron.core.enums import ModelType
     from megatron.training import get_args, get_model
     from megatron.training import training as mtt
@@ -175,10 +176,10 @@ def build(argv: list[str]):
     if int(os.environ["WORLD_SIZE"]) != 1:
         raise SystemExit("evaluate: error: run as one process (TP = PP = 1 on one device)")
     args, _ = cli.parse(argv, cpu_mode.is_active())
-    saved, _ = saved_args(args.load, args.ckpt_step)
-    if why := local_for_te(saved):
+    if getattr(saved, "transformer_impl", None) == "transformer_engine" != args.transformer_impl:
         args.te_names = True  # model.layer_spec: the MoE layers' pre-MLP norm as TE saved it
-        print(f"evaluate: the run's weights go into the local layer spec ({why})", flush=True)
+        print("evaluate: the run trained with Transformer Engine, which does not load here: its "
+              "weights go into the local layer spec", flush=True)  # fmt: skip
     startup.check_stack(args)
     ckpt_checks.check_all(ckpt_checks.locate(args.load, args.ckpt_step), args)
     patches.apply(None, cpu_mode.is_active())  # what pretrain_gpt.py sets up (CPU mode: gloo)
