@@ -169,9 +169,11 @@ def test_headline_is_the_papers_metric_per_task():
 
 
 def test_tasks_are_checked_before_the_model_is_built(tmp_path):
-    """``--tasks`` names lm-eval does not know, and tasks that generate text (alone or in a
-    group), are refused with the way out named, from the task index alone (no dataset read,
-    no model built); multiple-choice tasks and groups of them pass."""
+    """``--tasks`` names lm-eval does not know, and tasks that generate text, are refused with
+    the way out named, from the task index alone (no dataset read, no model built), looked for
+    as lm-eval 0.4.13 builds them: through groups and tags, a group's overrides of a member,
+    inline tasks, and a task naming no output type (lm-eval's default, ``generate_until``);
+    multiple-choice tasks and groups of them pass."""
     import evaluate
     from lm_eval.tasks import TaskManager
 
@@ -182,10 +184,22 @@ def test_tasks_are_checked_before_the_model_is_built(tmp_path):
         "output_type": "generate_until",
         "generation_kwargs": {"until": ["\n"]},
         "metric_list": [{"metric": "exact_match"}],
+        "tag": "answers",
     }
-    for name, cfg in (("quiz", quiz), ("answer", gen),
-                      ("both", {"group": "both", "task": ["quiz", "answer"]}),
-                      ("mc", {"group": "mc", "task": ["quiz"]})):  # fmt: skip
+    untyped = {k: v for k, v in gen.items() if k not in ("output_type", "tag")}
+    inline = {**untyped, "task": "inline"}
+    yamls = {
+        "quiz": quiz,
+        "answer": gen,
+        "untyped": {**untyped, "task": "untyped"},
+        "both": {"group": "both", "task": ["quiz", "answer"]},
+        "mc": {"group": "mc", "task": ["quiz", {"task": "quiz", "task_alias": "q"}]},
+        "tagged": {"group": "tagged", "task": ["answers"]},
+        "inl": {"group": "inl", "task": [{"group": "sub", "task": [inline]}]},
+        "over": {"group": "over", "task": [{"task": "quiz", "output_type": "generate_until"}]},
+        "mcgen": {"group": "mcgen", "task": [{"task": "answer", "output_type": "multiple_choice"}]},
+    }
+    for name, cfg in yamls.items():
         (tmp_path / f"{name}.yaml").write_text(json.dumps(cfg))
     manager = TaskManager(include_path=str(tmp_path), include_defaults=False)
 
@@ -193,11 +207,15 @@ def test_tasks_are_checked_before_the_model_is_built(tmp_path):
         evaluate.check_tasks(evaluate.parse_args(["--load=x", f"--tasks={','.join(tasks)}"]),
                              manager)  # fmt: skip
 
-    check("quiz", "mc")
+    check("quiz", "mc", "mcgen")
     with pytest.raises(SystemExit, match=r"no task, group or tag nosuch \(lm_eval --tasks list"):
         check("quiz", "nosuch")
-    for asked in (["answer"], ["mc", "both"]):
-        with pytest.raises(SystemExit, match=r"--tasks: answer generates text.*tools/export_hf"):
+    for asked, gens in ((["answer"], "answer generates"), (["mc", "both"], "answer generates"),
+                        (["answers"], "answer generates"), (["tagged"], "answer generates"),
+                        (["untyped"], "untyped generates"), (["inl"], "inline generates"),
+                        (["over"], "quiz generates"), (["answer", "untyped"],
+                                                       "answer, untyped generate")):  # fmt: skip
+        with pytest.raises(SystemExit, match=rf"--tasks: {gens} text.*tools/export_hf"):
             check(*asked)
 
 

@@ -198,26 +198,54 @@ def task_manager(a, workdir: str):
     return TaskManager(include_path=include or None, include_defaults=bool(a.tasks))
 
 
-def _generating(index: dict, name: str) -> list[str]:
-    """The tasks under ``name`` (a task, or a group's, recursively) whose configuration says
-    they generate text; a task whose output type comes from an included file is not seen."""
-    entry = index.get(name)
-    if entry is None:
+def _generating(index: dict, name: str, over: dict | None = None, seen=frozenset()) -> list[str]:
+    """The tasks under ``name`` that generate text, resolved as lm-eval 0.4.13 builds them
+    (``lm_eval/tasks/_factory.py``, ``TaskFactory``): a tag's tasks; a group's members (names,
+    tags, groups, tasks with overrides, inline tasks and groups), the group's own task keys and a
+    member's overrides winning over a task's configuration (includes resolved by the index);
+    lm-eval's ``TaskConfig`` default (``generate_until``) where none names an output type. A
+    Python-class task (``PY_TASK``) decides in its code: not seen."""
+    over, entry = over or {}, index.get(name)
+    if name in seen or (entry is None and "task" not in over):
         return []
-    kind, cfg = entry.kind.name, entry.cfg or {}
-    if kind == "TASK":
-        return [name] if cfg.get("output_type") == "generate_until" else []
-    if kind == "GROUP":
-        subs = cfg.get("task", [])
-        return [t for s in (subs if isinstance(subs, list) else [subs]) if isinstance(s, str)
-                for t in _generating(index, s)]  # fmt: skip
+    if entry is None or entry.kind.name == "TASK":  # an inline task: its overrides alone
+        cfg = {**(entry.cfg or {} if entry else {}), **over}
+        return [name] if cfg.get("output_type", "generate_until") == "generate_until" else []
+    seen = seen | {name}
+    if entry.kind.name == "TAG":
+        return [g for t in sorted(entry.tags) for g in _generating(index, t, over, seen)]
+    if entry.kind.name == "GROUP":
+        return _members(entry.cfg or {}, index, over, seen)
     return []
+
+
+def _members(group: dict, index: dict, over: dict, seen: frozenset) -> list[str]:
+    """A group's ``task:`` list as ``TaskFactory._build_group_members`` reads it."""
+    from dataclasses import fields
+
+    from lm_eval.config.group import GroupConfig
+
+    own = {f.name for f in fields(GroupConfig)}
+    over = {**{k: v for k, v in group.items() if k not in own}, **over}
+    members, out = group.get("task", []), []
+    for item in members if isinstance(members, list) else []:
+        if isinstance(item, str):
+            out += _generating(index, item, over, seen)
+        elif isinstance(item, dict) and "group" in item:
+            rest = {k: v for k, v in item.items() if k != "group"}
+            if item["group"] in index:  # an existing group, with overrides
+                out += _generating(index, item["group"], {**over, **rest}, seen)
+            else:  # an inline group
+                out += _members(item, index, over, seen)
+        elif isinstance(item, dict) and "task" in item:
+            out += _generating(index, item["task"], {**over, **item}, seen)
+    return out
 
 
 def check_tasks(a, manager) -> None:
     """Before the model is built: every ``--tasks`` name is one lm-eval knows (a task, group or
-    tag), and none generates text (the adapter scores log-likelihoods; a tag's tasks are not
-    looked through)."""
+    tag), and none generates text (the adapter scores log-likelihoods), looked for through
+    groups and tags as lm-eval builds them (``_generating``)."""
     index = manager.task_index
     if unknown := [t for t in a.tasks if t not in index]:
         import lm_eval
