@@ -95,6 +95,35 @@ def test_batched_scores_equal_one_at_a_time_and_keep_their_order():
     assert MegatronLM(fwd, encode, EOD, 64).score([([7, 3], greedy_cont)])[0][1] is True
 
 
+def test_an_input_is_read_once_and_its_prefixes_from_it():
+    """Requests whose model input (context + continuation less its last token) is another's, or
+    begins another's, are scored from one read of the longest: a multiple-choice question with
+    single-token choices (MMLU's " A" … " D") is one row, not four; a choice of one token reads
+    nothing the other choices' rows did not. Every score equals its own unbatched, unpadded
+    forward pass (the model reads the whole prefix, so a wrong position would show)."""
+    fwd = prefix_mean()
+    g = torch.Generator().manual_seed(5)
+    questions = [torch.randint(1, V, (n,), generator=g).tolist() for n in (4, 7, 2, 9, 5)]
+    mmlu = [(q, [c]) for q in questions for c in (11, 12, 13, 14)]
+    lm = MegatronLM(fwd, encode, EOD, max_length=64, batch_size=3)
+    got = lm.score(mmlu)
+    assert lm.rows_read == 5  # one per question
+    for (ctx, cont), (s, _) in zip(mmlu, got):
+        assert s == pytest.approx(direct(fwd, ctx, cont), rel=1e-5, abs=1e-5)
+    # a one-token choice inside the others' rows; a duplicate; a choice that extends another;
+    # a continuation that starts where another context ends; unrelated requests
+    ctx = [3, 1, 4, 1, 5]
+    pairs = [(ctx, [9]), (ctx, [9, 2, 6]), (ctx, [9, 2]), (ctx, [9, 2, 6]), (ctx + [9], [2, 6]),
+             (ctx, [8, 8]), ([2, 7], [1]), ([2, 7, 1, 8], [2])]  # fmt: skip
+    lm = MegatronLM(fwd, encode, EOD, max_length=64, batch_size=2)
+    got = lm.score(pairs)
+    assert lm.rows_read == 3  # ctx+[9,2], ctx+[8], [2,7,1,8]
+    for (c, cont), (s, greedy) in zip(pairs, got):
+        assert s == pytest.approx(direct(fwd, c, cont), rel=1e-5, abs=1e-5)
+        pred = fwd(torch.tensor([c + cont[:-1]]))[0, len(c) - 1 :].argmax(-1).tolist()
+        assert greedy == (pred == cont)
+
+
 def test_long_requests_keep_the_last_max_length_tokens():
     """Context + continuation over max_length: the model reads the last max_length tokens and
     scores the continuation (its tail where it alone is longer)."""

@@ -346,7 +346,10 @@ def evaluate(lm, a, manager, args, saved, path: str, iteration: int, out: str | 
               f"{report['valid']['lm loss']:.6f} over {report['valid']['samples']} samples",
               flush=True)  # fmt: skip
     if manager is not None:
+        rows, asked = lm.rows_read, lm.requests
         report["tasks"] = run_tasks(lm, a, manager)
+        print(f"[evaluate] iteration {iteration}: {lm.requests - asked} requests, "
+              f"{lm.rows_read - rows} sequences read", flush=True)  # fmt: skip
         report["paper"] = headline(report["tasks"])
         for task, m in report["tasks"].items():
             shown = ", ".join(f"{k} {v:.4f}" for k, v in m.items() if isinstance(v, float)

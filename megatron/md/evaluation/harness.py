@@ -34,6 +34,8 @@ class MegatronLM(TemplateLM):
         super().__init__()
         self._forward, self._encode, self._eod = forward, encode, eod
         self.max_length, self.batch_size, self._device = max_length, batch_size, device
+        self.rows_read = 0  # sequences the model has read (each a row of a batch)
+        self.requests = 0  # (context, continuation) pairs scored
 
     @property
     def eot_token_id(self) -> int:
@@ -44,34 +46,40 @@ class MegatronLM(TemplateLM):
 
     def score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """(log p(continuation | context), whether it is the greedy one) per (context ids,
-        continuation ids); longest first in batches of ``batch_size``, answers in input order."""
+        continuation ids), answers in input order. The model reads each distinct input once,
+        longest first in batches of ``batch_size``; an input that begins another is scored
+        from the longer one's logits (``_readers``), as a causal model computes them for the
+        shared positions: a multiple-choice question whose choices are single tokens (MMLU's
+        " A" … " D") is one forward pass, not four."""
         out: list[tuple[float, bool] | None] = [None] * len(pairs)
-        inputs = []
+        asks: dict[tuple[int, ...], list[tuple[int, list[int]]]] = {}
         for i, (ctx, cont) in enumerate(pairs):
             if not cont:
                 raise ValueError(f"request {i}: empty continuation")
             if not ctx:
                 raise ValueError(f"request {i}: empty context (give the eod token)")
             whole = (ctx + cont)[-(self.max_length + 1) :]
-            scored = cont[
-                -min(len(cont), len(whole) - 1) :
-            ]  # a continuation over max_length: its tail
-            inputs.append((i, whole[:-1], scored))
-        inputs.sort(key=lambda x: -len(x[1]))
+            scored = cont[-min(len(cont), len(whole) - 1) :]  # over max_length: its tail
+            asks.setdefault(tuple(whole[:-1]), []).append((i, scored))
+        readers = _readers(list(asks))
+        inputs = sorted(readers, key=lambda ids: -len(ids))
+        self.rows_read, self.requests = self.rows_read + len(inputs), self.requests + len(pairs)
         for b in range(0, len(inputs), self.batch_size):
             batch = inputs[b : b + self.batch_size]
-            width = len(batch[0][1])
+            width = len(batch[0])
             tokens = torch.full((len(batch), width), self._eod, dtype=torch.long)
-            for row, (_, ids, _) in enumerate(batch):
+            for row, ids in enumerate(batch):
                 tokens[row, : len(ids)] = torch.tensor(ids)
             with torch.no_grad():
                 logp = torch.log_softmax(self._forward(tokens.to(self._device)).float(), dim=-1)
-            for row, (i, ids, cont) in enumerate(batch):
-                # causal: right padding never reaches the scored positions
-                at = logp[row, len(ids) - len(cont) : len(ids)]
-                want = torch.tensor(cont, device=at.device)
-                total = at.gather(-1, want[:, None]).sum().item()
-                out[i] = (total, bool((at.argmax(-1) == want).all()))
+            for row, read in enumerate(batch):
+                # causal: what follows a position (padding, a longer input) never reaches it
+                for ids in readers[read]:
+                    for i, cont in asks[ids]:
+                        at = logp[row, len(ids) - len(cont) : len(ids)]
+                        want = torch.tensor(cont, device=at.device)
+                        total = at.gather(-1, want[:, None]).sum().item()
+                        out[i] = (total, bool((at.argmax(-1) == want).all()))
         return out  # type: ignore[return-value]
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
@@ -96,3 +104,18 @@ class MegatronLM(TemplateLM):
             "(lm_eval --model hf --model_args pretrained=FOLDER,trust_remote_code=True), whose "
             "generation the exported model serves with a key/value cache"
         )
+
+
+def _readers(inputs: list[tuple[int, ...]]) -> dict[tuple[int, ...], list[tuple[int, ...]]]:
+    """Each input the model reads → the inputs scored from its logits (itself and those that
+    begin it). In lexicographic order an input that begins any other begins the one right
+    after it, so one pass from the end hands every prefix to the longest input it begins."""
+    order = sorted(inputs)
+    reader: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for k in range(len(order) - 1, -1, -1):
+        ids, nxt = order[k], order[k + 1] if k + 1 < len(order) else None
+        reader[ids] = reader[nxt] if nxt is not None and nxt[: len(ids)] == ids else ids
+    out: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+    for ids in inputs:
+        out.setdefault(reader[ids], []).append(ids)
+    return out
