@@ -208,8 +208,8 @@ def _generating(index: dict, name: str, over: dict | None = None, seen=frozenset
     over, entry = over or {}, index.get(name)
     if name in seen or (entry is None and "task" not in over):
         return []
-    if entry is None or entry.kind.name == "TASK":  # an inline task: its overrides alone
-        cfg = {**(entry.cfg or {} if entry else {}), **over}
+    if entry is None or entry.kind.name == "TASK":  # a task (inline: its overrides alone)
+        cfg = {**((entry.cfg or {}) if entry else {}), **over}
         return [name] if cfg.get("output_type", "generate_until") == "generate_until" else []
     seen = seen | {name}
     if entry.kind.name == "TAG":
