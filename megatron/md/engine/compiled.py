@@ -97,10 +97,6 @@ def _phase1_row(w, g, m, v, row, col, hp, scratch, need_row: bool):
     return _phase1(w, g, m, v, row, col, hp, scratch, need_row, "row")
 
 
-def _phase1_none(w, g, m, v, row, col, hp, scratch, need_row: bool):
-    return _phase1(w, g, m, v, row, col, hp, scratch, need_row, "none")
-
-
 def _partials(w, g, row, col, out, scratch, need_row: bool):
     """MuonMD's lines 1-6 on (B, M, N) blocks in one pass: the row partials, Ŵ⊙G into
     ``scratch`` for the column sums, G_Ŵ = Γ ⊙ G into ``out``."""
@@ -119,7 +115,7 @@ def _rescale_fuse(x, s, row, col, out):
     out.copy_(x2 * row * col)
 
 
-_PHASE1 = {"frobenius": _phase1_frobenius, "row": _phase1_row, "none": _phase1_none}
+_PHASE1 = {"frobenius": _phase1_frobenius, "row": _phase1_row}
 _compiled: dict[str, Callable] = {}
 
 
@@ -294,9 +290,10 @@ def adam_hparams(hp: AdamHParams, step: int, like: torch.Tensor) -> torch.Tensor
 
 def kernel_sphere(sphere: str, need_row: bool, need_col: bool) -> str:
     """The sphere whose norm partials ``phase1`` computes; "none" where the caller must (one
-    more read of Ŵ): a column sphere's are a column reduction (slow in inductor's CPU loops),
-    and a row sphere's next to both gains' partials trips an inductor bug (torch 2.15 CPU:
-    ``KeyError: 'buf5'`` from torch/_inductor/loop_body.py with two row reductions and the
+    more read of Ŵ; the kernel then runs its Frobenius variant, the partial dropped:
+    ``_phase1_group``): a column sphere's are a column reduction (slow in inductor's CPU
+    loops), and a row sphere's next to both gains' partials trips an inductor bug (torch 2.15
+    CPU: ``KeyError: 'buf5'`` from torch/_inductor/loop_body.py with two row reductions and the
     scratch write; ``tests/test_engine.py`` covers the case)."""
     if sphere == "col" or (sphere == "row" and need_row and need_col):
         return "none"
@@ -356,9 +353,14 @@ def _phase1_group(g, G: torch.Tensor, P: torch.Tensor, step: int, hp: AdamHParam
         sphere = "none"
     w3, g3 = g.W.view(B, M, N), G.view(B, M, N)
     m3, v3 = g.state["exp_avg"].view(B, M, N), g.state["exp_avg_sq"].view(B, M, N)
-    scratch = torch.empty_like(w3) if need_col else None
+    scratch = _scratch(w3) if need_col else None
     hp_t = adam_hparams(hp, step, g.W)
-    kernel = _get(sphere, _PHASE1[sphere], g.kernels.fallback)
+    # a group whose norms the eager group takes still runs the Frobenius variant, its partial
+    # dropped: without a norm reduction inductor's CPU loops write Ŵ and the moments to
+    # temporaries and copy them back, three more passes (one thread, 65536 x 512, torch
+    # 2.15.0, 2026-12-03: 6.2 ns/element against 2.1; the LM head's and Q/K/V groups')
+    variant = "frobenius" if sphere == "none" else sphere
+    kernel = _get(variant, _PHASE1[variant], g.kernels.fallback)
     off = M if need_row else 0
     for one in _pieces(g, stackable=True):
         gr, nrm = kernel(w3[one], g3[one], m3[one], v3[one], _at(row, one), _at(col, one), hp_t,
@@ -387,7 +389,7 @@ def _partials_group(g, G: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
     # row reduction reading G)
     out = torch.empty_like(G)
     w3, g3, o3 = g.W.view(B, M, N), G.view(B, M, N), out.view(B, M, N)
-    scratch = torch.empty_like(w3) if need_col else None
+    scratch = _scratch(w3) if need_col else None
     kernel = _get("partials", _partials, g.kernels.fallback)
     for one in _pieces(g, stackable=True):
         gr = kernel(w3[one], g3[one], _at(row, one), _at(col, one), o3[one], _at(scratch, one),
@@ -397,6 +399,26 @@ def _partials_group(g, G: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
     if need_col:
         _add_col_partials(P, row, scratch, M if need_row else 0)
     return out
+
+
+_SCRATCH: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _scratch(like: torch.Tensor) -> torch.Tensor:
+    """Room for a group's Ŵ ⊙ G (uninitialized, contiguous, ``like``'s shape), used until the
+    group's column partials are taken: on a CPU a view of one buffer per dtype kept for the
+    process, grown to the largest group; a new tensor of a large group was faulted in page by
+    page at every step (phase 1 and the mat-vec of the 181M model's LM head,
+    131072 x 512, one thread, torch 2.15.0, 2026-12-03: 436 ms fresh against 153 kept, with
+    torch's huge-page hint; 538 against 159 without). On a GPU a new tensor: the caching
+    allocator reuses its memory, which the forward-backward gets back between steps."""
+    if like.device.type != "cpu":
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    buf = _SCRATCH.get(like.dtype)
+    if buf is None or buf.numel() < like.numel():
+        _SCRATCH.pop(like.dtype, None)  # freed before the larger one is made
+        buf = _SCRATCH[like.dtype] = torch.empty(like.numel(), dtype=like.dtype)
+    return buf[: like.numel()].view(like.shape)
 
 
 def _add_col_partials(P: torch.Tensor, row, scratch: torch.Tensor, off: int) -> None:
