@@ -142,7 +142,7 @@ def test_compiled_phase1_keeps_its_scratch_and_one_loop(monkeypatch):
     every step was faulted in page by page. A group whose norms the eager group takes (a row
     sphere with row and column gains, as the LM head's) runs phase 1's Frobenius variant, its
     partial dropped: without a norm reduction inductor's CPU loops copy Ŵ and the moments back
-    from temporaries. Both cost the 181M AdamMD step 1.5x Adam's where 0.89x is measured now
+    from temporaries. Both cost the 181M AdamMD step 1.5x Adam's where 0.86x is measured now
     (docs/benchmarks.md). Still the reference to 1e-12 (fp64)."""
     from megatron.md.engine import compiled
 
