@@ -361,18 +361,30 @@ def test_compiled_muon_kernels_equal_whole_matrix(sphere, gains, stack, monkeypa
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-def test_muon_one_call_per_matrix_is_the_batched_call(monkeypatch):
+@pytest.mark.parametrize(
+    "sphere,blocks,shape,scale",
+    [("frobenius", (4, 2, 2), (32, 8), "sphere_rms"), ("frobenius", (), (32, 8), "sphere_rms"),
+     ("row", (), (8, 24), "hyperball"), ("frobenius", (), (24, 8), "shape_scaling"),
+     ("none", (), (16, 8), "sphere_rms")],
+)  # fmt: skip
+def test_muon_one_call_per_matrix_is_the_batched_call(monkeypatch, sphere, blocks, shape, scale):
     """Large matrices on a CPU are orthogonalized one Newton–Schulz call each
-    (``NS_ONE_BY_ONE_CPU``): bit for bit what the batched call gives (blocks of 16×8 and
-    8×8; below 8 rows or columns torch's CPU matmul takes another path and the two differ by
-    fp32 rounding)."""
+    (``NS_ONE_BY_ONE_CPU``), whole matrices (no Q/K/V blocks) each applied as it is made, its
+    scale in place: bit for bit what the batched call gives (blocks of 16×8 and 8×8, tall and
+    wide matrices, MuonH, the scale of a matrix with no sphere; below 8 rows or columns
+    torch's CPU matmul takes another path and the two differ by fp32 rounding)."""
     from megatron.md.engine import basesteps
 
-    spec = MatrixSpec("frobenius", "init", "rowcol", "softplus", muon_scale="sphere_rms",
-                      row_blocks=(4, 2, 2))  # fmt: skip
-    batched, *_ = _run(spec, [], base="muon", dtype=torch.float32, n=3, shape=(32, 8))
+    spec = MatrixSpec(sphere, "init", "rowcol", "softplus", muon_scale=scale,
+                      row_blocks=blocks)  # fmt: skip
+    batched, *_ = _run(spec, [], base="muon", dtype=torch.float32, n=3, shape=shape)
     monkeypatch.setattr(basesteps, "NS_ONE_BY_ONE_CPU", 1)
-    one_by_one, *_ = _run(spec, [], base="muon", dtype=torch.float32, n=3, shape=(32, 8))
+    applied = []
+    step = basesteps.MuonStep._step_one_by_one
+    monkeypatch.setattr(basesteps.MuonStep, "_step_one_by_one",
+                        lambda self, g, *a: applied.append(g.B) or step(self, g, *a))  # fmt: skip
+    one_by_one, *_ = _run(spec, [], base="muon", dtype=torch.float32, n=3, shape=shape)
+    assert bool(applied) == (not blocks) and all(b > 1 for b in applied)
     for a, b in zip(batched, one_by_one):
         assert torch.equal(a, b)
 
