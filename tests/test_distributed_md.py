@@ -40,6 +40,16 @@ MD_OFF = {
     "layerwise-bf16-moe": (*MUON_LW, "--dtype", "bf16", "--experts", "4"),
     # the LR moving step by step in both optimizers (as a schedule moves it)
     "replicated-muon-lr-decay": ("--optimizer", "muon", "--dist", "replicated", "--lr-decay"),
+    # every Muon matrix one Newton-Schulz call each, applied as it is made (as from 2^20
+    # elements on a CPU): still megatron's per-matrix Muon (replicated: two layers' matrices of
+    # a shape in one group; layer-wise they fall to two ranks)
+    "replicated-muon-one-by-one": (
+        "--optimizer",
+        "muon",
+        "--dist",
+        "replicated",
+        "--ns-one-by-one",
+    ),  # fmt: skip
 }
 # --md-fused-step (compiled kernels): fp32 with cuts inside rows (4 ranks), bf16 MoE (2)
 FUSED = {4: (), 2: ("--dtype", "bf16", "--experts", "4")}
@@ -70,6 +80,7 @@ md_check = Batches(
         *[(n, *MUON_LW, "--experts", e) for n, e in RANKS_EXPERTS],
         (2, *MUON_LW, "--dtype", "bf16"),
         (2, *MUON_LW, "--no-split-qkv"),
+        (1, *MUON_LW, "--ns-one-by-one"),
         *[
             (2, "--optimizer", "adam", "--dist", "layerwise", "--dtype", d, "--experts", e)
             for d, e in (("fp32", 0), ("bf16", 4))
@@ -127,6 +138,16 @@ def test_muon_md_layerwise_fp32(nproc, experts):
     assert res["extra_collectives"] == md_collectives(res, nproc)
 
 
+def test_muon_md_layerwise_one_by_one():
+    """Every Muon matrix one Newton-Schulz call each, scaled in place and applied as it is made
+    (engine/basesteps.py: a CPU's path from 2^20 elements; the model here is smaller): the
+    reference's numbers as the batched calls give them, in groups of more than one matrix
+    (one rank: both layers' matrices of a shape in one group)."""
+    res = md_check(1, *MUON_LW, "--ns-one-by-one")
+    check(res, 1)
+    assert res["one_by_one_groups"] > 0
+
+
 def test_muon_md_layerwise_fused_qkv():
     """--muon-no-split-qkv: the fused QKV matrix as one Muon call and one sphere."""
     res = md_check(2, *MUON_LW, "--no-split-qkv")
@@ -163,6 +184,7 @@ def test_md_replicated_optimizers(optimizer, dtype):
 def test_md_off_is_megatron_bit_for_bit(args):
     res = md_check(2, "--vs", "megatron", *args)
     assert res["worst_rel"] == 0.0  # max |Δ| over all params vs megatron's own optimizer
+    assert (res["one_by_one_groups"] > 0) == ("--ns-one-by-one" in args)
     assert res["payload"] == 0  # nothing to reduce with MD off
     assert res["extra_collectives"] == md_collectives(res, 1)  # and no collective added
 

@@ -388,8 +388,10 @@ def test_muon_one_call_per_matrix_is_the_batched_call(monkeypatch, sphere, block
     step = basesteps.MuonStep._step_one_by_one
     monkeypatch.setattr(basesteps.MuonStep, "_step_one_by_one",
                         lambda self, g, *a: applied.append(g.B) or step(self, g, *a))  # fmt: skip
-    one_by_one, *_ = _run(spec, [], base="muon", dtype=torch.float32, n=3, shape=shape)
+    one_by_one, _, ranks, _ = _run(spec, [], base="muon", dtype=torch.float32, n=3, shape=shape)
     assert bool(applied) == (not blocks) and all(b > 1 for b in applied)
+    groups = [g for e in ranks.engines for g in e.groups]
+    assert [basesteps.MuonStep.one_by_one(g) for g in groups] == [not blocks] * len(groups)
     for a, b in zip(batched, one_by_one):
         assert torch.equal(a, b)
 

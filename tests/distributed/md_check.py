@@ -47,10 +47,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "md_de
 import cpu_demo  # noqa: E402
 
 from megatron.md import testing  # noqa: E402
+from megatron.md.engine import basesteps  # noqa: E402
 from megatron.md.train import shutdown  # noqa: E402
 
 LR, CLIP = 1e-2, 1.0
 DEV = "cpu"
+NS_ONE_BY_ONE_CPU = basesteps.NS_ONE_BY_ONE_CPU  # the default, restored between the jobs
 
 
 def parse(argv=None):
@@ -88,6 +90,12 @@ def parse(argv=None):
     )
     ap.add_argument(
         "--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)"
+    )
+    ap.add_argument(
+        "--ns-one-by-one",
+        action="store_true",
+        help="Muon's matrices one Newton-Schulz call each, applied one by one, at every size "
+        "(engine/basesteps.py NS_ONE_BY_ONE_CPU; by default from 2^20 elements on a CPU)",
     )
     args = ap.parse_args(argv)
     if args.vs == "megatron" and args.dist == "layerwise" and args.optimizer == "adam":
@@ -366,6 +374,7 @@ def check(args) -> dict:
     from megatron.md.leaves import leaf_optimizers
 
     torch.use_deterministic_algorithms(args.deterministic)
+    basesteps.NS_ONE_BY_ONE_CPU = 1 if args.ns_one_by_one else NS_ONE_BY_ONE_CPU
     md = md_config(args)
     init_model_parallel(args.cp, args.instances)
     model, dmodel, opt = build(args, world)
@@ -541,6 +550,14 @@ def check(args) -> dict:
         # this rank's engine groups stepped by the compiled kernels (--fused-step)
         "compiled_groups": sum(
             1 for i in inners if i.engine is not None for g in i.engine.groups if g.kernels
+        ),
+        # this rank's Muon groups orthogonalized and applied one matrix at a time
+        "one_by_one_groups": sum(
+            1
+            for i in inners
+            if i.engine is not None
+            for g in i.engine.groups
+            if g.base.name == "muon" and basesteps.MuonStep.one_by_one(g)
         ),
         "extra_collectives": sorted(k for k, n in extra.items() for _ in range(max(n, 0))),
         "missing_collectives": sorted(k for k, n in missing.items() for _ in range(max(n, 0))),

@@ -9,6 +9,8 @@ number of batched or multi-tensor operations whatever the number of matrices.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megatron.md.base_steps import (
@@ -85,7 +87,7 @@ class MuonStep(BaseStep):
         with eo_utils.fp32_matmul_precision(hp.fp32_matmul_prec):
             for g, x in zip(groups, grads):
                 x = x.view(g.B, *g.local)
-                if self._one_by_one(g, x):
+                if self.one_by_one(g):
                     self._step_one_by_one(g, x, hp)
                     continue
                 upd = self._orthogonalized(g, x, hp)
@@ -94,11 +96,11 @@ class MuonStep(BaseStep):
                 _descend(g.W, upd, hp.lr)
 
     @staticmethod
-    def _one_by_one(g, x: torch.Tensor) -> bool:
-        """Whether a group's matrices are orthogonalized and applied one at a time
+    def one_by_one(g) -> bool:
+        """Whether group ``g``'s matrices are orthogonalized and applied one at a time
         (``NS_ONE_BY_ONE_CPU``; whole matrices each its own block, no tangent step)."""
         return (
-            x.device.type == "cpu" and g.B > 1 and x[0].numel() >= NS_ONE_BY_ONE_CPU
+            g.W.device.type == "cpu" and g.B > 1 and math.prod(g.local) >= NS_ONE_BY_ONE_CPU
             and g.gather is None and not g.spec.row_blocks and g.tangent_update is None
         )  # fmt: skip
 
