@@ -197,6 +197,8 @@ def test_adam_md_zero1_fused_kernels(nproc):
     res = md_check(nproc, "--dist", "zero1", "--fused-step", *args)
     check(res, nproc, "bf16" if "bf16" in args else "fp32")
     assert res["compiled_groups"] > 0
+    # the LM head's row sphere with both gains: its norms in phase 1's own variant
+    assert {"frobenius", "row_norm", "rescale_fuse"} <= set(res["kernels"])
     assert res["cut_inside_row"] or nproc == 2
     assert res["collectives_per_step"] == (1.0 if nproc > 1 else 0.0)
     assert res["payload"] == res["expected_payload"]

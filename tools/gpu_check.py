@@ -351,6 +351,8 @@ def verdict(step: Step, rc: int, output: str, out: Path) -> tuple[bool, list[str
             nums = ", ".join(f"{k} {res[k]:.3g}" for k in keys)
             if "--cuda-graph" in job:
                 nums += f", graph_replays {res.get('graph_replays')}"
+            if "--fused-step" in job:  # which compiled variants the layouts took
+                nums += f", kernels {' '.join(res.get('kernels', []))}"
             lines.append(f"{'ok ' if good else 'BAD'} {' '.join(job)}: {nums}")
     elif step.resumes:
         a, b = (_losses(out / f"{step.resumes}-{k}.jsonl") for k in ("a", "b"))

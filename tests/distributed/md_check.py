@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "md_de
 import cpu_demo  # noqa: E402
 
 from megatron.md import testing  # noqa: E402
-from megatron.md.engine import basesteps  # noqa: E402
+from megatron.md.engine import basesteps, compiled  # noqa: E402
 from megatron.md.train import shutdown  # noqa: E402
 
 LR, CLIP = 1e-2, 1.0
@@ -365,6 +365,13 @@ def grads_differ(grads) -> float:
     return float(t)
 
 
+def kernels_built() -> list[str]:
+    """The names of the compiled kernels any rank has built (engine/compiled.py)."""
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, sorted(compiled._compiled))
+    return sorted(set().union(*names))
+
+
 def check(args) -> dict:
     """One check (fresh model and optimizers, reseeded); the result rank 0 prints."""
     if args.device != DEV:
@@ -551,6 +558,9 @@ def check(args) -> dict:
         "compiled_groups": sum(
             1 for i in inners if i.engine is not None for g in i.engine.groups if g.kernels
         ),
+        # the compiled kernels the ranks have built so far (engine/compiled.py names; the row
+        # sphere with both gains, the LM head's: "row_norm")
+        "kernels": kernels_built(),
         # this rank's Muon groups orthogonalized and applied one matrix at a time
         "one_by_one_groups": sum(
             1
