@@ -34,6 +34,7 @@ def check(res: dict, nproc: int, dtype: str = "fp32") -> None:
 # (ranks, experts): dense at 1/2/4 ranks, MoE at 2/4
 RANKS_EXPERTS = [(1, 0), (2, 0), (4, 0), (2, 4), (4, 4)]
 MUON_LW = ("--optimizer", "muon", "--dist", "layerwise")
+MUON_REPLICATED = ("--optimizer", "muon", "--dist", "replicated")
 MD_OFF = {
     "zero1": ("--dist", "zero1"),
     "zero1-bf16-moe": ("--dist", "zero1", "--dtype", "bf16", "--experts", "4"),
@@ -43,13 +44,7 @@ MD_OFF = {
     # every Muon matrix one Newton-Schulz call each, applied as it is made (as from 2^20
     # elements on a CPU): still megatron's per-matrix Muon (replicated: two layers' matrices of
     # a shape in one group; layer-wise they fall to two ranks)
-    "replicated-muon-one-by-one": (
-        "--optimizer",
-        "muon",
-        "--dist",
-        "replicated",
-        "--ns-one-by-one",
-    ),  # fmt: skip
+    "replicated-muon-one-by-one": (*MUON_REPLICATED, "--ns-one-by-one"),
 }
 # --md-fused-step (compiled kernels): fp32 with cuts inside rows (4 ranks), bf16 MoE (2)
 FUSED = {4: (), 2: ("--dtype", "bf16", "--experts", "4")}
