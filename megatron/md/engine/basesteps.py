@@ -100,7 +100,7 @@ class MuonStep(BaseStep):
         """Whether group ``g``'s matrices are orthogonalized and applied one at a time
         (``NS_ONE_BY_ONE_CPU``; whole matrices each its own block, no tangent step)."""
         return (
-            g.W.device.type == "cpu" and g.B > 1 and math.prod(g.local) >= NS_ONE_BY_ONE_CPU
+            _one_call_each(g.W.device, g.B, math.prod(g.local))
             and g.gather is None and not g.spec.row_blocks and g.tangent_update is None
         )  # fmt: skip
 
@@ -124,7 +124,7 @@ class MuonStep(BaseStep):
 
     def _orthogonalized(self, g, x: torch.Tensor, hp: MuonHParams) -> torch.Tensor:
         def ns(y):
-            if y.device.type != "cpu" or y.shape[0] == 1 or y[0].numel() < NS_ONE_BY_ONE_CPU:
+            if not _one_call_each(y.device, y.shape[0], y[0].numel()):
                 return self._ns(y, g, hp)
             out = torch.empty_like(y)
             for b in range(y.shape[0]):
@@ -147,6 +147,12 @@ class MuonStep(BaseStep):
                 out[:, :, sl] = part.view(g.B, rows // period, -1, cols)
             out = out.view(g.B, rows, cols)
         return out if g.gather is None else g.gather.own(out)
+
+
+def _one_call_each(device: torch.device, B: int, numel: int) -> bool:
+    """Whether B matrices (or blocks) of ``numel`` elements each are orthogonalized one
+    Newton–Schulz call each (``NS_ONE_BY_ONE_CPU``) rather than in one batched call."""
+    return device.type == "cpu" and B > 1 and numel >= NS_ONE_BY_ONE_CPU
 
 
 def _scaled(o: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
