@@ -85,14 +85,19 @@ def run_tool(name, *args, timeout=120):
                           capture_output=True, text=True, timeout=timeout, env=env)  # fmt: skip
 
 
-def fake_run(root: Path, name: str, lr: float, best: float, iters=40, stop=None, nan=False):
-    """A metrics.jsonl whose loss ends near 3 + (log2(lr/best))² / 10."""
+def fake_run(
+    root: Path, name: str, lr: float, best: float, iters=40, stop=None, nan=False, every=1
+):
+    """A metrics.jsonl whose loss ends near 3 + (log2(lr/best))² / 10, logged as megatron logs
+    (``every``: --log-interval; iteration 1 always)."""
     d = root / name
     d.mkdir(parents=True)
     final = 3.0 + math.log2(lr / best) ** 2 / 10
     with (d / "metrics.jsonl").open("w") as f:
         f.write(json.dumps({"type": "run", "args": {}}) + "\n")
         for i in range(1, (stop or iters) + 1):
+            if i % every and i != 1:
+                continue
             loss = final + 2.0 * (1 - i / iters) ** 2
             if nan and i > iters // 2:
                 loss = float("nan")
@@ -166,9 +171,12 @@ def test_lr_sweep_finds_optimum_and_reports_broken_runs(tmp_path):
                 kw = {"nan": True}
             elif (method, lr) == ("adamw", 16e-3):
                 kw = {"stop": 30}
+            if size == "dense-181M" and lr == 1e-3:  # megatron logging every 2nd iteration
+                kw = {"every": 2, "iters": 80}
             if not (method == "muonmd" and lr == 1e-3 and size == "tiny"):  # never started
                 fake_run(tmp_path, name, lr, best, **kw)
-            flags = [f"--preset={size}", "--train-iters=40", "--global-batch-size=8",
+            iters = kw.get("iters", 40)
+            flags = [f"--preset={size}", f"--train-iters={iters}", "--global-batch-size=8",
                      "--seq-length=64"]  # fmt: skip
             meta = {"size": size, "method": method, "matrix_lr": lr}
             entries.append({"name": name, "flags": flags, "meta": meta,
@@ -194,6 +202,13 @@ def test_lr_sweep_finds_optimum_and_reports_broken_runs(tmp_path):
     assert float(r["tail_loss"]) == pytest.approx(3.0 + 2.0 * np.mean(
         [(1 - i / 40) ** 2 for i in range(16, 41)]))  # fmt: skip
     assert int(r["tokens"]) == 40 * 8 * 64 and int(r["n_active_non_embedding"]) > 0
+    assert int(r["tail_iterations"]) == 25
+    # a run logged every 2nd iteration: scored on its last 25 logged losses (iterations 32-80)
+    # and named, not taken for the paper's 25-iteration tail unseen
+    r = next(r for r in rows if r["name"] == "dense-181M-muonmd-lr0.001")
+    assert r["status"] == "ok" and int(r["tail_iterations"]) == 49
+    assert "dense-181M-muonmd-lr0.001: ok (its last 25 logged losses span 49" in out.stderr
+    assert sum("span" in ln for ln in out.stderr.splitlines()) == 1
     for png in ("lr_sweep.png", "lr_transfer.png"):
         assert (tmp_path / "a" / png).stat().st_size > 10_000
 

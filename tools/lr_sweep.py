@@ -4,8 +4,11 @@ Reads a sweep manifest (``examples/md_decoupling/sweep.py``, or any JSON with
 ``runs[].name/meta/flags/run_dir``; ``meta`` gives ``size``, ``method``, ``matrix_lr`` and an
 optional ``variant``) and each run's log (``<run_dir>/metrics.jsonl``, or ``meta.log`` when
 set). A run's score is its tail loss: the mean LM loss of its last ``--tail`` (25) logged
-iterations. Runs that are missing, stopped before ``--train-iters`` or not finite are reported
-with their status and left out of the optimum; they never stop the tool.
+iterations, the paper's last 25 iterations where every iteration is logged (the experiments'
+``--log-interval 1``); a run logged less often is scored on its last 25 logged losses and
+named, and the CSV's ``tail_iterations`` gives every run's span. Runs that are missing, stopped
+before ``--train-iters`` or not finite are reported with their status and left out of the
+optimum; they never stop the tool.
 
 Writes ``lr_sweep.json`` (every run and the optima), ``lr_sweep.csv`` (one row per run, with
 the active non-embedding parameter count and token count that ``tools/scaling_law.py``
@@ -84,7 +87,12 @@ def score_run(entry: dict, tail: int, x: str = "matrix_lr") -> dict:
     t = log.tail_loss(tail)
     if t is None:
         return {**row, "status": "incomplete", "detail": f"fewer than {tail} logged iterations"}
-    return {**row, "status": "ok", "tail_loss": t}
+    its = [i for i, _ in log.losses()[-tail:]]
+    span = its[-1] - its[0] + 1  # the paper's tail: the last 25 iterations, each logged
+    detail = "" if span == tail else (
+        f"its last {tail} logged losses span {span} iterations (--log-interval > 1): the "
+        f"tail is not the last {tail} iterations; log every iteration for the paper's")  # fmt: skip
+    return {**row, "status": "ok", "tail_loss": t, "tail_iterations": span, "detail": detail}
 
 
 def optima(rows: list[dict]) -> list[dict]:
@@ -221,7 +229,7 @@ def main(argv=None) -> dict:
     rows = [score_run(e, args.tail, args.x) for e in entries.values()]
     best = optima(rows)
     for r in rows:
-        if r["status"] != "ok":
+        if r["status"] != "ok" or r["detail"]:
             print(f"[lr_sweep] {r['name']}: {r['status']} ({r['detail']})", file=sys.stderr)
     print("size | method | best matrix LR | tail loss | finished runs")
     print("--- | --- | --- | --- | ---")
@@ -236,7 +244,8 @@ def main(argv=None) -> dict:
     (out / "lr_sweep.json").write_text(json.dumps(report, indent=1))
     with (out / "lr_sweep.csv").open("w", newline="") as f:
         keys = ["name", "size", "method", "variant", "matrix_lr", "status", "tail_loss",
-                "last_iteration", "n_active_non_embedding", "tokens"]  # fmt: skip
+                "tail_iterations", "last_iteration", "n_active_non_embedding",
+                "tokens"]  # fmt: skip
         w = csv.DictWriter(f, keys, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
