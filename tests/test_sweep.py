@@ -445,6 +445,32 @@ def test_the_launchers_save_interval_is_validated_with_the_runs(tmp_path, capsys
     assert capsys.readouterr().out.count("would submit") == 9 + 6
 
 
+def test_validation_gives_the_launchers_arguments(tmp_path, capsys, monkeypatch):
+    """The commands are validated with what launch.sbatch puts before a run's flags, from the
+    site's knobs as the jobs see them: bf16 and megatron's distributed optimizer unless
+    PRECISION_ARGS / DIST_ARGS say otherwise. Without them the throughput experiment, whose
+    layer-wise AdamMD runs need the distributed optimizer, was refused whole at submission;
+    a site's fp16 (which MD refuses) passed validation and stopped every MD job at its start."""
+    for var in ("PRECISION_ARGS", "DIST_ARGS", "LOG_ARGS"):
+        monkeypatch.delenv(var, raising=False)
+    sweep.main(["throughput", "--dry-run", "--mock-data", "--run-root", str(tmp_path)])
+    assert capsys.readouterr().out.count("would submit") == 30
+    monkeypatch.setenv("PRECISION_ARGS", "--fp16")
+    with pytest.raises(SystemExit, match="does not validate.*MD does not support --fp16"):
+        sweep.main(["ablation-tangent", "--dry-run", "--mock-data", "--run-root", str(tmp_path)])
+    monkeypatch.setenv("PRECISION_ARGS", "")  # set and empty: no precision flag (fp32)
+    monkeypatch.setenv("DIST_ARGS", "--overlap-grad-reduce")  # a site without ZeRO-1
+    with pytest.raises(SystemExit, match="adammd-lw: its command does not validate.*needs "
+                                         "--use-distributed-optimizer"):  # fmt: skip
+        sweep.main(["throughput", "--dry-run", "--mock-data", "--run-root", str(tmp_path)])
+    # the defaults are the launcher's: its knobs' lines, as the script has them
+    text = (EX / "launch.sbatch").read_text()
+    assert f"DIST_ARGS=${{DIST_ARGS:-{sweep.LAUNCHER_DIST}}}" in text
+    local = '$([ "$LOCAL" = 1 ] && echo "" || echo "' + sweep.LAUNCHER_PRECISION + '")'
+    assert f"PRECISION_ARGS=${{PRECISION_ARGS-{local}}}" in text
+    assert SITE[3:5] == [sweep.LAUNCHER_PRECISION, sweep.LAUNCHER_DIST]  # this file's parse
+
+
 def test_data_arguments_are_explicit(tmp_path, capsys, monkeypatch):
     """Three named cases: DATA_ARGS unset is refused (every job would start without data)
     unless --mock-data asks for mock data; data the login node cannot see is said, and the
@@ -517,6 +543,15 @@ def test_list_shows_runs_gpu_hours_and_checkpoint_disk(capsys):
     params = count_params(PRESETS[moe.meta["size"]])[0]
     family = "muon" if "muo" in moe.meta["method"] else "adam"
     assert experiments.checkpoint_bytes(moe) == 3 * params * experiments.CKPT_BYTES[family]
+    # the throughput runs keep their weights alone: one checkpoint (megatron's save at the end)
+    tput = experiments.experiment("throughput")
+    assert all("--no-save-optim" in r.flags and "--no-load-optim" in r.flags for r in tput)
+    r = next(r for r in tput if r.meta["method"] == "muonmd" and r.meta["size"] == "dense-1.29B")
+    params = count_params(PRESETS["dense-1.29B"])[0]
+    assert experiments.checkpoint_bytes(r) == params * experiments.CKPT_BYTES["weights"]
+    disk = sum(experiments.checkpoint_bytes(r) for r in tput)
+    assert 0.05e12 < disk < 0.07e12  # 0.39 TB with the optimizer states
+    assert rows["throughput"][2] == "0.1"
 
 
 def test_status_shows_progress_and_eta(tmp_path, capsys, monkeypatch):

@@ -439,7 +439,10 @@ def throughput_runs() -> list[Run]:
     ran it (layer-wise, ``adammd-lw``) and inside ZeRO-1. Measured as tools/throughput.py
     measures: every iteration logged with megatron's timers, no evaluation, MD's diagnostics
     only at iteration 1 (on every 50th they would be in the timed iterations, MD's costing
-    more than the baselines')."""
+    more than the baselines'). Their checkpoints hold the weights alone (``--no-save-optim``;
+    megatron saves at a run's end whenever ``--save`` is set, which the launcher sets): the
+    optimizer states made them 0.4 TB of disk for nothing; a requeued run goes on from its
+    weights with a fresh optimizer (``--no-load-optim``), its speed the same."""
     runs = []
     for size, gbs in (
         ("dense-181M", GBS), ("dense-457M", GBS), ("dense-827M", GBS), ("dense-1.29B", GBS),
@@ -449,7 +452,8 @@ def throughput_runs() -> list[Run]:
             flags = [f"--preset={size}", *_seq_flags(200, gbs), *dense_recipe(m, 4e-3),
                      "--lr-warmup-iters=0",  # the recipe's 1000 exceed the run; speed unaffected
                      "--log-throughput", "--timing-log-level=2", "--eval-iters=0",
-                     "--eval-interval=201", "--md-log-interval=201"]  # fmt: skip
+                     "--eval-interval=201", "--md-log-interval=201",
+                     "--no-save-optim", "--no-load-optim"]  # fmt: skip
             meta = {"size": size, "method": m, "gbs": gbs, "nodes": 2}
             runs.append(Run(f"tput-{size}-gbs{gbs}-{m}", flags, meta))
     return runs
@@ -511,14 +515,16 @@ def gpu_hours(run: Run) -> float:
 #: checkpoint bytes per parameter, bf16 under megatron's distributed optimizer (bf16 weights,
 #: fp32 main weights, the moments: Adam's two, Muon's one for the matrices it steps), measured
 #: on the tiny preset's torch_dist checkpoints at one rank (2026-12-03, megatron-core 0.19.2):
-#: AdamW 14.3, AdamMD 14.6, Muon 11.1, MuonMD 11.4; the MD numbers, the larger, for each family
-CKPT_BYTES = {"adam": 14.6, "muon": 11.4}
+#: AdamW 14.3, AdamMD 14.6, Muon 11.1, MuonMD 11.4; the MD numbers, the larger, for each family;
+#: "weights": --no-save-optim, the bf16 weights alone (AdamMD, 2026-12-04)
+CKPT_BYTES = {"adam": 14.6, "muon": 11.4, "weights": 2.15}
 
 
 def checkpoint_bytes(run: Run) -> float:
     """An estimate of the disk a run's checkpoints hold when it ends: those megatron's
     --save-retain-interval keeps (without it, every one the launcher's 1000-iteration saves
-    make) and the last, × parameters × ``CKPT_BYTES`` of its optimizer family."""
+    make) and the last, × parameters × ``CKPT_BYTES`` of its optimizer family (of the weights
+    alone under --no-save-optim)."""
     from megatron.md.train.presets import count_params
 
     p = _paper_preset(run)
@@ -528,6 +534,8 @@ def checkpoint_bytes(run: Run) -> float:
     every = int(_flag(run.flags, "--save-retain-interval", 0) or 1000)
     kept = iters // every + (iters % every > 0)
     family = "muon" if "muo" in run.meta.get("method", "") else "adam"
+    if "--no-save-optim" in run.flags:
+        family = "weights"
     return kept * count_params(p)[0] * CKPT_BYTES[family]
 
 

@@ -14,12 +14,14 @@ RUN_NAME = the run's name (which encodes size, method, matrix LR and variant) an
 site settings (data, container, NCCL, wandb) go through the launcher's environment knobs.
 
 Before anything is submitted every distinct command is validated with ``pretrain_gpt.py``'s own
-parser on this (login) node, with the site's DATA_ARGS (``validate``: three cases, each said by
-name — data and tokenizer visible here: checked too; not visible here, e.g. ``/data`` mounted
-on compute nodes only: the flags are checked, the files when each job starts; DATA_ARGS unset:
-refused, since every job would start without data, unless ``--mock-data`` asks for megatron's
-mock data on purpose). Without torch here validation is refused by name (``--no-validate``
-submits unvalidated). The manifest (JSON: experiment, git commit, and per run its name, job
+parser on this (login) node, with what launch.sbatch gives a job before the run's flags
+(``launcher_args``: PRECISION_ARGS, DIST_ARGS, LOG_ARGS, SAVE_INTERVAL, as the jobs will see
+them) and the site's DATA_ARGS (``validate``: three cases, each said by name — data and
+tokenizer visible here: checked too; not visible here, e.g. ``/data`` mounted on compute nodes
+only: the flags are checked, the files when each job starts; DATA_ARGS unset: refused, since
+every job would start without data, unless ``--mock-data`` asks for megatron's mock data on
+purpose). Without torch here validation is refused by name (``--no-validate`` submits
+unvalidated). The manifest (JSON: experiment, git commit, and per run its name, job
 id, flags, metadata and run directory) is written after each submission, so a failing
 ``sbatch`` midway leaves every job already queued in it; the analysis tools read it back.
 ``--resume`` skips runs that finished (``<run>/finished``) or whose job is still queued or
@@ -192,6 +194,21 @@ def data_args(mock: bool, runs: list) -> list[str]:
     return shlex.split(given)
 
 
+#: what launch.sbatch puts before a run's flags when the site leaves its knob unset (its
+#: "knobs"; tests/test_sweep.py holds these to the script): bf16 on a cluster, ZeRO-1
+LAUNCHER_PRECISION, LAUNCHER_DIST = "--bf16", "--use-distributed-optimizer"
+
+
+def launcher_args() -> list[str]:
+    """The arguments launch.sbatch gives a SLURM job before the run's own, from the site's
+    knobs as the job will see them (sbatch exports this environment): precision
+    (``${PRECISION_ARGS-…}``: set and empty stays empty), the distributed optimizer
+    (``${DIST_ARGS:-…}``) and logging."""
+    prec = os.environ.get("PRECISION_ARGS", LAUNCHER_PRECISION)
+    dist = os.environ.get("DIST_ARGS") or LAUNCHER_DIST
+    return shlex.split(prec) + shlex.split(dist) + shlex.split(os.environ.get("LOG_ARGS", ""))
+
+
 def unseen_paths(data: list[str]) -> list[str]:
     """Data files and tokenizer folders DATA_ARGS names that this node cannot see."""
     from megatron.md.train.datacheck import data_prefixes
@@ -233,9 +250,11 @@ def validate(runs: list[experiments.Run], data: list[str]) -> None:
         print(f"[sweep] not visible on this node: {', '.join(unseen)}; the flags are checked "
               "here, the data and tokenizer when each job starts", file=sys.stderr)  # fmt: skip
         site = shlex.split(MOCK_DATA)  # megatron builds the tokenizer while parsing
-    site += ["--save=/nonexistent-run-dir", "--load=/nonexistent-run-dir"]
-    # the launcher's --save-interval comes before the run's flags (a run's own wins)
-    first = [f"--save-interval={os.environ.get('SAVE_INTERVAL') or 1000}"]
+    # what the launcher gives the job before the run's flags (a run's own win): data,
+    # precision, distributed optimizer, logging, checkpointing (its --save-interval)
+    first = [*site, *launcher_args(), "--save=/nonexistent-run-dir",
+             "--load=/nonexistent-run-dir",
+             f"--save-interval={os.environ.get('SAVE_INTERVAL') or 1000}"]  # fmt: skip
     seen = set()
     saved = dict(os.environ), list(sys.argv)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -248,7 +267,7 @@ def validate(runs: list[experiments.Run], data: list[str]) -> None:
             gv.unset_global_variables()
             try:
                 with contextlib.redirect_stdout(io.StringIO()):  # megatron prints every arg
-                    cli.parse(first + run.flags + site, on_cpu=True, check_save=False)
+                    cli.parse(first + run.flags, on_cpu=True, check_save=False)
             except SystemExit as e:
                 sys.exit(f"[sweep] {run.name}: its command does not validate: {e.code}\n"
                          "[sweep] nothing was submitted")  # fmt: skip
