@@ -45,6 +45,6 @@ export THP_MEM_ALLOC_ENABLE=${THP_MEM_ALLOC_ENABLE:-1}  # torch: huge pages for 
 case "${1:-demo}" in
   demo) shift || true; exec "$PY" examples/md_decoupling/pretrain_demo.py "$@" ;;
   optimizers) shift || true; exec "$PY" examples/md_decoupling/cpu_demo.py "$@" ;;
-  test) shift || true; exec "$PY" -m pytest -q --durations=12 tests "$@" ;;
+  test) shift || true; exec "$PY" -m pytest -q -rs --durations=12 tests "$@" ;;  # -rs: every skip with its reason
   *) echo "usage: bash run.sh {demo|test|optimizers} [args...]" >&2; exit 2 ;;
 esac
