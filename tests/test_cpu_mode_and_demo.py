@@ -30,6 +30,27 @@ def test_cpu_mode_redirects_devices_and_types():
     assert torch.cuda.device_count() == 1
 
 
+def test_cpu_mode_resolves_onemkls_vector_math_before_any_parallel_call(monkeypatch):
+    """CPU mode calls each function ATen sends to oneMKL's VML once, on one element, in
+    float32 and float64, at activation (megatron/md/mkl_vml.py: oneMKL 2024.2's first-call
+    race gave RoPE's first cos table an error of 1.5e-4 in about one process of twenty). The
+    list is the installed torch's (torch/include/ATen/cpu/vml.h): a torch that sends another
+    function, or no longer sends one, fails here."""
+    import re
+
+    from megatron.md import mkl_vml
+
+    header = (Path(torch.__file__).parent / "include/ATen/cpu/vml.h").read_text()
+    assert set(re.findall(r"^IMPLEMENT_VML_MKL\((\w+),", header, re.M)) == set(mkl_vml.VML_OPS)
+    assert mkl_vml._WARM  # conftest activated CPU mode: warmed once, at activation
+    calls = []
+    for op in mkl_vml.VML_OPS:
+        monkeypatch.setattr(torch, op, lambda x, op=op: calls.append((op, x.dtype, x.numel())))
+    monkeypatch.setattr(mkl_vml, "_WARM", False)
+    mkl_vml.warm()
+    assert calls == [(op, dt, 1) for dt in (torch.float32, torch.float64) for op in mkl_vml.VML_OPS]
+
+
 class _GatherLike(torch.autograd.Function):
     """Like megatron's backward all-gathers (core/tensor_parallel/mappings.py,
     _gather_along_first_dim): the backward allocates its output on

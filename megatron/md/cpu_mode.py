@@ -31,6 +31,8 @@ import sys
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron.md import mkl_vml
+
 _ACTIVE = False
 _SAID = False  # the line that CPU mode is on printed (or due, on rank 0)
 _OWED = b""  # owe(): printed at activate
@@ -268,6 +270,7 @@ def activate(quiet: bool = False) -> None:
     if not _ACTIVE:
         if torch.cuda.is_available():
             raise RuntimeError("CPU mode must not be activated on a machine with a GPU")
+        mkl_vml.warm()  # before any parallel unary op: oneMKL's first-call race (mkl_vml.py)
         check_backward_seam()
         _patch_cuda()
         _patch_process_group()
