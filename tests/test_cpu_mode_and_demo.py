@@ -33,7 +33,7 @@ def test_cpu_mode_redirects_devices_and_types():
 def test_cpu_mode_resolves_onemkls_vector_math_before_any_parallel_call(monkeypatch):
     """CPU mode calls each function ATen sends to oneMKL's VML once, on one element, in
     float32 and float64, at activation (megatron/md/mkl_vml.py: oneMKL 2024.2's first-call
-    race gave RoPE's first cos table an error of 1.5e-4 in about one process of twenty). The
+    race gave RoPE's first cos table an error of 1.5e-4 in 3 of 100 two-thread processes). The
     list is the installed torch's (torch/include/ATen/cpu/vml.h): a torch that sends another
     function, or no longer sends one, fails here."""
     import re
