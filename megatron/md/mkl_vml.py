@@ -16,8 +16,8 @@ half of its cos table was off by up to 1.5e-4, bit for bit oneMKL's low-accuracy
 (3.6e-8 otherwise, and on the key's call just after), and a trained nGPT's logits by 1.37e-5
 instead of 5.6e-7 (tests/test_ngpt.py); 0 of 100 with ``warm``. ``warm`` calls each function
 once on one element, which runs on the calling thread alone: its kernel is resolved before two
-threads can race on it. On builds without oneMKL (aarch64 wheels) it does nothing
-harmful: the same ops on one element.
+threads can race on it. On builds without oneMKL (aarch64 wheels) it does nothing harmful:
+the same ops on one element.
 """
 
 from __future__ import annotations
