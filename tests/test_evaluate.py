@@ -395,16 +395,24 @@ def test_trajectory_arguments_are_checked(capsys):
 
 def test_replayed_flags_parse_back_to_the_saved_values():
     """Saved args → flags → megatron's parser (with ours) gives the saved values back, for each
-    kind of flag: store_true, --no-* (BooleanOptionalAction), a value, a layer pattern list."""
+    kind of flag: store_true, --no-* (BooleanOptionalAction), a value, a layer pattern list.
+    A run without Sandwich Norm saved ``--block-output-scale``'s default, which it never read
+    and which is refused without the norm: not replayed (its scale is
+    ``--prenorm-block-scale``)."""
     import argparse
 
     from megatron.md.evaluation import restore
 
     saved = argparse.Namespace(hidden_size=96, qk_layernorm=True, swiglu=False,
-                               sandwich_norm=False, embedding_scale=True, block_output_scale="1",
+                               sandwich_norm=False, embedding_scale=True,
+                               prenorm_block_scale="1/sqrt(2L)",
                                moe_layer_freq=[1, 0, 1], normalization="RMSNorm",
                                untie_embeddings_and_output_weights=True, use_rope_scaling=True,
                                rope_scaling_factor=4.0)  # fmt: skip
+    unread = argparse.Namespace(**vars(saved), block_output_scale="1/L")
+    assert restore.replay(unread, set(vars(unread))) == restore.replay(saved, set(vars(saved)))
+    on = argparse.Namespace(sandwich_norm=True, block_output_scale="1")
+    assert restore.replay(on, set(vars(on))) == ["--sandwich-norm", "--block-output-scale=1"]
     flags = restore.replay(saved, set(vars(saved)))
     assert "--no-sandwich-norm" in flags and "--moe-layer-freq=[1,0,1]" in flags
     assert {"use_rope_scaling", "rope_scaling_factor"} <= set(restore.ARCH)  # the dense presets'

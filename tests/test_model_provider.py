@@ -117,6 +117,55 @@ def test_the_rope_scaling_factor_reaches_the_model():
     assert not torch.equal(*inv)
 
 
+@pytest.mark.usefixtures("one_process")
+def test_the_prenorm_block_scale_multiplies_each_block_output_before_its_residual_add(capsys):
+    """``--prenorm-block-scale`` (the authors' ``--fixed-layer-scale`` without ``--post-norm``,
+    gainz exp3-depth-transfer.sh's exp3-depth-prenorm loop): megatron's own GPT, the same
+    parameters, where each attention and MLP output enters the residual stream times α =
+    1/sqrt(2L), no norm between (bit for bit the product and the add, layer by layer). With
+    Sandwich Norm, or ``--block-output-scale`` without it, the flags are refused."""
+    args, (ours, megatrons) = _build_both("--prenorm-block-scale=1/sqrt(2L)")
+    alpha = 1 / (2 * args.num_layers) ** 0.5
+    mine, theirs = dict(ours.named_parameters()), dict(megatrons.named_parameters())
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    seen = {}
+
+    def keep(name):
+        def hook(module, inputs, kwargs, output):
+            x = inputs[0] if inputs else kwargs["hidden_states"]
+            seen[name] = (x, output[0] if isinstance(output, tuple) else output)
+
+        return hook
+
+    layer = ours.decoder.layers[1]
+    for name in ("input_layernorm", "self_attention", "pre_mlp_layernorm", "mlp"):
+        getattr(layer, name).register_forward_hook(keep(name), with_kwargs=True)
+    layer.register_forward_hook(keep("layer"), with_kwargs=True)
+    tokens = torch.randint(0, args.vocab_size, (2, args.seq_length))
+    position = torch.arange(args.seq_length).expand(2, -1)
+    with torch.no_grad():
+        a, b = (m(tokens, position, None) for m in (ours, megatrons))
+    assert not torch.equal(a, b)
+    x = seen["input_layernorm"][0]
+    after_attention = seen["pre_mlp_layernorm"][0]
+    assert torch.equal(after_attention, x + alpha * seen["self_attention"][1])
+    assert torch.equal(seen["layer"][1], after_attention + alpha * seen["mlp"][1])
+    # the Hugging Face export computes it too (tools/export_hf.py's config and weights)
+    from megatron.md.export import hf_export, hf_modeling
+
+    cfg, weights = hf_export.config(args), hf_export.tensors(ours.state_dict())
+    assert cfg["prenorm_block_scale"] == alpha and not cfg["sandwich_norm"]
+    hf = hf_modeling.MegatronMDForCausalLM(hf_modeling.MegatronMDConfig(**cfg)).eval()
+    hf.load_state_dict(weights)
+    with torch.no_grad():
+        theirs = hf(tokens).logits
+    assert float((theirs - a).norm() / a.norm()) < 1e-5
+    msg = fails(capsys, "--prenorm-block-scale=1/L")  # the preset's Sandwich Norm
+    assert "add --no-sandwich-norm" in msg, msg
+    msg = fails(capsys, "--no-sandwich-norm", "--block-output-scale=1/sqrt(2L)")
+    assert "it would be ignored; a scale without the norm is --prenorm-block-scale" in msg, msg
+
+
 @pytest.mark.parametrize("backend", ["local", "auto"])
 def test_the_local_attention_backend_puts_megatrons_attention_in_the_layer(backend):
     """``--attention-backend local`` with the Transformer Engine spec: megatron's builder puts

@@ -61,6 +61,7 @@ def one_process(monkeypatch):
         ([*NGPT, "--tensor-model-parallel-size=2"], "--tensor-model-parallel-size 1"),
         ([*NGPT, "--hidden-dropout=0.1"], "no dropout"),
         ([*NGPT, "--sandwich-norm"], "no Sandwich Norm or embedding scale"),
+        ([*NGPT, "--prenorm-block-scale=1/L"], "scales its residual steps itself"),
         ([*NGPT, "--transformer-impl=transformer_engine"], "--transformer-impl local"),
         ([*NGPT, "--ngpt-alpha-init=0"], "--ngpt-alpha-init=0.0 must be > 0"),
     ],

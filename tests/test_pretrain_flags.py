@@ -1383,6 +1383,40 @@ def test_an_moe_checkpoint_loads_into_the_layers_that_saved_it():
     ckpt_checks.check_layer_impl(ckpt, te, argparse.Namespace(**vars(local), **moe, te_names=True))
 
 
+def test_a_resumed_run_keeps_its_block_output_scale():
+    """A run resuming its own checkpoint with another block-output scale (Sandwich Norm's α, α
+    alone, or none) is refused before anything is read, naming the flags that restore it; a
+    checkpoint older than --prenorm-block-scale had none; --init-from and --finetune may
+    change it; α after a Sandwich norm is compared only where both have the norm."""
+    from megatron.md.train import ckpt_checks
+
+    ckpt = ckpt_checks.Checkpoint("/runs/a/iter_0000100", "torch_dist")
+    old = argparse.Namespace(sandwich_norm=False, block_output_scale="1/L")  # before the flag
+    now = argparse.Namespace(sandwich_norm=False, block_output_scale="1/L", finetune=False,
+                             prenorm_block_scale="1/sqrt(2L)")  # fmt: skip
+    with pytest.raises(SystemExit) as e:
+        ckpt_checks.check_block_scale(ckpt, old, now)
+    msg = str(e.value.code)
+    assert "its blocks were trained with another output scale (prenorm_block_scale: " in msg
+    assert "checkpoint None, this run '1/sqrt(2L)'" in msg and "(drop --prenorm-block-scale)" in msg
+    ckpt_checks.check_block_scale(ckpt, old, argparse.Namespace(**{**vars(now), "finetune": True}))
+    new_run = ckpt_checks.Checkpoint("/runs/a/iter_0000100", "torch_dist", flag="--init-from")
+    ckpt_checks.check_block_scale(new_run, old, now)
+    scaled = argparse.Namespace(**{**vars(now), "block_output_scale": "1"})
+    ckpt_checks.check_block_scale(ckpt, scaled, now)  # no Sandwich Norm: its α is unread
+    sandwich = argparse.Namespace(sandwich_norm=True, block_output_scale="1/L")
+    with pytest.raises(SystemExit, match=r"\(--block-output-scale=1/L\)"):
+        ckpt_checks.check_block_scale(
+            ckpt,
+            sandwich,
+            argparse.Namespace(
+                **{**vars(sandwich), "block_output_scale": "1/sqrt(2L)", "finetune": False}
+            ),
+        )
+    with pytest.raises(SystemExit, match=r"\(--sandwich-norm; drop --prenorm-block-scale\)"):
+        ckpt_checks.check_block_scale(ckpt, sandwich, now)
+
+
 def test_a_resumed_run_keeps_its_position_encoding(capsys):
     """A run resuming its own checkpoint (--load) under other RoPE settings is refused before
     anything is read, naming each difference and the flags that restore the checkpoint's (a run

@@ -134,6 +134,16 @@ def test_dense_ablations_run_what_the_authors_ran():
         experiments.experiment("moe-ladder", methods=["muonmd"])
     with pytest.raises(ValueError, match="the paper's text and the authors' runs agree"):
         experiments.experiment("ablation-rewarm", text=True)
+    # exp3-depth-transfer.sh's α = 1/sqrt(2L) with Sandwich Norm and without (its last loop,
+    # exp3-depth-prenorm); exp10-lr-warmup.sh's 5000 warmup steps at 8e-3 alone
+    depth = experiments.experiment("ablation-block-scale")
+    pre = [r for r in depth if r.meta["variant"] == "1sqrt2L-prenorm"]
+    assert len(pre) == len(depth) / 2 == 4 * len(recipes.lr_grid())
+    assert all({"--no-sandwich-norm", "--prenorm-block-scale=1/sqrt(2L)"} <= set(r.flags)
+               and "--block-output-scale=1/sqrt(2L)" not in r.flags for r in pre)  # fmt: skip
+    warm = [r for r in experiments.experiment("ablation-warmup") if "w5000" in r.name]
+    assert [(r.meta["matrix_lr"], r.flags[-1]) for r in warm] == [(8e-3, "--lr-warmup-iters=5000")]
+    assert not any("w5000" in r.name for r in experiments.experiment("ablation-warmup", [4e-3]))
     muon = experiments.experiment("ablation-muon-scale", text=True)  # the text: RoPE unscaled
     assert all("--no-rope-scaling" in r.flags for r in muon)
     assert not any("--no-rope-scaling" in r.flags for r in experiments.experiment("dense-grid"))

@@ -113,6 +113,13 @@ def dense_grid(lrs: list[float], methods=None, text: bool = False) -> list[Run]:
 SPHERE_ONLY = ["--md-sphere=frobenius", "--md-gains=none"]
 #: dense-grid's sphere-alone arm (its run names end in it)
 SPHERE_ARM = "sphere-frobenius"
+#: fig. depth-scaling: α = 1/sqrt(2L) after the Sandwich norm (the text: "after its RMSNorm";
+#: gainz exp3-depth-transfer.sh's second loop) and without that norm (its last loop,
+#: exp3-depth-prenorm: --fixed-layer-scale without --post-norm); variant -> flags
+BLOCK_SCALE_ARMS = {
+    "1sqrt2L": ["--block-output-scale=1/sqrt(2L)"],
+    "1sqrt2L-prenorm": ["--no-sandwich-norm", "--prenorm-block-scale=1/sqrt(2L)"],
+}
 
 
 @dataclass(frozen=True)
@@ -133,6 +140,8 @@ class Ablation:
     beside: tuple[tuple[str, str], ...] = ()
     """dense-grid's 181M runs of other methods drawn beside: (method, its recipe run and the
     one whose name ends in this tag)"""
+    points: dict[str, list[str]] = field(default_factory=dict)
+    """arms the runs ran at one matrix LR, ``SIDE_MATRIX_LR`` (where the LRs include it)"""
 
 
 #: Muon's scale modes × warmup (fig. muon-scale-modes, left) as the runs (gainz exp9 and exp10:
@@ -200,20 +209,29 @@ ABLATIONS: dict[str, Ablation] = {
     # fig. lr-decay: WSD, 1-sqrt over the last 20 % (exp7-lr-decay.sh); linear is dense-grid's
     "schedule": Ablation(("muonmd",), {"wsd": WSD}),
     # fig. warmup (left): 1000 warmup steps for MuonMD (exp10-lr-warmup.sh), beside dense-grid's
-    # MuonMD and Muon without (the recipes) and Muon with (``MUON_WARM``)
-    "warmup": Ablation(("muonmd",), {"w1000": WARMUP["w1000"]}, beside=(("muon", MUON_WARM),)),
+    # MuonMD and Muon without (the recipes) and Muon with (``MUON_WARM``); 5000 steps at 8e-3
+    # (the script's first loop: 1000 and 5000 steps at 1e-3 · 2^(6/2))
+    "warmup": Ablation(
+        ("muonmd",),
+        {"w1000": WARMUP["w1000"]},
+        beside=(("muon", MUON_WARM),),
+        points={"w5000": ["--lr-warmup-iters=5000"]},
+    ),
 }
 
 
 def ablation_runs(axis: str, lrs: list[float], methods=None, text: bool = False) -> list[Run]:
-    """An ablation's runs: its methods (or ``methods``) × its arms × the matrix LRs."""
+    """An ablation's runs: its methods (or ``methods``) × its arms × the matrix LRs, and its
+    one-LR arms (``Ablation.points``) at ``SIDE_MATRIX_LR`` where ``lrs`` include it."""
     ab = ABLATIONS[axis]
     arms = ab.text_arms if text and ab.text_arms else ab.arms
+    at = [lr for lr in lrs if fmt(lr) == fmt(SIDE_MATRIX_LR)]
+    plan = [(tag, extra, lr) for tag, extra in arms.items() for lr in lrs]
+    plan += [(tag, extra, lr) for tag, extra in ab.points.items() for lr in at]
     return [
         _dense_run("dense-181M", m, lr, f"{axis}-{tag}", extra, text=text, axis=axis, variant=tag)
         for m in methods or ab.methods
-        for tag, extra in arms.items()
-        for lr in lrs
+        for tag, extra, lr in plan
     ]
 
 
@@ -575,10 +593,12 @@ def experiment(
     if name == "dense-grid":
         return dense_grid(lrs, methods, text)
     if name == "ablation-block-scale":  # α = 1/L is dense-grid's depth sweep
-        alpha = ["--block-output-scale=1/sqrt(2L)"]
-        meta = {"text": text, "axis": "block-scale", "variant": "1sqrt2L"}
+        meta = {"text": text, "axis": "block-scale"}
         return [
-            _dense_run(s, "muonmd", lr, "alpha1sqrt2L", alpha, **meta) for s in DEPTHS for lr in lrs
+            _dense_run(s, "muonmd", lr, f"alpha{v}", extra, variant=v, **meta)
+            for v, extra in BLOCK_SCALE_ARMS.items()
+            for s in DEPTHS
+            for lr in lrs
         ]
     if name == "ablation-rewarm":
         return rewarm_runs(given or [REWARM_LR])
@@ -704,7 +724,7 @@ PAPER = (
     ("Sec. normalization axis (text)", "tangent projection", "ablation-tangent, dense-grid",
      _with_base("tangent")),
     ("Fig. depth-scaling", "block-output scale; act. RMS", "ablation-block-scale, dense-grid",
-     _beside("ablation-block-scale", ["muonmd"], ["-alpha1sqrt2L"], True,
+     _beside("ablation-block-scale", ["muonmd"], [f"-alpha{v}" for v in BLOCK_SCALE_ARMS], True,
              [d.removeprefix("dense-") for d in DEPTHS]) + "; " + _DIAG.replace(
          " --out", " runs/dense-grid/dense-252M-muonmd-lr*[0-9]/metrics.jsonl --out")),
     ("Fig. lr-panels-combined (left)", "base Adam LR (AdamW at matrix LR 8e-3)",

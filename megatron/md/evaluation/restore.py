@@ -29,7 +29,8 @@ ARCH = (
     "moe_router_pre_softmax", "moe_grouped_gemm", "moe_shared_expert_intermediate_size",
     "moe_router_score_function", "moe_router_enable_expert_bias",
     "moe_router_topk_scaling_factor", "moe_router_dtype", "transformer_impl", "bf16", "fp16",
-    "paper_arch", "sandwich_norm", "block_output_scale", "scaled_output_init", "embedding_scale",
+    "paper_arch", "sandwich_norm", "block_output_scale", "prenorm_block_scale",
+    "scaled_output_init", "embedding_scale",
     "init_method_std", "hidden_dropout", "attention_dropout", "arch", "ngpt_alpha_init",
     "ngpt_residual_scale",
 )  # fmt: skip
@@ -87,6 +88,8 @@ def replay(saved, names) -> list[str]:
         name = action.dest
         if name not in names or not hasattr(saved, name) or not action.option_strings:
             continue
+        if name == "block_output_scale" and not getattr(saved, "sandwich_norm", True):
+            continue  # (its default, saved by every run; refused without Sandwich Norm)
         value = getattr(saved, name)
         flag = action.option_strings[0]
         if isinstance(action, argparse.BooleanOptionalAction):

@@ -114,6 +114,11 @@ def config(args) -> dict:
         "qk_layernorm": bool(args.qk_layernorm),
         "sandwich_norm": bool(args.sandwich_norm),
         "block_output_scale": block_scale(args.block_output_scale, args.num_layers),
+        "prenorm_block_scale": (
+            block_scale(args.prenorm_block_scale, args.num_layers)
+            if getattr(args, "prenorm_block_scale", None)
+            else None
+        ),
         "embedding_scale": bool(args.embedding_scale),
         "share_embeddings": not args.untie_embeddings_and_output_weights,
         "max_position_embeddings": args.max_position_embeddings,

@@ -55,6 +55,7 @@ class MegatronMDConfig(_Config):
         qk_layernorm: bool = True,
         sandwich_norm: bool = True,
         block_output_scale: float = 1.0,
+        prenorm_block_scale: float | None = None,
         embedding_scale: bool = True,
         share_embeddings: bool = False,
         max_position_embeddings: int = 4096,
@@ -81,6 +82,7 @@ class MegatronMDConfig(_Config):
             qk_layernorm,
         )
         self.sandwich_norm, self.block_output_scale = sandwich_norm, block_output_scale
+        self.prenorm_block_scale = prenorm_block_scale  # without Sandwich Norm: x + α · out
         self.embedding_scale, self.share_embeddings = embedding_scale, share_embeddings
         self.max_position_embeddings = max_position_embeddings
         self.rope_scaling_factor = rope_scaling_factor
@@ -262,15 +264,21 @@ class _Layer(nn.Module):
         self.self_attention = _Attention(c)
         self.pre_mlp_layernorm = _Norm(c.hidden_size, c.norm_epsilon)
         self.mlp = _MoE(c) if moe else _MLP(c, c.ffn_hidden_size)
+        self.self_attn_bda = self.mlp_bda = None
         if c.sandwich_norm:
             self.self_attn_bda, self.mlp_bda = _Sandwich(c), _Sandwich(c)
-        self.sandwich = c.sandwich_norm
+        self.alpha = getattr(c, "prenorm_block_scale", None)  # megatron-md's ``ScaledAdd``
+
+    def _add(self, bda, out, x):
+        if bda is not None:
+            return bda(out, x)
+        return x + (out if self.alpha is None else self.alpha * out)
 
     def forward(self, x, cos, sin, mask=None, cache=None, idx=0):
         out = self.self_attention(self.input_layernorm(x), cos, sin, mask, cache, idx)
-        x = self.self_attn_bda(out, x) if self.sandwich else x + out
+        x = self._add(self.self_attn_bda, out, x)
         out = self.mlp(self.pre_mlp_layernorm(x))
-        return self.mlp_bda(out, x) if self.sandwich else x + out
+        return self._add(self.mlp_bda, out, x)
 
 
 class _Decoder(nn.Module):

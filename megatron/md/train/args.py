@@ -149,6 +149,14 @@ def add_md_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="fixed scale alpha of each block output after its Sandwich norm",
     )
     g.add_argument(
+        "--prenorm-block-scale",
+        choices=BLOCK_SCALES[:2],
+        default=None,
+        help="with --no-sandwich-norm: fixed scale alpha of each block output, no norm after it "
+        "(x + alpha * f(norm(x))): the authors' --fixed-layer-scale without --post-norm "
+        "(gainz exp3-depth-transfer.sh, exp3-depth-prenorm); default: none",
+    )
+    g.add_argument(
         "--scaled-output-init",
         action="store_true",
         help="with --paper-arch: init std sigma/sqrt(2L) for attention/MLP output projections "

@@ -282,6 +282,33 @@ def check_positions(where: Checkpoint, saved_args, args) -> None:
              "from its weights with --init-from")  # fmt: skip
 
 
+def check_block_scale(where: Checkpoint, saved_args, args) -> None:
+    """A resumed run (``--load`` of its own run, not ``--finetune``) keeps its blocks' output
+    scale: Sandwich Norm and its α (``--block-output-scale``), or α alone
+    (``--prenorm-block-scale``; a checkpoint older than the flag had none). Another scale
+    trains another model and nothing in the shapes shows it; a new run from the checkpoint's
+    weights may change it."""
+    if where.flag != "--load" or args.finetune or not hasattr(saved_args, "sandwich_norm"):
+        return
+    names = ["sandwich_norm", "prenorm_block_scale"]
+    if saved_args.sandwich_norm and args.sandwich_norm:
+        names.append("block_output_scale")
+    saved = {k: getattr(saved_args, k, None) for k in names}
+    diff = [k for k in names if saved[k] != getattr(args, k, None)]
+    if not diff:
+        return
+    was = "; ".join(f"{k}: checkpoint {saved[k]!r}, this run {getattr(args, k, None)!r}"
+                    for k in diff)  # fmt: skip
+    give = [("--sandwich-norm" if saved[k] else "--no-sandwich-norm") if k == "sandwich_norm"
+            else f"--{k.replace('_', '-')}={saved[k]}"
+            for k in diff if saved[k] is not None]  # fmt: skip
+    drop = [f"drop --{k.replace('_', '-')}" for k in diff if saved[k] is None]
+    fix = "; ".join(x for x in (" ".join(give), ", ".join(drop)) if x)
+    fail(where, f"its blocks were trained with another output scale ({was}): resuming would "
+         f"continue as another model; give the checkpoint's ({fix}), or start a new run from "
+         "its weights with --init-from")  # fmt: skip
+
+
 def optimizer_name(a) -> str:
     """AdamW, AdamMD, Muon, MuonMD, Muown, as the run's flags make it."""
     base = {"adam": "Adam", "muon": "Muon"}.get(a.optimizer, a.optimizer)
@@ -468,6 +495,7 @@ def check_all(ckpt: Checkpoint, args) -> bool:
         check_shape(ckpt, saved, args)
         check_layer_impl(ckpt, saved, args)
         check_positions(ckpt, saved, args)
+        check_block_scale(ckpt, saved, args)
         check_optimizer(ckpt, saved, args)
         check_resharding(ckpt, saved, common, ckpt.keys, args)
         check_param_layout(ckpt, saved, args)

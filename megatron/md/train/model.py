@@ -2,7 +2,8 @@
 specs (local on CPU, Transformer Engine on GPU) plus two additions at narrow seams:
 
 - Sandwich Norm: each block output goes through its own RMSNorm and a fixed scale α before the
-  residual add — ``SandwichAdd`` takes the place of the layer's bias-dropout-add submodule;
+  residual add — ``SandwichAdd`` takes the place of the layer's bias-dropout-add submodule
+  (``ScaledAdd``: α alone, no norm, with ``--no-sandwich-norm --prenorm-block-scale``);
 - embeddings × sqrt(d): a forward hook on the embedding.
 
 Both, and init std 1/sqrt(d) for every matrix (``--init-method-std`` defaults to it; megatron's
@@ -81,6 +82,19 @@ def check_flags(args) -> None:
             "checkpoint fills it, a first launch trains from it (a plain run's gradient norm "
             "was nan at iteration 1, MD's sphere radius nan: seen); drop it"
         )
+    if args.sandwich_norm and getattr(args, "prenorm_block_scale", None):
+        errors.fail(
+            f"--prenorm-block-scale {args.prenorm_block_scale} scales a block output with no "
+            "norm after it, and this model has Sandwich Norm (--paper-arch, every --preset): "
+            "add --no-sandwich-norm, or give the scale after the norm as --block-output-scale"
+        )
+    if not args.sandwich_norm and "--block-output-scale" in getattr(args, "given_flags", ()):
+        errors.fail(
+            f"--block-output-scale {args.block_output_scale} is the scale after each block's "
+            "Sandwich norm, which this model does not have (--no-sandwich-norm, or no "
+            "--paper-arch): it would be ignored; a scale without the norm is "
+            "--prenorm-block-scale"
+        )
     for flag, what in NOT_BUILT.items():
         if getattr(args, flag, None):
             errors.fail(
@@ -109,17 +123,47 @@ class SandwichAdd(torch.nn.Module):
         return add
 
 
+class ScaledAdd(torch.nn.Module):
+    """residual + α · x + bias, no norm (``--prenorm-block-scale``), in place of megatron's
+    bias-dropout-add: the authors' ``FixedLayerScale`` on a block output without
+    ``--post-norm`` (gainz core/transformer/transformer_layer.py, the scale before the
+    bias-dropout-add)."""
+
+    def __init__(self, alpha: float):
+        super().__init__()
+        self.alpha = alpha
+
+    def forward(self, training: bool, fused: bool):  # called like get_bias_dropout_add
+        def add(x_with_bias, residual, prob):
+            x, bias = x_with_bias
+            out = self.alpha * x
+            if bias is not None:
+                out = out + bias
+            return residual + F.dropout(out, p=prob, training=training)
+
+        return add
+
+
 def block_scale(name: str, layers: int) -> float:
     return {"1/L": 1 / layers, "1/sqrt(2L)": 1 / math.sqrt(2 * layers), "1": 1.0}[name]
 
 
-def _with_sandwich(spec, cfg, alpha: float):
+def block_add(args, cfg):
+    """The ModuleSpec that takes the place of each block's bias-dropout-add: Sandwich Norm's
+    (``--sandwich-norm``), the scale alone (``--prenorm-block-scale``), or None (megatron's)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    add = ModuleSpec(
-        module=SandwichAdd,
-        params={"hidden": cfg.hidden_size, "eps": cfg.layernorm_epsilon, "alpha": alpha},
-    )
+    if args.sandwich_norm:
+        alpha = block_scale(args.block_output_scale, cfg.num_layers)
+        params = {"hidden": cfg.hidden_size, "eps": cfg.layernorm_epsilon, "alpha": alpha}
+        return ModuleSpec(module=SandwichAdd, params=params)
+    if getattr(args, "prenorm_block_scale", None):
+        alpha = block_scale(args.prenorm_block_scale, cfg.num_layers)
+        return ModuleSpec(module=ScaledAdd, params={"alpha": alpha})
+    return None
+
+
+def _with_add(spec, add):
     sub = dataclasses.replace(spec.submodules, self_attn_bda=add, mlp_bda=add)
     return dataclasses.replace(spec, submodules=sub)
 
@@ -160,18 +204,19 @@ def spec_call(args, cfg, use_te: bool, vp_stage=None):
 
 
 def layer_spec(args, cfg, use_te: bool, vp_stage=None):
-    """Layer (dense) or block (MoE) spec, with Sandwich Norm when asked."""
-    alpha = block_scale(args.block_output_scale, cfg.num_layers)
+    """Layer (dense) or block (MoE) spec, with Sandwich Norm or a block-output scale when
+    asked (``block_add``)."""
+    add = block_add(args, cfg)
     fn, _, kw = spec_call(args, cfg, use_te, vp_stage)
     spec = fn(**kw)
     if args.num_experts:
         if getattr(args, "te_names", False):
             spec.layer_specs = _te_moe_names(spec.layer_specs)
-        if args.sandwich_norm:
-            spec.layer_specs = [_with_sandwich(s, cfg, alpha) for s in spec.layer_specs]
+        if add is not None:
+            spec.layer_specs = [_with_add(s, add) for s in spec.layer_specs]
         return spec
     local_attention(spec, args)
-    return _with_sandwich(spec, cfg, alpha) if args.sandwich_norm else spec
+    return _with_add(spec, add) if add is not None else spec
 
 
 def _te_moe_names(layer_specs: list) -> list:

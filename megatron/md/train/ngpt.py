@@ -65,6 +65,8 @@ def check_args(args) -> str | None:
         return "--arch ngpt has its own LM head: add --untie-embeddings-and-output-weights"
     if args.sandwich_norm or args.embedding_scale:
         return "--arch ngpt has no Sandwich Norm or embedding scale: drop those flags"
+    if getattr(args, "prenorm_block_scale", None):
+        return "--arch ngpt scales its residual steps itself (alpha): drop --prenorm-block-scale"
     if args.mtp_num_layers or args.use_mup or args.apply_query_key_layer_scaling:
         return (
             "--arch ngpt does not combine with --mtp-num-layers, --use-mup or "

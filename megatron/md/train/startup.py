@@ -35,6 +35,9 @@ def differences(args, md) -> list[tuple[str, str]]:
     if args.sandwich_norm:
         out.append((f"Sandwich Norm: RMSNorm and scale {args.block_output_scale} on every block "
                     "output", "--no-sandwich-norm"))  # fmt: skip
+    if getattr(args, "prenorm_block_scale", None):
+        out.append((f"scale {args.prenorm_block_scale} on every block output (no norm after it)",
+                    "--prenorm-block-scale"))  # fmt: skip
     if args.embedding_scale:
         out.append(("embeddings multiplied by sqrt(d)", "--no-embedding-scale"))
     if args.paper_arch and abs(args.init_method_std - 1 / math.sqrt(args.hidden_size)) < 1e-12:
