@@ -398,7 +398,7 @@ def test_replayed_flags_parse_back_to_the_saved_values():
     kind of flag: store_true, --no-* (BooleanOptionalAction), a value, a layer pattern list.
     A run without Sandwich Norm saved ``--block-output-scale``'s default, which it never read
     and which is refused without the norm: not replayed (its scale is
-    ``--prenorm-block-scale``)."""
+    ``--prenorm-block-scale``); nor are nGPT's flags for a GPT run."""
     import argparse
 
     from megatron.md.evaluation import restore
@@ -411,6 +411,8 @@ def test_replayed_flags_parse_back_to_the_saved_values():
                                rope_scaling_factor=4.0)  # fmt: skip
     unread = argparse.Namespace(**vars(saved), block_output_scale="1/L")
     assert restore.replay(unread, set(vars(unread))) == restore.replay(saved, set(vars(saved)))
+    gpt = argparse.Namespace(arch="gpt", ngpt_residual_scale="1/sqrt(d)")  # (a default, unread)
+    assert restore.replay(gpt, set(vars(gpt))) == ["--arch=gpt"]
     on = argparse.Namespace(sandwich_norm=True, block_output_scale="1")
     assert restore.replay(on, set(vars(on))) == ["--sandwich-norm", "--block-output-scale=1"]
     flags = restore.replay(saved, set(vars(saved)))

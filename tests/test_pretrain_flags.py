@@ -460,6 +460,13 @@ def test_a_gpu_job_stops_and_cpu_mode_on_purpose_runs(capsys, monkeypatch):
         (["--optimizer=muon", "--use-torch-fsdp2"], "FSDP"),
         (["--md-adam-layer-wise"], "--md-adam-layer-wise needs --md-decoupling"),
         (["--md-cuda-graph"], "--md-cuda-graph needs --md-decoupling"),
+        # read nowhere without the switch: the run trained plain Adam, unnamed
+        (
+            ["--md-sphere=row", "--md-gain-lr=1e-3"],
+            "--md-gain-lr, --md-sphere: MD's step runs only with --md-decoupling, so this run "
+            "would train plain --optimizer adam: add --md-decoupling, or drop them",
+        ),
+        (["--ngpt-alpha-init=0.1"], "--ngpt-alpha-init: nGPT's residual steps exist only with"),
         (["--md-decoupling", "--md-cuda-graph"], "--md-cuda-graph needs CUDA"),
         (["--md-decoupling", "--attention-output-gate"], "add --muon-no-split-qkv (the fused"),
         # on a CPU megatron failed at the profile's start / the first log (seen, 2026-11-29)
@@ -1381,6 +1388,21 @@ def test_an_moe_checkpoint_loads_into_the_layers_that_saved_it():
         ckpt_checks.check_layer_impl(ckpt, saved, argparse.Namespace(**vars(now), num_experts=None))
         ckpt_checks.check_layer_impl(ckpt, saved, argparse.Namespace(**vars(saved), **moe))
     ckpt_checks.check_layer_impl(ckpt, te, argparse.Namespace(**vars(local), **moe, te_names=True))
+
+
+def test_a_tools_extra_flags_reach_a_plain_method_without_the_md_steps():
+    """tools/throughput.py and tools/fb_dispatch.py give their extra flags to every method; a
+    plain method (no --md-decoupling), which refuses the MD step's flags, gets the others."""
+    from megatron.md.train import recipes
+    from megatron.md.train.args import extra_for
+
+    extra = ["--bf16", "--md-fused-step", "on", "--md-gain-lr=1e-3", "--md-tangent-grad",
+             "--seq-length=32", "--md-log-interval=5"]  # fmt: skip
+    plain = ["--bf16", "--seq-length=32", "--md-log-interval=5"]
+    assert extra_for(recipes.dense_recipe("adamw", 1e-3), extra) == plain
+    assert extra_for(recipes.dense_recipe("muonmd", 1e-3), extra) == extra
+    args, _ = parse(*recipes.dense_recipe("muon", 1e-3), *extra_for(["--optimizer=muon"], extra))
+    assert not args.md_decoupling and args.seq_length == 32
 
 
 def test_a_resumed_run_keeps_its_block_output_scale():

@@ -18,6 +18,8 @@ timer said why; this shows whether MD put work into the model (docs/benchmarks.m
 
     python tools/fb_dispatch.py [--methods adamw adammd muon muonmd] [--jobs N] [--json F] [-- ...]
     python tools/fb_dispatch.py --methods adamw adammd -- --bf16 --md-fused-step=on  # as on a GPU
+
+Flags after ``--`` reach every method's run, the MD step's (``--md-*``) the MD methods' only.
 """
 
 from __future__ import annotations
@@ -50,11 +52,13 @@ def child(method: str, skip: int, iters: int, extra: list[str]) -> None:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # as pretrain_gpt.py
     from megatron.md import cpu_mode
     from megatron.md.train import recipes
+    from megatron.md.train.args import extra_for
 
     n, tmp = skip + iters, tempfile.TemporaryDirectory()  # the run's metrics file, discarded
-    flags = [*RUN_FLAGS, *recipes.dense_recipe(method, 4e-3), "--lr-warmup-iters=0",
+    recipe = recipes.dense_recipe(method, 4e-3)
+    flags = [*RUN_FLAGS, *recipe, "--lr-warmup-iters=0",
              f"--train-iters={n}", f"--eval-interval={n + 1}", f"--md-log-interval={n + 1}",
-             f"--metrics-file={tmp.name}/metrics.jsonl", *extra]  # fmt: skip
+             f"--metrics-file={tmp.name}/metrics.jsonl", *extra_for(recipe, extra)]  # fmt: skip
     cpu_mode.start(flags)
     import megatron.training.training as training
     import torch

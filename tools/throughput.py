@@ -17,6 +17,8 @@ tool exits 1.
     python tools/throughput.py --logs adamw=a/metrics.jsonl adammd=b/metrics.jsonl ...
     python tools/throughput.py --manifest runs/throughput/manifest.json
     python tools/throughput.py --preset tiny --out /tmp/t -- --seq-length=128   # extra flags
+
+Flags after ``--`` reach every method's run, the MD step's (``--md-*``) the MD methods' only.
 """
 
 from __future__ import annotations
@@ -212,6 +214,7 @@ def method_flags(method: str, matrix_lr: float) -> list[str]:
 
 def run_methods(args, extra: list[str]) -> dict[str, Path]:
     sys.path.insert(0, str(ROOT))
+    from megatron.md.train.args import extra_for
     from megatron.md.train.presets import PRESETS
 
     if args.preset not in PRESETS:
@@ -222,8 +225,9 @@ def run_methods(args, extra: list[str]) -> dict[str, Path]:
     for m in args.methods:
         metrics = args.out / f"{m}.jsonl"
         metrics.unlink(missing_ok=True)
+        recipe = method_flags(m, args.matrix_lr)
         flags = [
-            f"--preset={args.preset}", *method_flags(m, args.matrix_lr),
+            f"--preset={args.preset}", *recipe,
             "--lr-warmup-iters=0", "--mock-data", "--tokenizer-type=NullTokenizer",
             f"--vocab-size={PRESETS[args.preset].vocab}", f"--train-iters={args.iters}",
             "--log-interval=1", "--timing-log-level=2", "--eval-iters=0",
@@ -232,7 +236,7 @@ def run_methods(args, extra: list[str]) -> dict[str, Path]:
             f"--micro-batch-size={args.micro_batch_size}",
             f"--global-batch-size={args.global_batch_size}", f"--seq-length={args.seq_length}",
             f"--max-position-embeddings={args.seq_length}", f"--metrics-file={metrics}",
-            *(["--bf16"] if gpu else []), *extra,
+            *(["--bf16"] if gpu else []), *extra_for(recipe, extra),
         ]  # fmt: skip
         print(f"[throughput] {m}: {args.iters} iterations on {args.nproc} ranks", file=sys.stderr)
         rc = run_pretrain(args.nproc, flags, args.out / f"{m}.log", args.out)

@@ -459,7 +459,8 @@ def main(argv=None) -> None:
         default="",
         help="pretrain_gpt.py flags added to every run's (one string, split as a shell would; "
         "they come last, so they win), e.g. --flags=--no-rope-scaling to continue dense-preset "
-        "runs started before the presets scaled RoPE",
+        "runs started before the presets scaled RoPE (MD's --md-* flags are refused for the "
+        "plain runs: choose runs with --only or --methods)",
     )
     ap.add_argument("--only", help="regular expression on run names")
     ap.add_argument("--nodes", type=int, default=int(os.environ.get("NODES", 1)))

@@ -90,6 +90,8 @@ def replay(saved, names) -> list[str]:
             continue
         if name == "block_output_scale" and not getattr(saved, "sandwich_norm", True):
             continue  # (its default, saved by every run; refused without Sandwich Norm)
+        if name.startswith("ngpt_") and getattr(saved, "arch", "gpt") != "ngpt":
+            continue  # (the same, without --arch ngpt)
         value = getattr(saved, name)
         flag = action.option_strings[0]
         if isinstance(action, argparse.BooleanOptionalAction):

@@ -18,6 +18,32 @@ UPSTREAM_MUON_SCALES = ("spectral", "unit_rms_norm", "shape_scaling")
 BLOCK_SCALES = ("1/L", "1/sqrt(2L)", "1")
 #: --ngpt-residual-scale: the base scale of nGPT's residual steps alpha (ngpt.py)
 RESIDUAL_SCALES = ("1/sqrt(d)", "1")
+#: flags of the MD step (one per MDConfig field, ``add_md_config_flags``): refused without
+#: --md-decoupling, where nothing would read them
+MD_STEP_FLAGS = {
+    "--md-" + f.name.replace("_", "-")
+    for f in dataclasses.fields(MDConfig)
+    if f.name not in FROM_MEGATRON_FLAGS
+}
+#: flags of the nGPT architecture, refused without --arch ngpt (nothing else reads them)
+NGPT_FLAGS = {"--ngpt-alpha-init", "--ngpt-residual-scale"}
+
+
+def extra_for(recipe: list[str], extra: list[str]) -> list[str]:
+    """A tool's extra ``pretrain_gpt.py`` flags, given once for every method, for the method
+    whose flags are ``recipe``: without ``--md-decoupling`` there, less the MD step's
+    (``MD_STEP_FLAGS``, which such a run refuses), with a value given apart."""
+    if "--md-decoupling" in recipe:
+        return list(extra)
+    out, i = [], 0
+    while i < len(extra):
+        flag = extra[i]
+        i += 1
+        if flag.split("=", 1)[0] not in MD_STEP_FLAGS:
+            out.append(flag)
+        elif "=" not in flag and i < len(extra) and not extra[i].startswith("-"):
+            i += 1  # (its value)
+    return out
 
 
 def add_md_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -473,6 +499,10 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
         _fail("--md-adam-layer-wise needs --md-decoupling")
     elif args.md_cuda_graph:
         _fail("--md-cuda-graph needs --md-decoupling (it captures MD's step)")
+    elif unread := sorted(MD_STEP_FLAGS & getattr(args, "given_flags", set())):
+        _fail(f"{', '.join(unread)}: MD's step runs only with --md-decoupling, so this run would "
+              f"train plain --optimizer {args.optimizer}: add --md-decoupling, or drop "
+              f"{'it' if len(unread) == 1 else 'them'}")  # fmt: skip
     elif args.muon_scale_mode in ("sphere_rms", "hyperball"):
         _fail(f"--muon-scale-mode {args.muon_scale_mode} needs --md-decoupling (it follows the "
               "sphere radius)")  # fmt: skip
@@ -504,6 +534,9 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
     if check_data:
         datacheck.check_files(args)
     schedule.check_flags(args)
+    if args.arch != "ngpt" and (unread := sorted(NGPT_FLAGS & getattr(args, "given_flags", set()))):
+        _fail(f"{', '.join(unread)}: nGPT's residual steps exist only with --arch ngpt; add it, "
+              "or drop the flag")  # fmt: skip
     if args.arch == "ngpt":
         from megatron.md.train.ngpt import check_args
 
