@@ -25,8 +25,8 @@ def locked_kib(pid: int) -> dict[str, tuple[int, int]]:
     path = None
     for line in open(f"/proc/{pid}/smaps"):
         fields = line.split()
-        if "-" in fields[0] and len(fields) >= 6:  # a mapping's first line
-            path = fields[5]
+        if "-" in fields[0] and len(fields) >= 5:  # a mapping's first line (anonymous: 5)
+            path = fields[5] if len(fields) >= 6 else None
         elif fields[0] in ("Size:", "Rss:") and path is not None:
             size, locked = out.get(path, (0, 0))
             n = int(fields[1])
