@@ -7,6 +7,7 @@ naming the checkpoint and the way out; nothing on disk is touched."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from dataclasses import dataclass, field
@@ -258,9 +259,15 @@ def check_layer_impl(where: str | Checkpoint, saved_args, args) -> None:
 
 
 def _flag_for(name: str, value) -> str:
+    """The flag that gives ``name`` its ``value`` (None: the flag left out)."""
     if name == "use_rope_scaling":
         return "--rope-scaling" if value else "--no-rope-scaling"
-    return f"--{name.replace('_', '-')}={value}"
+    flag = "--" + name.replace("_", "-")
+    if value is None:
+        return f"drop {flag}"
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag[2:]}"
+    return f"{flag}={value}"
 
 
 def check_positions(where: Checkpoint, saved_args, args) -> None:
@@ -293,17 +300,13 @@ def check_block_scale(where: Checkpoint, saved_args, args) -> None:
     names = ["sandwich_norm", "prenorm_block_scale"]
     if saved_args.sandwich_norm and args.sandwich_norm:
         names.append("block_output_scale")
-    saved = {k: getattr(saved_args, k, None) for k in names}
-    diff = [k for k in names if saved[k] != getattr(args, k, None)]
-    if not diff:
+    saved = argparse.Namespace(**{k: getattr(saved_args, k, None) for k in names})
+    if not (diff := _differing(saved, args, names)):
         return
-    was = "; ".join(f"{k}: checkpoint {saved[k]!r}, this run {getattr(args, k, None)!r}"
-                    for k in diff)  # fmt: skip
-    give = [("--sandwich-norm" if saved[k] else "--no-sandwich-norm") if k == "sandwich_norm"
-            else f"--{k.replace('_', '-')}={saved[k]}"
-            for k in diff if saved[k] is not None]  # fmt: skip
-    drop = [f"drop --{k.replace('_', '-')}" for k in diff if saved[k] is None]
-    fix = "; ".join(x for x in (" ".join(give), ", ".join(drop)) if x)
+    flags = [_flag_for(k, getattr(saved, k)) for k in diff]
+    give = " ".join(f for f in flags if not f.startswith("drop "))
+    fix = "; ".join(x for x in (give, ", ".join(f for f in flags if f.startswith("drop "))) if x)
+    was = _described(saved, args, diff)
     fail(where, f"its blocks were trained with another output scale ({was}): resuming would "
          f"continue as another model; give the checkpoint's ({fix}), or start a new run from "
          "its weights with --init-from")  # fmt: skip
