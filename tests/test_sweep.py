@@ -135,10 +135,16 @@ def test_dense_ablations_run_what_the_authors_ran():
     with pytest.raises(ValueError, match="the paper's text and the authors' runs agree"):
         experiments.experiment("ablation-rewarm", text=True)
     # exp3-depth-transfer.sh's α = 1/sqrt(2L) with Sandwich Norm and without (its last loop,
-    # exp3-depth-prenorm); exp10-lr-warmup.sh's 5000 warmup steps at 8e-3 alone
+    # exp3-depth-prenorm), both to k = 9 (2.26e-2, past the common grid) unless --lrs is given;
+    # exp10-lr-warmup.sh's 5000 warmup steps at 8e-3 alone
     depth = experiments.experiment("ablation-block-scale")
     pre = [r for r in depth if r.meta["variant"] == "1sqrt2L-prenorm"]
-    assert len(pre) == len(depth) / 2 == 4 * len(recipes.lr_grid())
+    assert len(pre) == len(depth) / 2 == 4 * (len(recipes.lr_grid()) + 1)
+    top = {
+        r.meta["variant"] for r in depth if r.meta["matrix_lr"] == pytest.approx(2.263e-2, rel=1e-3)
+    }
+    assert top == set(experiments.BLOCK_SCALE_ARMS)
+    assert len(experiments.experiment("ablation-block-scale", [8e-3])) == 8
     assert all({"--no-sandwich-norm", "--prenorm-block-scale=1/sqrt(2L)"} <= set(r.flags)
                and "--block-output-scale=1/sqrt(2L)" not in r.flags for r in pre)  # fmt: skip
     warm = [r for r in experiments.experiment("ablation-warmup") if "w5000" in r.name]

@@ -245,6 +245,12 @@ def pow2(ks, base: float = 1e-3) -> list[float]:
     return [base * 2 ** (k / 2) for k in ks]
 
 
+#: the runs took both α = 1/sqrt(2L) arms one step past the common grid, to 1e-3 · 2^(9/2)
+#: (exp3-depth-transfer.sh: Sandwich Norm k = 5…7 then 8, 9; exp3-depth-prenorm k = 4…9); added
+#: where ``--lrs`` is not given
+BLOCK_SCALE_TOP = pow2([9])
+
+
 def side_runs(name: str, lrs: list[float] | None, text: bool = False) -> list[Run]:
     """The side-LR panels (appendix "Additional LR Ablations", fig. lr-panels-combined) as the
     authors ran them (gainz exp1b-lr-supplement.sh, exp5-base-matrix-grid.sh):
@@ -598,7 +604,7 @@ def experiment(
             _dense_run(s, "muonmd", lr, f"alpha{v}", extra, variant=v, **meta)
             for v, extra in BLOCK_SCALE_ARMS.items()
             for s in DEPTHS
-            for lr in lrs
+            for lr in (lrs if given else lrs + BLOCK_SCALE_TOP)
         ]
     if name == "ablation-rewarm":
         return rewarm_runs(given or [REWARM_LR])
