@@ -126,8 +126,11 @@ def test_dense_ablations_run_what_the_authors_ran():
     text = experiments.experiment("ablation-muonmd-scale", text=True)
     assert not any("--md-gains=none" in r.flags for r in text)
     assert all("--md-output-gains=none" in r.flags for r in text)  # the text: no LM-head gains
-    rank = experiments.experiment("ablation-rank-k")
+    rank = experiments.experiment("ablation-rank-k")  # exp14's loop: k = 9, past the grid
     assert {r.meta["variant"] for r in rank} == {"k4"} and "--md-gain-rank=4" in rank[0].flags
+    assert rank[-1].meta["matrix_lr"] == pytest.approx(2.263e-2, rel=1e-3)
+    assert len(rank) == len(recipes.lr_grid()) + 1
+    assert len(experiments.experiment("ablation-rank-k", [8e-3])) == 1
     both = experiments.experiment("ablation-gains", methods=["adammd", "muonmd"])
     assert {r.meta["method"] for r in both} == {"adammd", "muonmd"} and len(both) == 54
     with pytest.raises(ValueError, match="moe-ladder has no methods to choose"):

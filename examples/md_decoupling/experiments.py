@@ -142,6 +142,9 @@ class Ablation:
     one whose name ends in this tag)"""
     points: dict[str, list[str]] = field(default_factory=dict)
     """arms the runs ran at one matrix LR, ``SIDE_MATRIX_LR`` (where the LRs include it)"""
+    past: tuple[int, ...] = ()
+    """k of the matrix LRs 1e-3 · 2^(k/2) the runs added past the common grid, for every arm
+    (where ``--lrs`` is not given)"""
 
 
 #: Muon's scale modes × warmup (fig. muon-scale-modes, left) as the runs (gainz exp9 and exp10:
@@ -182,10 +185,13 @@ ABLATIONS: dict[str, Ablation] = {
     "gain-map": Ablation(
         ("muonmd",), {a: [f"--md-gain-map={a}"] for a in ("exp", "direct", "direct-floor")}
     ),
-    # fig. higherrank-gains: rank k = 4 (exp14-lowrank-gains.sh), beside the row and column
-    # gains and the sphere alone
+    # fig. higherrank-gains: rank k = 4 (exp14-lowrank-gains.sh, its loop ending at k = 9,
+    # 2.26e-2), beside the row and column gains and the sphere alone
     "rank-k": Ablation(
-        ("muonmd",), {"k4": ["--md-gains=lowrank", "--md-gain-rank=4"]}, ("", SPHERE_ARM)
+        ("muonmd",),
+        {"k4": ["--md-gains=lowrank", "--md-gain-rank=4"]},
+        ("", SPHERE_ARM),
+        past=(9,),
     ),
     # fig. embed-norm: free embeddings AND LM head (exp8: without --hs-embed both go to plain
     # Adam); the text: the embeddings alone
@@ -220,10 +226,14 @@ ABLATIONS: dict[str, Ablation] = {
 }
 
 
-def ablation_runs(axis: str, lrs: list[float], methods=None, text: bool = False) -> list[Run]:
-    """An ablation's runs: its methods (or ``methods``) × its arms × the matrix LRs, and its
-    one-LR arms (``Ablation.points``) at ``SIDE_MATRIX_LR`` where ``lrs`` include it."""
+def ablation_runs(
+    axis: str, lrs: list[float] | None, methods=None, text: bool = False
+) -> list[Run]:
+    """An ablation's runs: its methods (or ``methods``) × its arms × the matrix LRs (``lrs``, or
+    the common grid and the runs' LRs past it, ``Ablation.past``), and its one-LR arms
+    (``Ablation.points``) at ``SIDE_MATRIX_LR`` where the LRs include it."""
     ab = ABLATIONS[axis]
+    lrs = lrs or lr_grid() + pow2(ab.past)
     arms = ab.text_arms if text and ab.text_arms else ab.arms
     at = [lr for lr in lrs if fmt(lr) == fmt(SIDE_MATRIX_LR)]
     plan = [(tag, extra, lr) for tag, extra in arms.items() for lr in lrs]
@@ -247,8 +257,8 @@ def pow2(ks, base: float = 1e-3) -> list[float]:
 
 #: the runs took both α = 1/sqrt(2L) arms one step past the common grid, to 1e-3 · 2^(9/2)
 #: (exp3-depth-transfer.sh: Sandwich Norm k = 5…7 then 8, 9; exp3-depth-prenorm k = 4…9); added
-#: where ``--lrs`` is not given
-BLOCK_SCALE_TOP = pow2([9])
+#: where ``--lrs`` is not given (``Ablation.past``)
+BLOCK_SCALE_PAST = (9,)
 
 
 def side_runs(name: str, lrs: list[float] | None, text: bool = False) -> list[Run]:
@@ -604,14 +614,14 @@ def experiment(
             _dense_run(s, "muonmd", lr, f"alpha{v}", extra, variant=v, **meta)
             for v, extra in BLOCK_SCALE_ARMS.items()
             for s in DEPTHS
-            for lr in (lrs if given else lrs + BLOCK_SCALE_TOP)
+            for lr in (lrs if given else lrs + pow2(BLOCK_SCALE_PAST))
         ]
     if name == "ablation-rewarm":
         return rewarm_runs(given or [REWARM_LR])
     if name == "ngpt-comparison":
         return ngpt_runs(lrs)
     if name.startswith("ablation-"):
-        return ablation_runs(name[len("ablation-") :], lrs, methods, text)
+        return ablation_runs(name[len("ablation-") :], given, methods, text)
     if name in SIDE_LR:
         return side_runs(name, given, text)
     if name == "moe-base-sweep":
