@@ -1401,6 +1401,8 @@ def test_a_tools_extra_flags_reach_a_plain_method_without_the_md_steps():
     plain = ["--bf16", "--seq-length=32", "--md-log-interval=5"]
     assert extra_for(recipes.dense_recipe("adamw", 1e-3), extra) == plain
     assert extra_for(recipes.dense_recipe("muonmd", 1e-3), extra) == extra
+    assert extra_for(["--optimizer", "adammd"], extra) == extra  # an MD method by its name
+    assert extra_for(["--optimizer=normuon"], extra) == plain
     args, _ = parse(*recipes.dense_recipe("muon", 1e-3), *extra_for(["--optimizer=muon"], extra))
     assert not args.md_decoupling and args.seq_length == 32
 

@@ -10,7 +10,7 @@ import os
 
 from megatron.md import compatibility, errors
 from megatron.md.config import BARE, CHOICES, FROM_MEGATRON_FLAGS, MUON_SCALES, MDConfig
-from megatron.md.train import data, datacheck, model, schedule
+from megatron.md.train import data, datacheck, model, recipes, schedule
 from megatron.md.train.files import unwritable
 
 #: --muon-scale-mode values megatron-core's Muon knows; the rest are ours (see patches.py).
@@ -31,9 +31,10 @@ NGPT_FLAGS = {"--ngpt-alpha-init", "--ngpt-residual-scale"}
 
 def extra_for(recipe: list[str], extra: list[str]) -> list[str]:
     """A tool's extra ``pretrain_gpt.py`` flags, given once for every method, for the method
-    whose flags are ``recipe``: without ``--md-decoupling`` there, less the MD step's
-    (``MD_STEP_FLAGS``, which such a run refuses), with a value given apart."""
-    if "--md-decoupling" in recipe:
+    whose flags are ``recipe``: without ``--md-decoupling`` there (given, or by an
+    ``--optimizer`` name that expands to it), less the MD step's (``MD_STEP_FLAGS``, which such a
+    run refuses), with a value given apart."""
+    if "--md-decoupling" in recipes.optimizer_aliases(recipe):
         return list(extra)
     out, i = [], 0
     while i < len(extra):

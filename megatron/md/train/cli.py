@@ -30,29 +30,11 @@ from megatron.md.train import (
     wandbrun,
 )
 from megatron.md.train.ckpt_checks import tracked
-from megatron.md.train.recipes import MD_RECIPE, OPTIMIZER_ALIASES
+from megatron.md.train.recipes import MD_RECIPE, optimizer_aliases
 
 
 def given(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
-
-
-def optimizer_aliases(argv: list[str]) -> list[str]:
-    """``--optimizer adamw`` / ``adammd`` / ``muonmd`` / ``muown`` / ``muonh`` / ``normuon``
-    replaced by their flags (``OPTIMIZER_ALIASES``)."""
-    out, i = [], 0
-    while i < len(argv):
-        a = argv[i]
-        name = a.split("=", 1)[1] if a.startswith("--optimizer=") else None
-        if a == "--optimizer" and i + 1 < len(argv):
-            name = argv[i + 1]
-        if name in OPTIMIZER_ALIASES:
-            out += OPTIMIZER_ALIASES[name]
-            i += 1 if "=" in a else 2
-            continue
-        out.append(a)
-        i += 1
-    return out
 
 
 def expand_argv(argv: list[str], on_cpu: bool) -> list[str]:

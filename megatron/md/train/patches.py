@@ -45,7 +45,7 @@ def prepare_parsers() -> None:
 # ---- the replacements (compat.SEAMS names each) ----
 def wrap_parser(orig, run=None):
     """--muon-scale-mode accepts the paper's modes; --optimizer lists our names too (expanded
-    before parsing, ``cli.optimizer_aliases``: argparse's refusal of another name and ``--help``
+    before parsing, ``recipes.optimizer_aliases``: argparse's refusal of another name and ``--help``
     name every one); help strings with a bare ``%`` (megatron-core 0.19.2's
     ``--moe-paged-stash-buffer-size-factor-cuda``: "10%)") are escaped, so ``--help`` prints
     instead of failing in argparse's formatting."""

@@ -41,6 +41,24 @@ OPTIMIZER_ALIASES = {
 }  # fmt: skip
 
 
+def optimizer_aliases(argv: list[str]) -> list[str]:
+    """``--optimizer adamw`` / ``adammd`` / ``muonmd`` / ``muown`` / ``muonh`` / ``normuon``
+    replaced by their flags (``OPTIMIZER_ALIASES``)."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        name = a.split("=", 1)[1] if a.startswith("--optimizer=") else None
+        if a == "--optimizer" and i + 1 < len(argv):
+            name = argv[i + 1]
+        if name in OPTIMIZER_ALIASES:
+            out += OPTIMIZER_ALIASES[name]
+            i += 1 if "=" in a else 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
 def lr_grid(n: int = 9, base: float = 1e-3) -> list[float]:
     """The matrix-LR grid 1e-3 · 2^(k/2), k = 0 … n-1 (1e-3 … 1.6e-2 for n = 9)."""
     return [base * 2 ** (k / 2) for k in range(n)]
