@@ -83,6 +83,16 @@ def test_experiments_run_what_the_paper_ran():
     free = [r for r in experiments.experiment("ablation-embedding-norm")
             if r.meta["variant"] == "none"]  # fmt: skip
     assert free and all("--md-output-norm=none" in r.flags for r in free)  # the LM head too
+    # exp8-embed-free-elr-grid: free at matrix LR 8e-3, the embedding LR 1e-3 · 2^(k/2), k = 2…5
+    elr = {r.meta["variant"]: r for r in experiments.experiment("ablation-embedding-norm")
+           if r.meta["variant"].startswith("none-elr")}  # fmt: skip
+    assert sorted(elr) == [f"none-elr{v}" for v in ("0.002", "0.002828", "0.004", "0.005657")]
+    for r in elr.values():
+        assert r.meta["matrix_lr"] == 8e-3 and "--md-output-norm=none" in r.flags
+        assert r.flags[-1] == "--embedding-lr=" + r.meta["variant"].removeprefix("none-elr")
+    text = experiments.experiment("ablation-embedding-norm", text=True)
+    assert sum(r.meta["variant"].startswith("none-elr") for r in text) == 4
+    assert not any("--md-output-norm=none" in r.flags for r in text)
     scale = experiments.experiment("ablation-muon-scale")
     assert {r.meta["variant"].rsplit("-", 1)[1] for r in scale} == {"w0", "w1000"}
     wsd = [r for r in experiments.experiment("moe-base-sweep") if r.meta["variant"] == "wsd"]

@@ -122,6 +122,11 @@ BLOCK_SCALE_ARMS = {
 }
 
 
+def pow2(ks, base: float = 1e-3) -> list[float]:
+    """base · 2^(k/2) for k in ``ks`` (the runs' LR grids)."""
+    return [base * 2 ** (k / 2) for k in ks]
+
+
 @dataclass(frozen=True)
 class Ablation:
     """One dense ablation on the 181M base × the LR grid as the authors ran it (gainz
@@ -142,6 +147,8 @@ class Ablation:
     one whose name ends in this tag)"""
     points: dict[str, list[str]] = field(default_factory=dict)
     """arms the runs ran at one matrix LR, ``SIDE_MATRIX_LR`` (where the LRs include it)"""
+    point_arm: str = ""
+    """the arm whose flags (in the reading run) the one-LR arms add to; "" none"""
     past: tuple[int, ...] = ()
     """k of the matrix LRs 1e-3 · 2^(k/2) the runs added past the common grid, for every arm
     (where ``--lrs`` is not given)"""
@@ -194,11 +201,14 @@ ABLATIONS: dict[str, Ablation] = {
         past=(9,),
     ),
     # fig. embed-norm: free embeddings AND LM head (exp8: without --hs-embed both go to plain
-    # Adam); the text: the embeddings alone
+    # Adam), and free at 8e-3 with the embedding LR 1e-3 · 2^(k/2), k = 2…5 (exp8's last loop,
+    # exp8-embed-free-elr-grid); the text: the embeddings alone
     "embedding-norm": Ablation(
         ("muonmd",),
         {"none": ["--md-embedding-norm=none", "--md-output-norm=none"]},
         text_arms={"none": ["--md-embedding-norm=none"]},
+        points={f"none-elr{fmt(e)}": [f"--embedding-lr={fmt(e)}"] for e in pow2(range(2, 6))},
+        point_arm="none",
     ),
     "muon-scale": Ablation(("muon",), _MUON_SCALE, ("", MUON_WARM)),
     # fig. muon-scale-modes (center, right): the runs swept MuonMD's scale modes on the sphere
@@ -237,7 +247,8 @@ def ablation_runs(
     arms = ab.text_arms if text and ab.text_arms else ab.arms
     at = [lr for lr in lrs if fmt(lr) == fmt(SIDE_MATRIX_LR)]
     plan = [(tag, extra, lr) for tag, extra in arms.items() for lr in lrs]
-    plan += [(tag, extra, lr) for tag, extra in ab.points.items() for lr in at]
+    under = arms[ab.point_arm] if ab.point_arm else []
+    plan += [(tag, under + extra, lr) for tag, extra in ab.points.items() for lr in at]
     return [
         _dense_run("dense-181M", m, lr, f"{axis}-{tag}", extra, text=text, axis=axis, variant=tag)
         for m in methods or ab.methods
@@ -248,11 +259,6 @@ def ablation_runs(
 #: the side-LR panels' matrix LR: the runs' "central exp-1 value" 1e-3 · 2^(6/2) (gainz
 #: exp1b-lr-supplement.sh; the text: the AdamW optimum; ``--lrs`` replaces it)
 SIDE_MATRIX_LR = 8e-3
-
-
-def pow2(ks, base: float = 1e-3) -> list[float]:
-    """base · 2^(k/2) for k in ``ks`` (the runs' LR grids)."""
-    return [base * 2 ** (k / 2) for k in ks]
 
 
 #: the runs took both α = 1/sqrt(2L) arms one step past the common grid, to 1e-3 · 2^(9/2)
