@@ -148,7 +148,8 @@ class Ablation:
     points: dict[str, list[str]] = field(default_factory=dict)
     """arms the runs ran at one matrix LR, ``SIDE_MATRIX_LR`` (where the LRs include it)"""
     point_arm: str = ""
-    """the arm whose flags (in the reading run) the one-LR arms add to; "" none"""
+    """the arm whose flags (the runs' or, with ``--paper-text``, the text's) the one-LR arms
+    add to; "" none"""
     past: tuple[int, ...] = ()
     """k of the matrix LRs 1e-3 · 2^(k/2) the runs added past the common grid, for every arm
     (where ``--lrs`` is not given)"""
