@@ -141,6 +141,9 @@ def test_dense_ablations_run_what_the_authors_ran():
     assert rank[-1].meta["matrix_lr"] == pytest.approx(2.263e-2, rel=1e-3)
     assert len(rank) == len(recipes.lr_grid()) + 1
     assert len(experiments.experiment("ablation-rank-k", [8e-3])) == 1
+    # what sweep.py --help names for --lrs
+    assert experiments.past_grid() == ["ablation-block-scale k=9", "ablation-rank-k k=9"]
+    assert experiments.one_lr_arms() == ["ablation-embedding-norm", "ablation-warmup"]
     both = experiments.experiment("ablation-gains", methods=["adammd", "muonmd"])
     assert {r.meta["method"] for r in both} == {"adammd", "muonmd"} and len(both) == 54
     with pytest.raises(ValueError, match="moe-ladder has no methods to choose"):

@@ -268,6 +268,18 @@ SIDE_MATRIX_LR = 8e-3
 BLOCK_SCALE_PAST = (9,)
 
 
+def past_grid() -> list[str]:
+    """The experiments that add the runs' LRs past the common grid where ``--lrs`` is not
+    given, and those LRs' k."""
+    past = {"block-scale": BLOCK_SCALE_PAST} | {a: ab.past for a, ab in ABLATIONS.items()}
+    return [f"ablation-{a} k={','.join(map(str, ks))}" for a, ks in past.items() if ks]
+
+
+def one_lr_arms() -> list[str]:
+    """The ablations with arms run at ``SIDE_MATRIX_LR`` alone (``Ablation.points``)."""
+    return [f"ablation-{a}" for a, ab in ABLATIONS.items() if ab.points]
+
+
 def side_runs(name: str, lrs: list[float] | None, text: bool = False) -> list[Run]:
     """The side-LR panels (appendix "Additional LR Ablations", fig. lr-panels-combined) as the
     authors ran them (gainz exp1b-lr-supplement.sh, exp5-base-matrix-grid.sh):
