@@ -63,7 +63,7 @@ SHAPES = _unique_shapes()
 
 def test_experiment_sizes():
     counts = {e: len(experiments.experiment(e)) for e in experiments.EXPERIMENTS}
-    assert counts["dense-grid"] == (4 + 9 + 2 + 3 + 2) * 9 and counts["moe-ladder"] == 4 * 3 * 4
+    assert counts["dense-grid"] == (4 + 9 + 2 + 3 + 2) * 9 and counts["moe-ladder"] == 4 * 3 * 4 - 3
     assert counts["throughput"] == 30 and all(n > 0 for n in counts.values())
     names = [r.name for e in experiments.EXPERIMENTS for r in experiments.experiment(e)]
     assert len(names) == len(set(names))  # run names are unique: they are directories
@@ -99,10 +99,12 @@ def test_experiments_run_what_the_paper_ran():
     assert wsd and all("--lr-wsd-decay-style=minus_sqrt" in r.flags for r in wsd)
     assert all("--lr-wsd-decay-iters=5722" in r.flags and "--train-iters=28000" in r.flags
                for r in wsd)  # fmt: skip
-    batch = {
-        (r.meta["method"], r.meta["gbs"]): r for r in experiments.experiment("moe-batch-sweep")
-    }
-    assert {g for _, g in batch} == {128, 192, 256}
+    # batch 128 is the base sweep's optimum (MOE_OPTIMA)
+    runs = experiments.experiment("moe-batch-sweep") + experiments.experiment("moe-base-sweep")
+    batch = {(r.meta["method"], r.meta["gbs"]): r for r in runs
+             if r.meta["variant"] != "wsd" and r.name.endswith(("gbs192", "gbs256"))
+             or r.name in experiments.MOE_OPTIMA}  # fmt: skip
+    assert {g for _, g in batch} == {128, 192, 256} and len(batch) == 9
     for m in ("adamw", "muon", "muonmd"):
         one, two = batch[(m, 128)], batch[(m, 256)]
         assert two.meta["matrix_lr"] == pytest.approx(math.sqrt(2) * one.meta["matrix_lr"])
@@ -258,6 +260,42 @@ def test_side_lr_panels_as_the_runs():
     assert len(fixed) == 9 and all(value(r, "--md-gain-lr") == 1e-3 for r in fixed)
 
 
+def test_the_moe_sweeps_run_the_authors_grids_and_share_the_base_optima():
+    """moe-base-sweep: each method's matrix-LR grid as sweep-optimizers.sh (ADAMW_LRS for AdamW
+    and Muown, MUON_MLRS for Muon and MuonMD), the paper's optima among them; --lrs replaces
+    them for every method. The optima's linear runs are the ladder's base-rung 14.68B points
+    and the batch sweep's batch 128 (the runs: scaling-laws.yaml, batchsize.yaml "cells"):
+    neither trains them again, each figure's command reads them beside its own runs, and their
+    flags are those the ladder's transfer (its identity at the base) gives."""
+    base = experiments.experiment("moe-base-sweep")
+    grid = {}
+    for r in base:
+        grid.setdefault((r.meta["method"], r.meta["variant"]), []).append(r.meta["matrix_lr"])
+    adam, muon = [1.5e-4, 3e-4, 6e-4, 1.2e-3, 2.4e-3, 4.8e-3], [1e-3, 5e-3, 1e-2, 2e-2, 4e-2]
+    for arm in ("linear", "wsd"):
+        assert grid[("adamw", arm)] == grid[("muown", arm)] == adam
+        assert grid[("muon", arm)] == grid[("muonmd", arm)] == muon
+    for m, lr in recipes.MOE_BASE_LR.items():
+        assert lr in grid[(m, "linear")]
+    assert len(experiments.experiment("moe-base-sweep", [1e-2])) == 8
+    optima = {r.name: r for r in base if r.name in experiments.MOE_OPTIMA}
+    assert len(optima) == 3
+    ladder = experiments.experiment("moe-ladder")
+    batch = experiments.experiment("moe-batch-sweep")
+    assert len(ladder) == 4 * 3 * 4 - 3 and {r.meta["gbs"] for r in batch} == {192, 256}
+    names = {r.name for r in base}
+    assert not names & {r.name for r in ladder + batch}
+    # what the ladder and the batch sweep ran at the base (transfer's identity): the same flags
+    t = recipes.transfer("adamw", 768, recipes.BASE_TOKENS)
+    again = experiments._moe_run(experiments.MOE_RUNGS[0], "adamw", 2.4e-3, recipes.BASE_TOKENS, t)
+    assert again.flags == optima["moe-0.27B-1.2B-adamw-lr0.0024-linear"].flags
+    rows = {row[0]: row[3] for row in experiments.PAPER}
+    for fig, exp in (("Fig. moe (center)", ladder), ("Fig. moe (right)", batch)):
+        only = re.search(r"--only '([^']+)'", rows[fig]).group(1)
+        read = {n for n in names | {r.name for r in exp} if re.search(only, n)}
+        assert read == {r.name for r in exp} | set(optima), fig
+
+
 def test_each_ablation_is_read_beside_the_dense_grid_runs_it_compares_against():
     """An ablation's figure command reads its runs and exactly dense-grid's arms named in
     ``Ablation.base`` for the ablation's methods (the recipe's run, the sphere alone), nothing
@@ -400,10 +438,10 @@ def test_dry_run_prints_every_command_and_writes_nothing(tmp_path, capsys):
                 "--ep", "4"])  # fmt: skip
     out, err = capsys.readouterr()
     lines = out.strip().splitlines()
-    assert len(lines) == 48 and all(ln.startswith("would submit: sbatch --job-name=moe-")
+    assert len(lines) == 45 and all(ln.startswith("would submit: sbatch --job-name=moe-")
                                     for ln in lines)  # fmt: skip
     assert all("--expert-model-parallel-size=4" in ln and ",REQUEUE=1" in ln for ln in lines)
-    assert "dry run: 48 would be submitted, 0 skipped; nothing written" in err
+    assert "dry run: 45 would be submitted, 0 skipped; nothing written" in err
     assert json.loads((tmp_path / "manifest.json").read_text()) == old
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     sweep.main(["ablation-rewarm", "--dry-run", "--mock-data", "--run-root", str(tmp_path)])
@@ -673,7 +711,11 @@ def test_moe_ladder_applies_transfer():
     ell = 44.15e9 / B
     assert run.meta["matrix_lr"] == pytest.approx(1e-2 * ell**-0.25)
     assert f"--lr={recipes.fmt(1e-3 * ell**-0.25)}" in run.flags
-    run = next(r for r in experiments.moe_ladder() if r.name == "moe-0.27B-1.2B-adamw-14.68B")
+    run = next(
+        r
+        for r in experiments.moe_base_sweep(None)
+        if r.name == "moe-0.27B-1.2B-adamw-lr0.0024-linear"
+    )  # the ladder's 14.68B point
     assert "--matrix-lr=0.0024" in run.flags and "--weight-decay=0.1" in run.flags
     assert "--train-iters=28000" in run.flags and "--lr=0.001" in run.flags
 

@@ -355,23 +355,41 @@ def _moe_run(size, method, lr, tokens, t=None, gbs=GBS, extra=(), tag="", text=F
 
 
 def moe_ladder(text: bool = False) -> list[Run]:
-    """Fig. moe (center): every rung × token budget with the base optima transferred."""
+    """Fig. moe (center): every rung × token budget with the base optima transferred, but the
+    base rung at the base budget: that point is ``moe-base-sweep``'s optimum (``MOE_OPTIMA``),
+    as the runs (feat/scaling-sweeps configs/scaling-laws.yaml: "The 14.68B (=15B) points are
+    the original 270m LR-sweep optima"), not trained twice."""
     from megatron.md.train.presets import PRESETS
 
     runs = []
     for size in MOE_RUNGS:
         for method in MOE_METHODS:
             for tokens in MOE_BUDGETS:
+                if (size, tokens) == (MOE_RUNGS[0], BASE_TOKENS):
+                    continue
                 t = transfer(method, PRESETS[size].hidden, tokens)
                 runs.append(_moe_run(size, method, MOE_BASE_LR[method] * t.lr, tokens, t,
                                      text=text))  # fmt: skip
     return runs
 
 
-def moe_base_sweep(lrs: list[float], text: bool = False) -> list[Run]:
-    """Fig. moe (left) and moe-wsd: the 270M-active base, 28,000 steps, matrix-LR grid, with
-    the paper's linear decay and a WSD arm; Muown too (the figure shows it with WSD, its better
-    schedule)."""
+#: the base sweep's matrix LRs per method as the runs (feat/scaling-sweeps
+#: sweep-optimizers.sh, "Geometric x2 grids centered on each recipe's default", in their last
+#: form): ADAMW_LRS for AdamW and Muown, MUON_MLRS (its first form 5e-3…4e-2, 1e-3 added) for
+#: Muon and MuonMD; the paper's optima (``MOE_BASE_LR``: 2.4e-3, 5e-3, 1e-2) are points of them
+MOE_ADAMW_LRS = (1.5e-4, 3e-4, 6e-4, 1.2e-3, 2.4e-3, 4.8e-3)
+MOE_MUON_LRS = (1e-3, 5e-3, 1e-2, 2e-2, 4e-2)
+MOE_GRIDS = {"adamw": MOE_ADAMW_LRS, "muown": MOE_ADAMW_LRS, "muon": MOE_MUON_LRS,
+             "muonmd": MOE_MUON_LRS}  # fmt: skip
+#: the base sweep's runs at the paper's optima, linear decay: the ladder's base-rung 14.68B
+#: points and the batch sweep's batch-128 points (read there, not trained again)
+MOE_OPTIMA = tuple(f"{MOE_RUNGS[0]}-{m}-lr{fmt(MOE_BASE_LR[m])}-linear" for m in MOE_METHODS)
+
+
+def moe_base_sweep(lrs: list[float] | None, text: bool = False) -> list[Run]:
+    """Fig. moe (left) and moe-wsd: the 270M-active base, 28,000 steps, each method's
+    matrix-LR grid (``MOE_GRIDS``, or ``lrs`` for every method), with the paper's linear decay
+    and a WSD arm; Muown too (the figure shows it with WSD, its better schedule)."""
     wsd = MOE_WSD_TEXT if text else MOE_WSD
     arms = (("linear", []), ("wsd", wsd))
     return [
@@ -387,15 +405,16 @@ def moe_base_sweep(lrs: list[float], text: bool = False) -> list[Run]:
         )
         for m in (*MOE_METHODS, "muown")
         for arm, x in arms
-        for lr in lrs
+        for lr in lrs or MOE_GRIDS[m]
     ]
 
 
-def moe_batch_sweep(gbs=(128, 192, 256), text: bool = False) -> list[Run]:
+def moe_batch_sweep(gbs=(192, 256), text: bool = False) -> list[Run]:
     """Fig. moe (right) as the authors ran it (feat/scaling-sweeps sweep-batchsize.sh): the
-    base config held at 28,000 steps (so k× the tokens) at global batch 128, 192 and 256, every
+    base config held at 28,000 steps (so k× the tokens) at global batch 192 and 256, every
     LR (matrix, embedding, output, scalar) × sqrt(k), the baselines' weight decay 0.1 and
-    warmup 1000 steps as at the base."""
+    warmup 1000 steps as at the base. Batch 128 is ``moe-base-sweep``'s optimum
+    (``MOE_OPTIMA``; the script: "128 = the existing scaling-law/LR-sweep runs")."""
     runs = []
     for m in MOE_METHODS:
         for g in gbs:
@@ -644,7 +663,7 @@ def experiment(
     if name in SIDE_LR:
         return side_runs(name, given, text)
     if name == "moe-base-sweep":
-        return moe_base_sweep(lrs, text)
+        return moe_base_sweep(given, text)
     if name == "moe-batch-sweep":
         return moe_batch_sweep(text=text)
     if name == "moe-ladder":
@@ -722,6 +741,17 @@ _EVALS = (f"for RUN in {_EVAL_RUNS}; do python tools/evaluate.py --load runs/{{e
           "--tasks paper --trajectory 2/3 --out runs/{e}/evals/$RUN; done; python "
           f"tools/downstream.py runs/{{e}}/evals/{_EVAL_RUNS.split('{')[0]}*-"
           f"{MOE_BUDGETS[-1] / 1e9:.4g}B --out runs/{{e}}/evals/report")  # fmt: skip
+
+
+def _with_optima(own: str, x: str = "") -> str:
+    """lr_sweep over an MoE experiment's runs (names after ``moe-`` matching ``own``) and the
+    base sweep's optima (``MOE_OPTIMA``) they share."""
+    names = "|".join([own, *(n.removeprefix("moe-") for n in MOE_OPTIMA)])
+    return (f"python tools/lr_sweep.py runs/{{e}}/manifest.json "
+            f"runs/moe-base-sweep/manifest.json --only '^moe-({names})$'{x} "
+            "--out runs/{e}/analysis")  # fmt: skip
+
+
 #: the paper's fit leaves out the undertrained 810M-active @ 7.5B point (plotted, hollow)
 _LAW = ("python tools/scaling_law.py runs/{e}/analysis/lr_sweep.csv --target-loss 2.635 "
         "--fit-exclude '0.81B-6.7B-.*-7.5B$'")  # fmt: skip
@@ -774,8 +804,10 @@ PAPER = (
      "side-gain-lr-fixed, dense-grid",
      _beside("side-gain-lr-fixed", ["muonmd"], ["-glr0.001"], True)),
     ("Fig. moe (left), moe-wsd", "MoE 270M base sweep, linear, WSD", "moe-base-sweep", _LR),
-    ("Fig. moe (center)", "MoE scaling law, compute savings", "moe-ladder", _LR + "; " + _LAW),
-    ("Fig. moe (right)", "MoE batch size, √k LR rule", "moe-batch-sweep", _LR + " --x gbs"),
+    ("Fig. moe (center)", "MoE scaling law, compute savings", "moe-ladder, moe-base-sweep",
+     _with_optima("[0-9.]+B-.+-[0-9.]+B") + "; " + _LAW),
+    ("Fig. moe (right)", "MoE batch size, √k LR rule", "moe-batch-sweep, moe-base-sweep",
+     _with_optima(MOE_RUNGS[0].removeprefix("moe-") + "-.+-gbs[0-9]+", " --x gbs")),
     ("Tab. throughput", "tokens/s per GPU", "throughput",
      "python tools/throughput.py --manifest runs/throughput/manifest.json"),
     ("Tab. moe-evals, fig. moe-evals", "downstream zero-shot: the largest MoE per method, "
