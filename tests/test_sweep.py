@@ -285,6 +285,8 @@ def test_the_moe_sweeps_run_the_authors_grids_and_share_the_base_optima():
     assert len(ladder) == 4 * 3 * 4 - 3 and {r.meta["gbs"] for r in batch} == {192, 256}
     names = {r.name for r in base}
     assert not names & {r.name for r in ladder + batch}
+    flags = [tuple(r.flags) for r in base + ladder + batch]
+    assert len(set(flags)) == len(flags)  # no MoE run is trained twice
     # what the ladder and the batch sweep ran at the base (transfer's identity): the same flags
     t = recipes.transfer("adamw", 768, recipes.BASE_TOKENS)
     again = experiments._moe_run(experiments.MOE_RUNGS[0], "adamw", 2.4e-3, recipes.BASE_TOKENS, t)
