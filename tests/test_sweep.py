@@ -444,6 +444,7 @@ def test_dry_run_prints_every_command_and_writes_nothing(tmp_path, capsys):
                                     for ln in lines)  # fmt: skip
     assert all("--expert-model-parallel-size=4" in ln and ",REQUEUE=1" in ln for ln in lines)
     assert "dry run: 45 would be submitted, 0 skipped; nothing written" in err
+    assert "moe-ladder's figures also read the runs of moe-base-sweep, which this" in err
     assert json.loads((tmp_path / "manifest.json").read_text()) == old
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     sweep.main(["ablation-rewarm", "--dry-run", "--mock-data", "--run-root", str(tmp_path)])

@@ -818,6 +818,17 @@ PAPER = (
 )  # fmt: skip
 
 
+def reads_beside(name: str) -> list[str]:
+    """The other experiments whose runs ``name``'s figures read (``PAPER``'s experiment column:
+    an ablation's dense-grid arms, the MoE base sweep's optima), in order."""
+    out: list[str] = []
+    for _, _, exps, _ in PAPER:
+        names = [e.strip() for e in exps.split(",")]
+        if names[0] == name:
+            out += [e for e in names[1:] if e not in out and e != "—"]
+    return out
+
+
 def markdown() -> str:
     """The table of ``docs/experiments.md``."""
     rows = ["| paper | what | experiment (`sweep.py`) | analysis |", "| --- | --- | --- | --- |"]

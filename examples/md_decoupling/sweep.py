@@ -577,9 +577,19 @@ def main(argv=None) -> None:
     if args.dry_run:
         print(f"[sweep] dry run: {done} would be submitted, {skipped} skipped; nothing written",
               file=sys.stderr)  # fmt: skip
+        beside_note(args.experiment)
         return
     print(f"[sweep] {done} submitted, {skipped} skipped; manifest: {manifest_path}",
           file=sys.stderr)  # fmt: skip
+    beside_note(args.experiment)
+
+
+def beside_note(experiment: str) -> None:
+    """Says which other experiments' runs this one's figures read (not submitted here)."""
+    if others := experiments.reads_beside(experiment):
+        print(f"[sweep] note: {experiment}'s figures also read the runs of "
+              f"{', '.join(others)}, which this does not submit (docs/experiments.md)",
+              file=sys.stderr)  # fmt: skip
 
 
 if __name__ == "__main__":
