@@ -257,7 +257,8 @@ def test_side_lr_panels_as_the_runs():
     assert [(r.meta["base_lr"], r.meta.get("gain_lr")) for r in recipe] == [(1e-3, None),
                                                                           (1e-3, 8e-3)]  # fmt: skip
     fixed = experiments.experiment("side-gain-lr-fixed")
-    assert len(fixed) == 9 and all(value(r, "--md-gain-lr") == 1e-3 for r in fixed)
+    assert len(fixed) == 8 and all(value(r, "--md-gain-lr") == 1e-3 for r in fixed)
+    assert 1e-3 not in [r.meta["matrix_lr"] for r in fixed]  # dense-grid's MuonMD at 1e-3
 
 
 def test_the_moe_sweeps_run_the_authors_grids_and_share_the_base_optima():

@@ -293,7 +293,8 @@ def side_runs(name: str, lrs: list[float] | None, text: bool = False) -> list[Ru
     - ``side-gain-lr`` (center-right): MuonMD at matrix LR 8e-3, the gains' LR 1e-3 · 2^(k/2),
       k = 3…8 (LM head 1e-3); x axis ``gain_lr``.
     - ``side-gain-lr-fixed`` (right): MuonMD, the gains' LR held at 1e-3 × the matrix-LR grid,
-      beside dense-grid's MuonMD (gains at the matrix LR)."""
+      beside dense-grid's MuonMD (gains at the matrix LR), whose 1e-3 run is this panel's 1e-3
+      point (the runs: k = 4…8, exp1b ``mlrfix``)."""
 
     def run(method, lr, tag, extra, **meta):
         return _dense_run("dense-181M", method, lr, tag, extra, text=text, axis=name, variant=tag,
@@ -325,7 +326,8 @@ def side_runs(name: str, lrs: list[float] | None, text: bool = False) -> list[Ru
             if fmt(g) != fmt(lr)
         ]
     if name == "side-gain-lr-fixed":
-        return [run("muonmd", lr, "glr0.001", ["--md-gain-lr=0.001"]) for lr in lrs or lr_grid()]
+        return [run("muonmd", lr, "glr0.001", ["--md-gain-lr=0.001"]) for lr in lrs or lr_grid()
+                if fmt(lr) != "0.001"]  # fmt: skip
     raise ValueError(name)
 
 
