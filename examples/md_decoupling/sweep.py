@@ -442,7 +442,8 @@ def main(argv=None) -> None:
         help="matrix-LR grid (default 1e-3*2^(k/2), k=0..8, and the authors' runs' LRs past "
         f"it: {', '.join(experiments.past_grid())}); the one-LR arms of "
         f"{', '.join(experiments.one_lr_arms())} run only where the grid includes "
-        f"{experiments.fmt(experiments.SIDE_MATRIX_LR)}",
+        f"{experiments.fmt(experiments.SIDE_MATRIX_LR)}; moe-base-sweep's default is the "
+        "authors' grid per method, experiments.MOE_GRIDS; given, one grid for every method",
     )
     ap.add_argument(
         "--methods",
