@@ -695,10 +695,11 @@ _BOTH = _LR + "; " + _DIAG
 _GRID = "runs/dense-grid/manifest.json"
 
 
-def _sweep_cmd(e: str, only: str, x: str = "") -> str:
-    """lr_sweep over ``e``'s manifest and dense-grid's, the runs named by ``only``."""
+def _sweep_cmd(e: str, only: str, x: str = "", beside: str = _GRID) -> str:
+    """lr_sweep over ``e``'s manifest and ``beside`` (dense-grid's), the runs named by
+    ``only``."""
     x = f" --x {x}" if x else ""
-    return (f"python tools/lr_sweep.py runs/{e}/manifest.json {_GRID} --only '{only}'{x} "
+    return (f"python tools/lr_sweep.py runs/{e}/manifest.json {beside} --only '{only}'{x} "
             f"--out runs/{e}/analysis")  # fmt: skip
 
 
@@ -745,13 +746,11 @@ _EVALS = (f"for RUN in {_EVAL_RUNS}; do python tools/evaluate.py --load runs/{{e
           f"{MOE_BUDGETS[-1] / 1e9:.4g}B --out runs/{{e}}/evals/report")  # fmt: skip
 
 
-def _with_optima(own: str, x: str = "") -> str:
-    """lr_sweep over an MoE experiment's runs (names after ``moe-`` matching ``own``) and the
-    base sweep's optima (``MOE_OPTIMA``) they share."""
+def _with_optima(e: str, own: str, x: str = "") -> str:
+    """lr_sweep over MoE experiment ``e``'s runs (names after ``moe-`` matching ``own``) and
+    the base sweep's optima (``MOE_OPTIMA``) they share."""
     names = "|".join([own, *(n.removeprefix("moe-") for n in MOE_OPTIMA)])
-    return (f"python tools/lr_sweep.py runs/{{e}}/manifest.json "
-            f"runs/moe-base-sweep/manifest.json --only '^moe-({names})$'{x} "
-            "--out runs/{e}/analysis")  # fmt: skip
+    return _sweep_cmd(e, f"^moe-({names})$", x, "runs/moe-base-sweep/manifest.json")
 
 
 #: the paper's fit leaves out the undertrained 810M-active @ 7.5B point (plotted, hollow)
@@ -807,9 +806,10 @@ PAPER = (
      _beside("side-gain-lr-fixed", ["muonmd"], ["-glr0.001"], True)),
     ("Fig. moe (left), moe-wsd", "MoE 270M base sweep, linear, WSD", "moe-base-sweep", _LR),
     ("Fig. moe (center)", "MoE scaling law, compute savings", "moe-ladder, moe-base-sweep",
-     _with_optima("[0-9.]+B-.+-[0-9.]+B") + "; " + _LAW),
+     _with_optima("moe-ladder", "[0-9.]+B-.+-[0-9.]+B") + "; " + _LAW),
     ("Fig. moe (right)", "MoE batch size, √k LR rule", "moe-batch-sweep, moe-base-sweep",
-     _with_optima(MOE_RUNGS[0].removeprefix("moe-") + "-.+-gbs[0-9]+", " --x gbs")),
+     _with_optima("moe-batch-sweep", MOE_RUNGS[0].removeprefix("moe-") + "-.+-gbs[0-9]+",
+                  "gbs")),
     ("Tab. throughput", "tokens/s per GPU", "throughput",
      "python tools/throughput.py --manifest runs/throughput/manifest.json"),
     ("Tab. moe-evals, fig. moe-evals", "downstream zero-shot: the largest MoE per method, "

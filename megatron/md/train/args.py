@@ -18,10 +18,10 @@ UPSTREAM_MUON_SCALES = ("spectral", "unit_rms_norm", "shape_scaling")
 BLOCK_SCALES = ("1/L", "1/sqrt(2L)", "1")
 #: --ngpt-residual-scale: the base scale of nGPT's residual steps alpha (ngpt.py)
 RESIDUAL_SCALES = ("1/sqrt(d)", "1")
-#: flags of the MD step (one per MDConfig field, ``add_md_config_flags``): refused without
-#: --md-decoupling, where nothing would read them
+#: flags of the MD step -> their MDConfig field (``add_md_config_flags`` adds one per field
+#: megatron's own flags do not set): refused without --md-decoupling, where nothing reads them
 MD_STEP_FLAGS = {
-    "--md-" + f.name.replace("_", "-")
+    "--md-" + f.name.replace("_", "-"): f
     for f in dataclasses.fields(MDConfig)
     if f.name not in FROM_MEGATRON_FLAGS
 }
@@ -238,10 +238,7 @@ def add_md_config_flags(group) -> None:
     """One ``--md-<field>`` flag per MDConfig field (default, choices and help from the field
     and its docstring), except the fields megatron's own flags set (FROM_MEGATRON_FLAGS)."""
     docs = MDConfig.docs()
-    for f in dataclasses.fields(MDConfig):
-        if f.name in FROM_MEGATRON_FLAGS:
-            continue
-        flag = "--md-" + f.name.replace("_", "-")
+    for flag, f in MD_STEP_FLAGS.items():
         kind = str(f.type)
         if kind == "bool":
             group.add_argument(flag, action="store_true", help=docs[f.name])
@@ -500,7 +497,7 @@ def validate(args, check_data: bool = True) -> MDConfig | None:
         _fail("--md-adam-layer-wise needs --md-decoupling")
     elif args.md_cuda_graph:
         _fail("--md-cuda-graph needs --md-decoupling (it captures MD's step)")
-    elif unread := sorted(MD_STEP_FLAGS & getattr(args, "given_flags", set())):
+    elif unread := sorted(MD_STEP_FLAGS.keys() & getattr(args, "given_flags", set())):
         _fail(f"{', '.join(unread)}: MD's step runs only with --md-decoupling, so this run would "
               f"train plain --optimizer {args.optimizer}: add --md-decoupling, or drop "
               f"{'it' if len(unread) == 1 else 'them'}")  # fmt: skip

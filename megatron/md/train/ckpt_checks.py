@@ -303,9 +303,7 @@ def check_block_scale(where: Checkpoint, saved_args, args) -> None:
     saved = argparse.Namespace(**{k: getattr(saved_args, k, None) for k in names})
     if not (diff := _differing(saved, args, names)):
         return
-    flags = [_flag_for(k, getattr(saved, k)) for k in diff]
-    give = " ".join(f for f in flags if not f.startswith("drop "))
-    fix = "; ".join(x for x in (give, ", ".join(f for f in flags if f.startswith("drop "))) if x)
+    fix = "; ".join(_flag_for(k, getattr(saved, k)) for k in diff)
     was = _described(saved, args, diff)
     fail(where, f"its blocks were trained with another output scale ({was}): resuming would "
          f"continue as another model; give the checkpoint's ({fix}), or start a new run from "
