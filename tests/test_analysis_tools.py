@@ -473,6 +473,32 @@ def test_profile_sums_each_kernel_once():
     assert bench_md_step._own_time(ev, cuda=True) == 7.0
 
 
+def test_profile_host_lines_list_the_host_side_of_a_gpu_step():
+    """--profile on a GPU adds the host's side: the CPU ops' summed self time, the kernel
+    launches (runtime, driver and graph launches; not a kernel's device event) and the costliest
+    ops by CPU time, costliest first (torch's event fields, stubbed: no GPU here)."""
+    from types import SimpleNamespace as E
+
+    import bench_md_step
+    import torch
+
+    cpu, gpu = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def ev(key, us, n=1, dev=cpu, note=False):
+        return E(key=key, self_cpu_time_total=us, count=n, device_type=dev,
+                 is_user_annotation=note)  # fmt: skip
+
+    events = [ev("aten::add_", 300.0, 10), ev("cudaLaunchKernel", 900.0, 40),
+              ev("cuLaunchKernel", 200.0, 6), ev("triton_poi_fused_0", 50.0, 6, dev=gpu),
+              ev("Optimizer.step#MDInner.step", 5000.0, note=True),
+              ev("cudaDeviceSynchronize", 1500.0)]  # fmt: skip
+    lines = bench_md_step.host_lines("prof host 181M bf16 adam+MD", events, top=3)
+    assert lines[0] == "prof host 181M bf16 adam+MD: 2.90 ms of host ops, 46 kernel launches"
+    assert [x.split()[-1] for x in lines[1:]] == ["cudaDeviceSynchronize", "cudaLaunchKernel",
+                                                  "aten::add_"]  # fmt: skip
+    assert lines[2].split()[5:7] == ["0.90", "ms"] and lines[2].split()[7] == "40x"
+
+
 @pytest.mark.distributed
 def test_bench_md_step_under_tensor_parallelism(tmp_path):
     """--tp 2: every matrix split as megatron splits it (column/row-parallel, SwiGLU stride 2,

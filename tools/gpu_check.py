@@ -162,9 +162,11 @@ def plan() -> list[Step]:
         Step("correctness", "tests/distributed/md_check.py", _joined(MD_JOBS), 150, torchrun=True),
         Step("dispatch", "tools/bench_dispatch.py",
              ["--rounds", "10", "--json", "{out}/dispatch.json"], 60),
+        # 10 steps: at 181M AdamMD's inner step still fell over 5 (8.0 -> 6.9 ms, H200,
+        # 2026-12-04); a step costs at most 0.1 s of the check's time, the compiles ~40 s
         Step("step-cost", "tools/bench_md_step.py",
              ["--model", "181M", "457M", "1.29B", "--world", "1", "--dtype", "bf16",
-              "--steps", "5", "--runs", "adam", "adam_md", "muon", "muon_md",
+              "--steps", "10", "--runs", "adam", "adam_md", "muon", "muon_md",
               "--json", "{out}/step_cost.json"], 180, shows=STEP_COST_LINES),
         # the default step replayed from a CUDA graph (--md-cuda-graph) at the launch-bound
         # size, against the base; the step-cost rows above are the same step without it (the
@@ -189,7 +191,7 @@ def plan() -> list[Step]:
              shows=THROUGHPUT_LINES),
     ]  # fmt: skip
     # AdamMD's step replayed from a CUDA graph (--md-cuda-graph) through the save and the
-    # resume: the graph had run on one rank only, never through a --load (startup.banner);
+    # resume (first run through a --load on an H200, 2026-12-04: bit for bit);
     # MuonMD's pair is the same runs without it (AdamMD's compiled resume without the graph
     # was exact on the H100, 2026-11-26)
     for name, flags in (("adammd-graph", [*adammd, "--md-cuda-graph"]), ("muonmd", muonmd)):

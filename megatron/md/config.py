@@ -182,8 +182,9 @@ class MDConfig:
     smaller ones (compiling takes tens of seconds); on a GPU for AdamMD and MuonMD (checked
     against the reference there; H200, 2026-11-26: AdamMD's step 1.03× Adam's at 181M and
     0.79× at 1.29B against the eager 1.58× and 2.75×, MuonMD's 0.34× and 1.34× Muon's against
-    0.43× and 1.56×), on a CPU for AdamMD only (MuonMD's compiled passes measured no faster
-    there); docs/benchmarks.md. Execution only: the results agree with the eager step to fp32
+    0.43× and 1.56×; H200, 2026-12-04: AdamMD 1.33×, 0.79× and 0.77× at 181M, 457M and 1.29B,
+    MuonMD 0.33×, 0.44× and 0.97×), on a CPU for AdamMD only (MuonMD's compiled passes
+    measured no faster there); docs/benchmarks.md. Execution only: the results agree with the eager step to fp32
     rounding, it is never used with MD off, checkpoints are interchangeable. Each kernel's first
     call of a layout is checked against its eager formula (torch 2.9.1-2.11.0's inductor
     miscompiled two on a CPU; docs/internals.md): a difference stops the run under on
@@ -197,8 +198,9 @@ class MDConfig:
     rounding from the eager step. GPU only; megatron's gradient buffers must stay put (fp32,
     megatron's default with --bf16). Off by default: on one H100, one rank (181M, 2026-11-26)
     it replayed correctly with a moving LR and made AdamMD's step 0.78x Adam's (compiled, not
-    captured: 1.02x) and its tokens/s 0.96x AdamW's (0.81x); never run across ranks or
-    through a resume on a GPU (docs/benchmarks.md)."""
+    captured: 1.02x) and its tokens/s 0.96x AdamW's (0.81x); on one H200 (2026-12-04) 0.77x
+    Adam's step (not captured: 1.33x), and a run saved and resumed with it repeated its losses
+    bit for bit; never run across ranks (docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
         self.validate()
