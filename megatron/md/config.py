@@ -184,12 +184,12 @@ class MDConfig:
     0.79× at 1.29B against the eager 1.58× and 2.75×, MuonMD's 0.34× and 1.34× Muon's against
     0.43× and 1.56×; H200, 2026-12-04: AdamMD 1.33×, 0.79× and 0.77× at 181M, 457M and 1.29B,
     MuonMD 0.33×, 0.44× and 0.97×), on a CPU for AdamMD only (MuonMD's compiled passes
-    measured no faster there); docs/benchmarks.md. Execution only: the results agree with the eager step to fp32
-    rounding, it is never used with MD off, checkpoints are interchangeable. Each kernel's first
-    call of a layout is checked against its eager formula (torch 2.9.1-2.11.0's inductor
-    miscompiled two on a CPU; docs/internals.md): a difference stops the run under on
-    (``MiscompiledKernel``); under auto that layout runs the eager formula from then on, said
-    once on stderr."""
+    measured no faster there); docs/benchmarks.md. Execution only: the results agree with the
+    eager step to fp32 rounding, it is never used with MD off, checkpoints are interchangeable.
+    Each kernel's first call of a layout is checked against its eager formula (torch
+    2.9.1-2.11.0's inductor miscompiled two on a CPU; docs/internals.md): a difference stops
+    the run under on (``MiscompiledKernel``); under auto that layout runs the eager formula
+    from then on, said once on stderr."""
 
     cuda_graph: bool = False
     """Capture the MD optimizer's inner step (every MD matrix's step with its reductions, the
