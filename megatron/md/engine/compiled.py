@@ -344,9 +344,24 @@ def kernels_for(g, fallback: bool = False) -> Kernels | None:
     return None
 
 
+_ONES: dict[tuple, torch.Tensor] = {}
+
+
+def _ones(like: torch.Tensor) -> torch.Tensor:
+    """A 0-d one of ``like``'s dtype and device, the absent gain's factor: one kept per dtype
+    and device (read, never written), not a new one per group and step (a fill kernel each on
+    a GPU); made fresh inside a CUDA graph's capture (the eager warm-up steps keep it first)."""
+    key = (like.device, like.dtype)
+    if key not in _ONES:
+        if _capturing():
+            return like.new_ones(())
+        _ONES[key] = like.new_ones(())
+    return _ONES[key]
+
+
 def _row_col(g, phi: dict):
     B, (M, N) = g.B, g.full
-    one = g.W.new_ones(())
+    one = _ones(g.W)
     row = phi["gain_row"].view(B, M, 1) if "gain_row" in phi else one
     col = phi["gain_col"].view(B, 1, N) if "gain_col" in phi else one
     return row, col
@@ -374,12 +389,12 @@ def _phase1_group(g, G: torch.Tensor, P: torch.Tensor, step: int, hp: AdamHParam
     kernel = _get(variant, _PHASE1[variant], g.kernels.fallback)
     off = M if need_row else 0
     for one in _pieces(g, stackable=True):
-        gr, nrm = kernel(w3[one], g3[one], m3[one], v3[one], _at(row, one), _at(col, one), hp_t,
-                         _at(scratch, one), need_row)  # fmt: skip
+        gr, nrm = kernel(_at(w3, one), _at(g3, one), _at(m3, one), _at(v3, one), _at(row, one),
+                         _at(col, one), hp_t, _at(scratch, one), need_row)  # fmt: skip
         if need_row:
-            P[one, :M].add_(gr)
+            _at(P, one)[:, :M].add_(gr)
         if sphere != "none":
-            P[one, g.n_gain :].add_(nrm.view(one.stop - one.start, -1))
+            _at(P, one)[:, g.n_gain :].add_(nrm.view(one.stop - one.start, -1))
     if need_col:
         _add_col_partials(P, row, scratch, off)
     if sphere == "none" and g.n_norm:  # norm partials the kernel leaves to the eager group
@@ -403,10 +418,10 @@ def _partials_group(g, G: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
     scratch = _scratch(w3) if need_col else None
     kernel = _get("partials", _partials, g.kernels.fallback)
     for one in _pieces(g, stackable=True):
-        gr = kernel(w3[one], g3[one], _at(row, one), _at(col, one), o3[one], _at(scratch, one),
-                    need_row)  # fmt: skip
+        gr = kernel(_at(w3, one), _at(g3, one), _at(row, one), _at(col, one), _at(o3, one),
+                    _at(scratch, one), need_row)  # fmt: skip
         if need_row:
-            P[one, :M].add_(gr)
+            _at(P, one)[:, :M].add_(gr)
     if need_col:
         _add_col_partials(P, row, scratch, M if need_row else 0)
     return out
@@ -453,8 +468,13 @@ def _pieces(g, stackable: bool) -> list[slice]:
 
 
 def _at(x: torch.Tensor | None, one: slice) -> torch.Tensor | None:
-    """Matrix ``one`` of a stacked argument; a 0-d one (an absent gain) or None as it is."""
-    return x if x is None or x.ndim == 0 else x[one]
+    """Matrices ``one`` of a stacked argument; the whole stack, a 0-d one (an absent gain) or
+    None as it is: ``x[0:B]`` is one more operation (``aten::slice``) for the same view, 67 of
+    the 330 that AdamMD's inner step dispatched at a GPU's call pattern (12 layers, width 128,
+    ``STACK_ON_CPU``, 2026-12-04): host time on a GPU, where the 181M step is host-bound."""
+    if x is None or x.ndim == 0 or (one.start == 0 and one.stop == x.shape[0]):
+        return x
+    return x[one]
 
 
 def _fuse_group(g, targets: list[torch.Tensor]) -> None:
@@ -468,9 +488,9 @@ def _fuse_group(g, targets: list[torch.Tensor]) -> None:
     name, fn = ("fuse", _fuse) if s is None else ("rescale_fuse", _rescale_fuse)
     kernel = _get(name, fn, g.kernels.fallback)
     for one in _pieces(g, stackable=out is not None):
-        o = out[one] if out is not None else targets[one.start].view(1, M, N)
+        o = _at(out, one) if out is not None else targets[one.start].view(1, M, N)
         if s is None:
-            kernel(w3[one], _at(row, one), _at(col, one), o)
+            kernel(_at(w3, one), _at(row, one), _at(col, one), o)
         else:
-            kernel(w3[one], _at(s, one), _at(row, one), _at(col, one), o)
+            kernel(_at(w3, one), _at(s, one), _at(row, one), _at(col, one), o)
     g.pending = None
