@@ -341,7 +341,8 @@ def profile(name: str, vocab: int, dtype: str) -> None:
         ops = sorted(p.key_averages(), key=lambda e: getattr(e, attr), reverse=True)
         if torch.distributed.get_rank():  # every rank steps (collectives), rank 0 tells
             ops = []
-        tag = f"prof {name} {dtype} {opt_name}{'+MD' if md_on else ''}"
+        run = f"{opt_name}{'+MD' if md_on else ''}"
+        tag = f"prof {name} {dtype} {run}"
         total = _own_time(ops, cuda) / 1e3
         if ops:
             what = "kernels" if cuda else "CPU ops"
@@ -349,7 +350,7 @@ def profile(name: str, vocab: int, dtype: str) -> None:
         for e in ops[:10]:
             print(f"{tag}  {getattr(e, attr) / 1e3:8.2f} ms {e.count:5d}x  {e.key[:80]}")
         if cuda and ops:
-            print("\n".join(host_lines(f"prof host {name} {dtype} {tag.split()[-1]}", ops)))
+            print("\n".join(host_lines(f"prof host {name} {dtype} {run}", ops)))
         sys.stdout.flush()
         del dmodel, opt
         free(gc)
@@ -365,9 +366,8 @@ def host_lines(tag: str, events, top: int = 8) -> list[str]:
     ``top`` costliest ops by CPU self time — where a host-bound step's wall time goes that its
     kernels do not fill (AdamMD's compiled 181M step, H200, 2026-12-04: 3.1 ms of kernels in
     10.4 ms, Adam's 4.5 in 7.5; its host side was not listed)."""
-    cpu = torch.autograd.DeviceType.CPU
-    own = [e for e in events if not e.is_user_annotation and e.device_type == cpu]
-    total = sum(e.self_cpu_time_total for e in own) / 1e3
+    own = _own(events, cuda=False)
+    total = _own_time(events, cuda=False) / 1e3
     launches = sum(e.count for e in own if e.key in LAUNCHES)
     out = [f"{tag}: {total:.2f} ms of host ops, {launches} kernel launches"]
     for e in sorted(own, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]:
@@ -380,9 +380,14 @@ def _own_time(events, cuda: bool) -> float:
     on a GPU an aten op's device time is its kernels' and a ``record_function`` range's (the
     optimizer's step) their span, so only the kernel events count (summed over every event,
     the H100's 2026-11-26 profile showed 390 ms of "kernels" in a 136 ms step)."""
+    return sum(e.self_device_time_total if cuda else e.self_cpu_time_total
+               for e in _own(events, cuda))  # fmt: skip
+
+
+def _own(events, cuda: bool) -> list:
+    """A profile's own events: the kernels (``cuda``) or the CPU ops, no annotation."""
     cpu = torch.autograd.DeviceType.CPU
-    own = [e for e in events if not e.is_user_annotation and (e.device_type != cpu) == cuda]
-    return sum(e.self_device_time_total if cuda else e.self_cpu_time_total for e in own)
+    return [e for e in events if not e.is_user_annotation and (e.device_type != cpu) == cuda]
 
 
 def free(gc) -> None:

@@ -391,10 +391,11 @@ def _phase1_group(g, G: torch.Tensor, P: torch.Tensor, step: int, hp: AdamHParam
     for one in _pieces(g, stackable=True):
         gr, nrm = kernel(_at(w3, one), _at(g3, one), _at(m3, one), _at(v3, one), _at(row, one),
                          _at(col, one), hp_t, _at(scratch, one), need_row)  # fmt: skip
+        rows = _at(P, one)
         if need_row:
-            _at(P, one)[:, :M].add_(gr)
+            rows[:, :M].add_(gr)
         if sphere != "none":
-            _at(P, one)[:, g.n_gain :].add_(nrm.view(one.stop - one.start, -1))
+            rows[:, g.n_gain :].add_(nrm.view(one.stop - one.start, -1))
     if need_col:
         _add_col_partials(P, row, scratch, off)
     if sphere == "none" and g.n_norm:  # norm partials the kernel leaves to the eager group
