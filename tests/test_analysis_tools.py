@@ -570,6 +570,9 @@ def test_bench_dispatch_counts(tmp_path):
         assert r["time_ratio"] > 0
         for run in r["bytes"]["2"]:  # traffic grows with the layers
             assert r["bytes"]["4"][run] > r["bytes"]["2"][run] > 0, r
+        for n in ("2", "4"):  # launches leave out views and host reads (Adam's: its steps)
+            for run, ops in r["ops"][n].items():
+                assert 0 < r["launches"][n][run] <= ops - r["syncs"][n][run], r
     # MuonMD multiplies the matrices Muon does (Newton–Schulz, batched per shape) and adds only
     # its partials' matrix-vector products (seen: 1.008 here); Adam multiplies none
     muon = res["muon_md/muon"]
@@ -612,6 +615,32 @@ def test_bytes_moved_count_reads_and_writes_not_views():
     assert bench_dispatch.count(lambda: torch.zeros_like(y))[3] == 2000
     # a reshape that cannot view: one copy (read and write), its _unsafe_view nothing
     assert bench_dispatch.count(lambda: x.view(10, 100).t().reshape(-1))[3] == 8000
+
+
+def test_launch_count_leaves_out_views_host_reads_and_step_counters():
+    """bench_dispatch.count's kernel launches: an elementwise op or a multi-tensor op is one, a
+    view, an allocation or a host read none; an op on the host-side step counters alone (torch's
+    Adam's ``state["step"]``, CPU tensors on a GPU too) none, Python numbers made tensors for
+    it included; a compiled MD call one."""
+    import bench_dispatch
+    import torch
+
+    from megatron.md.engine import compiled
+
+    x, step = torch.zeros(10), torch.zeros(())
+    launches = lambda f, host=frozenset(): bench_dispatch.count(f, host)[5]  # noqa: E731
+    assert launches(lambda: x.add_(1)) == 1
+    assert launches(lambda: torch._foreach_mul_([x, x + 0], 2.0)) == 2  # the add, the foreach
+    assert launches(lambda: x.view(2, 5).t()) == 0
+    assert launches(lambda: torch.empty_like(x)) == 0
+    assert launches(lambda: x.sum().item()) == 1  # the sum; its read is the host's
+    assert launches(lambda: torch._foreach_add_([step], torch.tensor(1.0)), {id(step)}) == 0
+    assert launches(lambda: torch._foreach_add_([step], torch.tensor(1.0))) == 1
+    assert launches(lambda: step.fill_(3), {id(step)}) == 0
+    # Python numbers as where's branches: made on the host, the where itself launched
+    assert launches(lambda: torch.where(x.isnan().all(), 0.0, float("nan"))) >= 2
+    x3, row, col = torch.ones(2, 3), torch.ones(2, 1), torch.ones(1, 3)
+    assert launches(lambda: compiled._get("fuse", compiled._fuse)(x3, row, col, x3)) == 1
 
 
 def test_matmul_flops_count_by_dtype():

@@ -181,6 +181,35 @@ def test_fused_step_reaches_the_engine(mode, threshold, fused, monkeypatch):
         assert {g.kernels.fallback for g in groups} == {mode == "auto"}
 
 
+def test_zero1_groups_read_their_partials_as_views():
+    """ZeRO-1's global partial layout puts each kind of matrix (shape, treatment) side by side
+    in param-buffer order: every group of whole matrices reads and writes its partials as one
+    view of the domain's buffer — no index_add_/index_select and zeroed temporary per group
+    (in buffer order alone the layers' groups interleave: 4 of 6 took them at 12 layers), and
+    the step still equals the one of buffer order (test_distributed_md.py: the reference)."""
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron.md.enable import enable_md
+    from megatron.md.leaves import leaf_optimizers
+
+    model = tiny_gpt(3, 32, 3, 16)
+    ddpc = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                         use_distributed_optimizer=True)  # fmt: skip
+    dmodel = DDP(model.config, ddpc, model)
+    cfg = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.0, bf16=False,
+                          use_distributed_optimizer=True)  # fmt: skip
+    opt = get_megatron_optimizer(cfg, [dmodel])
+    enable_md(opt, [dmodel], MDConfig())
+    (leaf,) = leaf_optimizers(opt)
+    engine = leaf.optimizer.engine
+    stacked = [g for g in engine.groups if g.B > 1]
+    assert len(stacked) >= 4, [g.B for g in engine.groups]  # the layers' QKV, proj, fc1, fc2
+    assert all(engine._index[(kind, id(g))][1] is None
+               for g in engine.groups for kind in ("step", "norm"))  # fmt: skip
+
+
 def test_one_parameter_for_all_experts_is_refused():
     """TE's grouped experts with ``--moe-single-grouped-weight`` keep every local expert in one
     parameter (stacked 3-D or concatenated 2-D; TE's ``single_grouped_weight`` attribute says

@@ -8,6 +8,13 @@ optimizer and with MD, at 12 and 24 layers:
 
 - operations per step, base and MD; MD's extra operations per added matrix (12 → 24 layers:
   48 more matrices);
+- kernel launches per step, base and MD: the operations a GPU runs as kernels — not views,
+  allocations, host reads, Python numbers made tensors, nor the host-side step counters (torch's
+  Adam's ``state["step"]`` and MD's, CPU tensors on a GPU too); a multi-tensor (``_foreach``)
+  operation and a compiled MD call count as one (on a GPU a multi-tensor operation launches one
+  kernel per chunk of tensors, more at scale; each compiled MD call was one Triton kernel in the
+  H200's profile, 2026-12-04). The host cost a launch-bound GPU step pays, which the operation
+  count blurs (base Adam's 150 reads of its CPU step counts are operations, not launches);
 - host synchronizations (``.item()``, ``int(tensor)``, ``.tolist()``: aten's
   ``_local_scalar_dense``) in the step, base and MD, and of MD's those its own code issues
   (the rest are megatron's: its gradient norm reads two);
@@ -84,24 +91,54 @@ def _matmul_flops(func, args) -> tuple[int, str] | None:
     return 2 * a.numel() * n, str(a.dtype).removeprefix("torch.")
 
 
-def count(step) -> tuple[int, int, int, int, dict]:
+#: operations that run on the host on a GPU too: reads of a tensor, Python numbers made tensors,
+#: the profiler's markers
+HOST_OPS = {_aten._local_scalar_dense.default, _aten.lift_fresh.default,
+            _aten.scalar_tensor.default}  # fmt: skip
+
+
+def host_counters(opt) -> set[int]:
+    """ids of the step counters a GPU keeps on the host: torch's Adam's ``state["step"]`` of
+    every leaf, MD's engine's (shared into those states)."""
+    from megatron.md.leaves import leaf_optimizers
+
+    out = set()
+    for leaf in leaf_optimizers(opt):
+        inner = leaf.optimizer
+        for st in inner.state.values():
+            if isinstance(st.get("step"), torch.Tensor):
+                out.add(id(st["step"]))
+        engine = getattr(inner, "engine", None)
+        if engine is not None:
+            out.add(id(engine.step_tensor))
+    return out
+
+
+def count(step, host: set[int] = frozenset()) -> tuple[int, int, int, int, dict, int]:
     """(aten operations dispatched by ``step()``, of which host reads of a tensor, of which
     issued by MD's own code: a frame of megatron/md/ other than the CPU mode's redirection;
     bytes the operations read and write: every tensor argument and result of an operation that
     moves data (``NO_TRAFFIC``, views: none; ``WRITE_ONLY``: the result), the memory traffic of
     the step if nothing were fused or cached — the proxy of a bandwidth-bound step, as
     operations are of a launch-bound one; matrix-product FLOPs by the factors' dtype — the
-    compute of a compute-bound step, Muon's Newton–Schulz at scale)."""
+    compute of a compute-bound step, Muon's Newton–Schulz at scale; kernel launches, as the
+    module says: ``host`` the ids of the host-side step counters)."""
     import traceback
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    made = set(host)  # host tensors: the counters, and Python numbers made tensors here
+    kept = []
+
     class Count(TorchDispatchMode):
-        ops = syncs = md_syncs = moved = 0
+        ops = syncs = md_syncs = moved = launches = 0
         flops: dict[str, int] = {}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             Count.ops += 1
+            tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                       if isinstance(t, torch.Tensor)]  # fmt: skip
+            on_host = tensors and all(id(t) in made for t in tensors)
             if (mm := _matmul_flops(func, args)) is not None:
                 Count.flops[mm[1]] = Count.flops.get(mm[1], 0) + mm[0]
             if func is torch.ops.aten._local_scalar_dense.default:
@@ -111,6 +148,11 @@ def count(step) -> tuple[int, int, int, int, dict]:
                     for f in traceback.extract_stack()
                 )
             out = func(*args, **(kwargs or {}))
+            if func in HOST_OPS and isinstance(out, torch.Tensor):
+                made.add(id(out))
+                kept.append(out)  # alive while counting: its id is not another tensor's
+            launched = not (func.is_view or func in NO_TRAFFIC or func in HOST_OPS or on_host)
+            Count.launches += launched and func.namespace != "profiler"
             if func.is_view or func in NO_TRAFFIC:
                 pass
             elif func in WRITE_ONLY:  # the argument gives a shape, dtype and device
@@ -121,7 +163,8 @@ def count(step) -> tuple[int, int, int, int, dict]:
 
     with Count(), _kernels_as_one_op() as calls:
         step()
-    return Count.ops + calls[0], Count.syncs, Count.md_syncs, Count.moved + calls[1], Count.flops
+    return (Count.ops + calls[0], Count.syncs, Count.md_syncs, Count.moved + calls[1],
+            Count.flops, Count.launches + calls[0])  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -193,7 +236,7 @@ def measure(args) -> dict:
                 run: build(args.hidden_size, layers, run, args.vocab_size, args.fused_step)
                 for run in (base, md)
             }
-            got[layers] = {run: count(o.step) for run, o in opts.items()}
+            got[layers] = {run: count(o.step, host_counters(o)) for run, o in opts.items()}
             if layers == args.num_layers[0]:
                 ratios = []
                 for _ in range(args.rounds):
@@ -211,6 +254,8 @@ def measure(args) -> dict:
             "md_code_syncs": {n: got[n][md][2] for n in args.num_layers},
             "extra_ops_per_added_matrix": (extra(hi) - extra(lo)) / added if hi > lo else None,
             "op_ratio": got[lo][md][0] / got[lo][base][0],
+            "launches": {n: {r: got[n][r][5] for r in (base, md)} for n in args.num_layers},
+            "launch_ratio": got[lo][md][5] / got[lo][base][5],
             "bytes": {n: {r: got[n][r][3] for r in (base, md)} for n in args.num_layers},
             "byte_ratio": got[lo][md][3] / got[lo][base][3],
             "matmul_flops": {n: {r: got[n][r][4] for r in (base, md)} for n in args.num_layers},
@@ -266,7 +311,8 @@ def main(argv=None) -> None:
           f"{' (a compiled call: one op)' if args.fused_step == 'on' else ''}; time: median "
           f"of {args.rounds} paired rounds at {lo} layers")  # fmt: skip
     print(f"{'pair':<14} {'layers':>6} {'base ops':>9} {'MD ops':>8} {'syncs b/MD':>11} "
-          f"{'MD code':>8} {'op ratio':>9} {'time ratio':>11} {'extra/matrix':>13} "
+          f"{'MD code':>8} {'op ratio':>9} {'launches b/MD':>14} {'ratio':>6} "
+          f"{'time ratio':>11} {'extra/matrix':>13} "
           f"{'MB moved b/MD':>15} {'byte ratio':>11} {'matmul MFLOP b/MD':>18} "
           f"{'flop ratio':>10}")  # fmt: skip
     for key, r in res.items():
@@ -278,6 +324,8 @@ def main(argv=None) -> None:
             print(f"{key:<14} {n:>6} {r['ops'][n][base]:>9} {r['ops'][n][md]:>8} "
                   f"{r['syncs'][n][base]:>5}/{r['syncs'][n][md]:<5} {r['md_code_syncs'][n]:>8} "
                   f"{r['op_ratio'] if first else '':>9.4} "
+                  f"{r['launches'][n][base]:>6}/{r['launches'][n][md]:<7} "
+                  f"{r['launch_ratio'] if first else '':>6.3} "
                   f"{r['time_ratio'] if first else '':>11.4} "
                   f"{per if first and per is not None else '':>13} "
                   f"{r['bytes'][n][base] / 1e6:>7.1f}/{r['bytes'][n][md] / 1e6:<7.1f} "

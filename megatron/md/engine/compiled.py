@@ -290,7 +290,10 @@ def adam_hparams(hp: AdamHParams, step: int, like: torch.Tensor) -> torch.Tensor
             _hparams.clear()
         bc1, bc2 = 1 - hp.beta1**step, 1 - hp.beta2**step
         vals = [hp.lr / bc1, bc2**0.5, 1 - hp.beta1, hp.beta2, 1 - hp.beta2, hp.eps]
-        _hparams[key] = torch.tensor(vals, dtype=like.dtype, device=like.device)
+        # copied without waiting: ``torch.tensor(..., device=cuda)`` synchronizes the stream
+        # (a blocking host-to-device copy); pinned, as ``graph.DeviceScalars``' numbers
+        host = torch.tensor(vals, dtype=like.dtype, pin_memory=like.device.type == "cuda")
+        _hparams[key] = host.to(like.device, non_blocking=True)
     return _hparams[key]
 
 

@@ -338,11 +338,15 @@ class Engine:
         if chunk:
             flush(chunk)
         self._reduce(bufs, reduce_fn)
-        self._mark_nonfinite(list(bufs.values()))
+        scales = self._scales(bufs)
         gains = _GainBatch()
         for g in self.groups:
             T = self._read("step", g, bufs, g.n_partial)
-            g.project(T[:, g.n_gain :], defer=g.kernels is not None and g.kernels.fuse is not None)
+            defer = g.kernels is not None and g.kernels.fuse is not None
+            if g in scales:
+                g.project_by(scales[g], defer=defer)
+            else:
+                g.project(T[:, g.n_gain :], defer=defer)
             off = 0
             ghp = hps[g.members[0].param_group].gain
             for n, size_n in zip(g.gain_names, g.gain_sizes):
@@ -350,16 +354,61 @@ class Engine:
                 gains.add(g, n, T[:, off : off + size_n], chain, g.spec.gain_map, ghp)
                 off += size_n
         gains.run(step)
-        for g in self.groups:
-            g.gains_changed()
-        if gains.raws:
-            norms = torch.stack(torch._foreach_norm(gains.raws))
-            self._mark_nonfinite([norms])
+        self._phi_all()
+        self._mark_nonfinite(list(bufs.values()) + gains.raws)
 
     def _mark_nonfinite(self, tensors: list[torch.Tensor]) -> None:
-        for t in tensors:
-            if t.numel():
-                self.probe.add_(torch.where(torch.isfinite(t).all(), 0.0, float("nan")))
+        """The probe NaN once any of ``tensors`` holds a NaN or ±inf: one multi-tensor norm of
+        them all (NaN or inf where one is; the squares overflow only past 1.8e19, a step gone
+        wrong anyway), times 0 — five launches, where an ``isfinite`` check of each tensor took
+        eight."""
+        ts = [t for t in tensors if t.numel()]
+        if ts:
+            self.probe.add_(torch.stack(torch._foreach_norm(ts)).sum().mul_(0))
+
+    def _phi_all(self) -> None:
+        """The gains moved: φ(ĝ) of every group's gains made again, one operation per map for
+        all groups (``Group.phi`` then finds them; one per gain per group otherwise, 10 of
+        AdamMD's launches at 12 layers)."""
+        by_map: dict[str, list] = {}
+        for g in self.groups:
+            g.gains_changed()
+            if g.spec.gains != "lowrank" and g.spec.gain_map in maps.CHAIN_MAPS:
+                for n, raw in g.gains.items():
+                    by_map.setdefault(g.spec.gain_map, []).append((g, n, raw))
+        for gain_map, items in by_map.items():
+            raws = [raw for _, _, raw in items]
+            flat = maps.phi(torch.cat([r.reshape(-1) for r in raws]), gain_map)
+            for (g, n, raw), v in zip(items, flat.split([r.numel() for r in raws])):
+                g.keep_phi(n, raw, v.view(raw.shape))
+
+    def _scales(self, bufs: dict) -> dict:
+        """Line 8's rescale r / ‖Ŵ‖ of every group projected back, from the reduced buffers:
+        two operations per domain (a square root and a division by a buffer holding each
+        group's radius where its norms lie), not two per group. Groups whose radius is not
+        set yet are left out (``Group.project`` then)."""
+        groups = [g for g in self.groups if g.spec.project and g.n_norm and g.radius is not None]
+        if not groups:
+            return {}
+        key = tuple((id(g.radius), g.radius._version, g.radius.data_ptr()) for g in groups)
+        if getattr(self, "_radius_key", None) != key:  # made again only when a radius changes
+            self._radius_bufs = self._buffers("step", bufs[next(iter(bufs))].dtype,
+                                              self.probe.device)  # fmt: skip
+            for g in groups:
+                self._put(g, self._radius_bufs, g.radius)
+            self._radius_key = key
+        out = {dom: self._radius_bufs[dom] / buf.sqrt() for dom, buf in bufs.items()}
+        return {g: self._read("step", g, out, g.n_partial)[:, g.n_gain :] for g in groups}
+
+    def _put(self, g: Group, bufs: dict, values: torch.Tensor) -> None:
+        """``values`` (B, n_norm) where group ``g``'s norms lie in ``bufs``."""
+        start, idx = self._index[("step", id(g))]
+        buf = bufs[g.members[0].domain]
+        if idx is None:
+            buf[start : start + g.B * g.n_partial].view(g.B, -1)[:, g.n_gain :].copy_(values)
+        else:
+            at = idx.view(g.B, g.n_partial)[:, g.n_gain :].reshape(-1)
+            buf.index_copy_(0, at, values.reshape(-1).to(buf.dtype))
 
     def fuse(self, outs: dict[int, torch.Tensor], fp32_mode: bool | None = None) -> None:
         """W = Γ ⊙ Ŵ of every member (of those whose ``fp32_mode`` is the one given, if given)

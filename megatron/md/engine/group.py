@@ -165,6 +165,10 @@ class Group:
             out[n] = hit[2]
         return out
 
+    def keep_phi(self, name: str, raw: torch.Tensor, value: torch.Tensor) -> None:
+        """φ(ĝ) of gain ``name`` made by the engine for all groups at once (``phi`` finds it)."""
+        self._phi_cache[name] = (raw, raw._version, value)
+
     def gamma(self, blk, g: dict):
         """Γ on one block as factors broadcast against (B, nr, nc): a list of tensors to
         multiply by, in the reference's order (row, then column); lowrank: [1 + A Bᵀ]."""
@@ -375,7 +379,10 @@ class Group:
         (B, n_norm); ``defer``: leave the rescale to the fuse's pass (compiled path)."""
         if not self.spec.project or not self.n_norm:
             return
-        scale = self.radius / norm_tot.sqrt()
+        self.project_by(self.radius / norm_tot.sqrt(), defer)
+
+    def project_by(self, scale: torch.Tensor, defer: bool = False) -> None:
+        """Line 8 with the rescale r / ‖Ŵ‖ (B, n_norm) given (the engine's, for all groups)."""
         if defer:
             self.pending = scale
             return
