@@ -166,22 +166,74 @@ def test_compiled_phase1_keeps_its_scratch_and_one_loop(monkeypatch):
 
 @MISCOMPILED_BY_OLD_TORCH
 def test_compiled_kernels_take_the_whole_stack_in_one_call(monkeypatch):
-    """On a GPU the kernels take a group's whole (B, M, N) stack in one call (``_pieces``; on a
-    CPU one matrix a call): the same numbers, fp64 to 1e-12 of the reference."""
+    """On a GPU the kernels take a group's whole (B, M, N) stack in one call (on a CPU one
+    matrix a call; phase 1 of the groups of a step together, ``phase1_groups``): the same
+    numbers, fp64 to 1e-12 of the reference."""
     from megatron.md.engine import compiled
 
     calls = []
-    pieces = compiled._pieces
+    get = compiled._get
+
+    def spy(name, fn, fallback=False):
+        kernel = get(name, fn, fallback)
+        return lambda *a: calls.append((name, a[0].shape[0], len(a))) or kernel(*a)
+
     monkeypatch.setattr(compiled, "STACK_ON_CPU", True)
-    monkeypatch.setattr(
-        compiled, "_pieces", lambda g, **kw: calls.append(pieces(g, **kw)) or calls[-1]
-    )
+    monkeypatch.setattr(compiled, "_get", spy)
     spec = MatrixSpec("frobenius", "init", "rowcol", "softplus")
     w, w_ref, ranks, st_ref = _run(spec, [], compiled=True, n=3, one_buffer=True)
-    assert calls and all(c == [slice(0, 3)] for c in calls)  # phase 1 and the fuse, stacked
+    # phase 1 and the fuse, each the whole stack of 3 (one group of 3 per rank here)
+    assert {c[0] for c in calls} == {"phase1_many", "rescale_fuse"}
+    assert all(c[1] == 3 for c in calls), calls
     for a, b in zip(w, w_ref):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
     _same_gains(ranks, st_ref, reference.GAIN_NAMES["rowcol"], rtol=1e-12, atol=1e-13)
+
+
+@MISCOMPILED_BY_OLD_TORCH
+def test_compiled_groups_of_a_step_share_one_phase1_call(monkeypatch):
+    """At a GPU's call pattern AdamMD's phase 1 of every group of a step is one compiled call
+    (``phase1_groups``): two groups of different shapes, sphere variants and gains, fp64 to
+    1e-12 of the reference, one phase-1 call a step (a call's host code, dynamo's and AOT's,
+    costs ~70 µs on a 2-core VM, 2026-12-04); the fuse one call a group."""
+    from megatron.md.engine import compiled
+
+    calls, get = [], compiled._get
+
+    def spy(name, fn, fallback=False):
+        kernel = get(name, fn, fallback)
+        return lambda *a: calls.append((name, len(a))) or kernel(*a)
+
+    monkeypatch.setattr(compiled, "STACK_ON_CPU", True)
+    monkeypatch.setattr(compiled, "_get", spy)
+    specs = [MatrixSpec("frobenius", "init", "rowcol", "softplus")] * 2 + [
+        MatrixSpec("row", "init", "row", "softplus")] * 2  # fmt: skip
+    shapes = [(9, 11)] * 2 + [(6, 5)] * 2
+    gen = torch.Generator().manual_seed(5)
+    w0 = [torch.randn(sh, generator=gen, dtype=torch.float64) / sh[1] ** 0.5 for sh in shapes]
+    steps = 4
+    grads = [[torch.randn(sh, generator=gen, dtype=torch.float64) for sh in shapes]
+             for _ in range(steps)]  # fmt: skip
+    hp, ghp = AdamHParams(2e-2), AdamHParams(1e-2)
+    ref = [(w.clone(), reference.init_state(w, sp, "adam")) for w, sp in zip(w0, specs)]
+    for gs in grads:
+        for (w, st), g, sp in zip(ref, gs, specs):
+            reference.md_step(w, g, st, sp, hp, ghp)
+    pieces = [[(sliced.SliceMD(sh, 0, sh[0] * sh[1], sp, "adam"), w.reshape(-1), i)
+               for i, (sh, sp, w) in enumerate(zip(shapes, specs, w0))]]  # fmt: skip
+    ranks = Ranks(pieces, torch.float64, compiled=True)
+    ranks.init()
+    for gs in grads:
+        ranks.step([[g.reshape(-1) for g in gs]], hp, ghp)
+    assert len({id(g) for g in ranks.engines[0].groups}) == 2
+    phase1 = [c for c in calls if c[0] == "phase1_many"]
+    assert len(phase1) == steps and all(n == 2 * compiled.ITEM1 for _, n in phase1), calls
+    a, b = torch.empty(2, 99, dtype=torch.float64), torch.empty(2, 30, dtype=torch.float64)
+    calls.clear()
+    ranks.fuse([[a[0], a[1], b[0], b[1]]])
+    assert [c[0] for c in calls] == ["rescale_fuse"] * 2
+    for got, (want, _) in zip([a[0], a[1], b[0], b[1]], ref):
+        torch.testing.assert_close(got.view(want.shape), want, rtol=1e-12, atol=1e-13)
 
 
 def test_compiled_groups_pass_the_whole_stack_as_it_is():

@@ -23,9 +23,12 @@ strided view into megatron's buffers and gains broadcast against it (torch 2.15,
 6 x 2048 x 1024, 2026-11-25: the fuse 1.1 ns/element stacked against 0.33 per matrix, phase 1
 with row and column gains 1.9 against 1.6); there a call costs microseconds against the
 milliseconds of a matrix. On a GPU, where a call's launches are the cost, once on the stack
-(``_pieces``). On a GPU both AdamMD's and MuonMD's are the default at scale
-(``MDConfig.use_fused``), after ``tools/gpu_check.py`` checked them against the reference and
-measured them faster than the eager group there (H200, 2026-11-26, docs/benchmarks.md).
+(``_pieces``), and AdamMD's phase 1 of the groups of a step together in one call
+(``phase1_groups``; not the fuse: its destinations share megatron's param buffer, and AOT
+autograd refuses mutated inputs that alias, torch 2.15.0). On a GPU both AdamMD's and
+MuonMD's are the default at scale (``MDConfig.use_fused``), after ``tools/gpu_check.py``
+checked them against the reference and measured them faster than the eager group there
+(H200, 2026-11-26, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -121,6 +124,20 @@ def _rescale_fuse(x, s, row, col, out):
     out.copy_(x2 * row * col)
 
 
+#: arguments of one group in ``_phase1_many`` (``_phase1``'s)
+ITEM1 = 10
+
+
+def _phase1_many(*flat):
+    """``_phase1`` of several groups in one call (``ITEM1`` arguments each; the sphere variant
+    is the last): one compiled call where each group took one, ~70 µs of dynamo's and AOT's
+    host code a call on a 2-core VM (torch 2.15.0, 2026-12-04)."""
+    out = ()
+    for i in range(0, len(flat), ITEM1):
+        out += _phase1(*flat[i : i + ITEM1])
+    return out
+
+
 _PHASE1 = {"frobenius": _phase1_frobenius, "row": _phase1_row, "row_norm": _phase1_row_norm}
 _compiled: dict[str, Callable] = {}
 
@@ -157,7 +174,10 @@ def _get(name: str, fn, fallback: bool = False):
 #: the arguments each kernel writes (by position): the first call of a layout runs the eager
 #: formula on copies of them
 WRITES = {**dict.fromkeys(_PHASE1.values(), (0, 2, 3, 7)), _partials: (4, 5), _fuse: (3,),
-          _rescale_fuse: (0, 4)}  # fmt: skip
+          _rescale_fuse: (0, 4),
+          # the merged call: by the groups it takes
+          _phase1_many: lambda a: [i + k for i in range(0, len(a), ITEM1)
+                                   for k in (0, 2, 3, 7)]}  # fmt: skip
 #: largest difference from the eager formula a compiled kernel may show, relative to the
 #: largest magnitude of the tensor compared (inductor reorders sums and contracts products);
 #: half precision: one rounding of the largest entry
@@ -180,7 +200,7 @@ class Checked:
     ``_phase1``'s Ŵ ⊙ G from the updated Ŵ (2026-12-03; torch 2.12.0-2.15.0 right; upstream's
     open reports of the kind: pytorch/pytorch #198131, #198101). The check costs, at the first
     step, one eager run of the kernel's formula, copies of the arguments it writes (transient
-    memory: a few copies of the group's stack where the kernel takes it whole, as on a GPU)
+    memory: a few copies of the stacks a call takes where it takes them whole, as on a GPU)
     and a host synchronization; none in a CUDA graph's capture (its eager warm-up steps
     check)."""
 
@@ -199,6 +219,7 @@ class Checked:
         check = key not in self.checked and not _capturing()
         if check:
             writes = WRITES.get(self.fn, ())
+            writes = writes(args) if callable(writes) else writes
             mine = [a.clone() if i in writes and a is not None else a for i, a in enumerate(args)]
             want = self.fn(*mine)
         got = self._compiled(args)
@@ -316,7 +337,8 @@ def kernel_sphere(sphere: str, need_row: bool, need_col: bool) -> str:
 
 @dataclass
 class Kernels:
-    """A group's compiled phases (None: that phase runs eager)."""
+    """A group's compiled phases (None: that phase runs eager). The engine runs ``phase1``
+    through ``phase1_groups`` (several groups a call where their stacks are taken whole)."""
 
     phase1: Callable | None
     """AdamMD: the gains' partials, G_Ŵ, Adam on Ŵ and the norms' partials in one pass."""
@@ -370,8 +392,24 @@ def _row_col(g, phi: dict):
     return row, col
 
 
-def _phase1_group(g, G: torch.Tensor, P: torch.Tensor, step: int, hp: AdamHParams) -> None:
-    """Phase 1 of the whole group (partials into ``P`` (B, n_partial)), compiled."""
+@dataclass
+class _Phase1:
+    """One group's phase-1 arguments, made before its kernel call (``_phase1_prep``)."""
+
+    args: tuple
+    """The kernel's arguments: (B, M, N) Ŵ, G, moments, the gains' factors, the Adam scalars,
+    the scratch or None, need_row."""
+    variant: str
+    """The kernel's sphere variant (``_PHASE1``)."""
+    sphere: str
+    """The sphere whose norms the kernel takes ("none": the eager group's, after it)."""
+    row: torch.Tensor
+    scratch: torch.Tensor | None
+
+
+def _phase1_prep(g, G: torch.Tensor, step, hp: AdamHParams, own_scratch: bool = False):
+    """A group's phase-1 arguments; ``own_scratch``: a scratch of its own (several groups in
+    one call), not the CPU's one kept buffer."""
     g.settle()  # a rescale no fuse took since the last step
     B, (M, N) = g.B, g.full
     phi = g.phi()
@@ -382,27 +420,79 @@ def _phase1_group(g, G: torch.Tensor, P: torch.Tensor, step: int, hp: AdamHParam
         sphere = "none"
     w3, g3 = g.W.view(B, M, N), G.view(B, M, N)
     m3, v3 = g.state["exp_avg"].view(B, M, N), g.state["exp_avg_sq"].view(B, M, N)
-    scratch = _scratch(w3) if need_col else None
-    hp_t = adam_hparams(hp, step, g.W)
+    scratch = None
+    if need_col:  # several groups in one call: each its own (a CPU keeps one for all)
+        scratch = torch.empty(w3.shape, dtype=w3.dtype, device=w3.device) if own_scratch else (
+            _scratch(w3))  # fmt: skip
     # a group whose norms the eager group takes still runs the Frobenius variant, its partial
     # dropped: without a norm reduction inductor's CPU loops write Ŵ and the moments to
     # temporaries and copy them back, three more passes (one thread, 65536 x 512, torch
     # 2.15.0, 2026-12-03: 6.2 ns/element against 2.1; the Q/K/V and column-sphere groups')
     variant = "frobenius" if sphere == "none" else sphere
-    kernel = _get(variant, _PHASE1[variant], g.kernels.fallback)
-    off = M if need_row else 0
-    for one in _pieces(g, stackable=True):
-        gr, nrm = kernel(_at(w3, one), _at(g3, one), _at(m3, one), _at(v3, one), _at(row, one),
-                         _at(col, one), hp_t, _at(scratch, one), need_row)  # fmt: skip
-        rows = _at(P, one)
-        if need_row:
-            rows[:, :M].add_(gr)
-        if sphere != "none":
-            rows[:, g.n_gain :].add_(nrm.view(one.stop - one.start, -1))
-    if need_col:
-        _add_col_partials(P, row, scratch, off)
-    if sphere == "none" and g.n_norm:  # norm partials the kernel leaves to the eager group
+    args = (w3, g3, m3, v3, row, col, adam_hparams(hp, step, g.W), scratch, need_row)
+    return _Phase1(args, variant, sphere, row, scratch)
+
+
+def _phase1_rows(g, rows: torch.Tensor, prep: _Phase1, gr, nrm) -> None:
+    """A kernel call's row gains' and norms' partials into ``rows`` (its matrices' partials)."""
+    if prep.args[-1]:
+        rows[:, : g.full[0]].add_(gr)
+    if prep.sphere != "none":
+        rows[:, g.n_gain :].add_(nrm.view(rows.shape[0], -1))
+
+
+def _phase1_finish(g, P: torch.Tensor, prep: _Phase1) -> None:
+    """After the kernel: the column gains' partials from the scratch, the eager norms."""
+    if prep.scratch is not None:
+        _add_col_partials(P, prep.row, prep.scratch, g.full[0] if prep.args[-1] else 0)
+    if prep.sphere == "none" and g.n_norm:  # norm partials the kernel leaves to the eager group
         g.norm_partials(P[:, g.n_gain :])
+
+
+def _phase1_group(g, G: torch.Tensor, P: torch.Tensor, step: int, hp: AdamHParams) -> None:
+    """Phase 1 of the whole group (partials into ``P`` (B, n_partial)), compiled."""
+    prep = _phase1_prep(g, G, step, hp)
+    kernel = _get(prep.variant, _PHASE1[prep.variant], g.kernels.fallback)
+    w, grad, m, v, row, col, hp_t, scratch, need_row = prep.args
+    for one in _pieces(g, stackable=True):
+        gr, nrm = kernel(_at(w, one), _at(grad, one), _at(m, one), _at(v, one), _at(row, one),
+                         _at(col, one), hp_t, _at(scratch, one), need_row)  # fmt: skip
+        _phase1_rows(g, _at(P, one), prep, gr, nrm)
+    _phase1_finish(g, P, prep)
+
+
+#: elements of Ŵ one merged phase-1 call takes at most: each column-gain group's scratch
+#: (Ŵ ⊙ G, the group's size) lives until the call returns
+MERGE_ELEMENTS = 1 << 26
+
+
+def phase1_groups(items: list, step) -> None:
+    """Phase 1 of several groups, ``items`` (group, G, P, hp): where a group's kernels take
+    its whole stack (a GPU; ``STACK_ON_CPU``), groups together in one compiled call up to
+    ``MERGE_ELEMENTS`` (``_phase1_many``: one call's host cost for all, where each group's
+    call cost its own); elsewhere one group a call (``_phase1_group``: on a CPU one matrix a
+    call, into the one kept scratch)."""
+    batch, size = [], 0
+    for g, G, P, hp in items:
+        if not _stacks(g):
+            _phase1_group(g, G, P, step, hp)
+            continue
+        batch.append((g, P, _phase1_prep(g, G, step, hp, own_scratch=True)))
+        size += g.B * g.L
+        if size >= MERGE_ELEMENTS:
+            _phase1_call(batch)
+            batch, size = [], 0
+    if batch:
+        _phase1_call(batch)
+
+
+def _phase1_call(batch: list) -> None:
+    flat = [a for _, _, prep in batch for a in (*prep.args, prep.variant)]
+    kernel = _get("phase1_many", _phase1_many, batch[0][0].kernels.fallback)
+    out = kernel(*flat)
+    for k, (g, P, prep) in enumerate(batch):
+        _phase1_rows(g, P, prep, out[2 * k], out[2 * k + 1])
+        _phase1_finish(g, P, prep)
 
 
 def _partials_group(g, G: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
@@ -463,10 +553,15 @@ def _add_col_partials(P: torch.Tensor, row, scratch: torch.Tensor, off: int) -> 
 STACK_ON_CPU = False
 
 
+def _stacks(g) -> bool:
+    """Whether group ``g``'s kernels take its whole stack in one call (a GPU's)."""
+    return g.W.device.type != "cpu" or STACK_ON_CPU
+
+
 def _pieces(g, stackable: bool) -> list[slice]:
     """The matrices of group ``g`` each kernel call takes: the whole stack in one call on a
     GPU (``stackable``: the arguments are views of one stack), one matrix a call on a CPU."""
-    if stackable and (g.W.device.type != "cpu" or STACK_ON_CPU):
+    if stackable and _stacks(g):
         return [slice(0, g.B)]
     return [slice(b, b + 1) for b in range(g.B)]
 

@@ -306,6 +306,7 @@ class Engine:
                 self._write("step", g, bufs, P, inplace)
 
         chunk, size = [], 0
+        compiled1 = []  # (group, G, P, hp, in place): phase 1 compiled, the groups at once
         for g in self.groups:
             G, own = g.grads()
             P, inplace = self._view("step", g, bufs, g.n_partial)
@@ -314,8 +315,7 @@ class Engine:
                 pre_p, pre_in = self._view("pre", g, pre_bufs, g.n_pre)
             if g.kernels is not None and g.kernels.phase1 is not None:
                 hp = hps[g.members[0].param_group].base(g.base.name)
-                g.kernels.phase1(g, G, P, step, hp)
-                self._write("step", g, bufs, P, inplace)
+                compiled1.append((g, G, P, hp, inplace))
                 continue
             if g.kernels is not None and g.kernels.partials is not None:
                 G = g.kernels.partials(g, G, P)  # (no tangent projection: no pre_p)
@@ -330,6 +330,12 @@ class Engine:
                 if size >= CHUNK:
                     flush(chunk)
                     chunk, size = [], 0
+        if compiled1:
+            from megatron.md.engine import compiled as ck
+
+            ck.phase1_groups([item[:4] for item in compiled1], step)
+            for g, _, P, _, inplace in compiled1:
+                self._write("step", g, bufs, P, inplace)
         if pre:
             self._reduce(pre_bufs, reduce_fn)
             for g in pre:
