@@ -91,8 +91,8 @@ def _matmul_flops(func, args) -> tuple[int, str] | None:
     return 2 * a.numel() * n, str(a.dtype).removeprefix("torch.")
 
 
-#: operations that run on the host on a GPU too: reads of a tensor, Python numbers made tensors,
-#: the profiler's markers
+#: operations that run on the host on a GPU too: reads of a tensor, Python numbers made tensors
+#: (the profiler's markers, its own namespace, launch nothing either)
 HOST_OPS = {_aten._local_scalar_dense.default, _aten.lift_fresh.default,
             _aten.scalar_tensor.default}  # fmt: skip
 

@@ -398,7 +398,9 @@ class _Phase1:
 
     args: tuple
     """The kernel's arguments: (B, M, N) Ŵ, G, moments, the gains' factors, the Adam scalars,
-    the scratch or None, need_row."""
+    the scratch or None, ``need_row``."""
+    need_row: bool
+    """The group has row gains (the kernel returns their partials)."""
     variant: str
     """The kernel's sphere variant (``_PHASE1``)."""
     sphere: str
@@ -430,12 +432,12 @@ def _phase1_prep(g, G: torch.Tensor, step, hp: AdamHParams, own_scratch: bool = 
     # 2.15.0, 2026-12-03: 6.2 ns/element against 2.1; the Q/K/V and column-sphere groups')
     variant = "frobenius" if sphere == "none" else sphere
     args = (w3, g3, m3, v3, row, col, adam_hparams(hp, step, g.W), scratch, need_row)
-    return _Phase1(args, variant, sphere, row, scratch)
+    return _Phase1(args, need_row, variant, sphere, row, scratch)
 
 
 def _phase1_rows(g, rows: torch.Tensor, prep: _Phase1, gr, nrm) -> None:
     """A kernel call's row gains' and norms' partials into ``rows`` (its matrices' partials)."""
-    if prep.args[-1]:
+    if prep.need_row:
         rows[:, : g.full[0]].add_(gr)
     if prep.sphere != "none":
         rows[:, g.n_gain :].add_(nrm.view(rows.shape[0], -1))
@@ -444,7 +446,7 @@ def _phase1_rows(g, rows: torch.Tensor, prep: _Phase1, gr, nrm) -> None:
 def _phase1_finish(g, P: torch.Tensor, prep: _Phase1) -> None:
     """After the kernel: the column gains' partials from the scratch, the eager norms."""
     if prep.scratch is not None:
-        _add_col_partials(P, prep.row, prep.scratch, g.full[0] if prep.args[-1] else 0)
+        _add_col_partials(P, prep.row, prep.scratch, g.full[0] if prep.need_row else 0)
     if prep.sphere == "none" and g.n_norm:  # norm partials the kernel leaves to the eager group
         g.norm_partials(P[:, g.n_gain :])
 

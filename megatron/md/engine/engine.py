@@ -129,6 +129,8 @@ class Engine:
         # neither, and then adds nothing to megatron's gradient norm: bit for bit megatron)
         self.watches = any(g.n_partial or g.gain_names for g in self.groups)
         self.kernels = None
+        self._radius_key = None  # the radii ``_radius_bufs`` holds (``_scales``)
+        self._radius_bufs: dict = {}
         if self.compiled:
             from megatron.md.engine import compiled as ck
 
@@ -397,7 +399,7 @@ class Engine:
         if not groups:
             return {}
         key = tuple((id(g.radius), g.radius._version, g.radius.data_ptr()) for g in groups)
-        if getattr(self, "_radius_key", None) != key:  # made again only when a radius changes
+        if self._radius_key != key:  # made again only when a radius changes
             self._radius_bufs = self._buffers("step", bufs[next(iter(bufs))].dtype,
                                               self.probe.device)  # fmt: skip
             for g in groups:
