@@ -76,7 +76,7 @@ def wait_done(env, job_id: str, timeout: float) -> dict:
         info = job(env, job_id)
         if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
             return info
-        time.sleep(2)
+        time.sleep(0.5)  # scontrol is cheap: a finished job seen within half a second
     raise AssertionError(f"job {job_id} still {job(env, job_id).get('JobState')}")
 
 
@@ -203,7 +203,7 @@ def time_limited_job(env: dict, run_root: Path, iters: int) -> tuple[dict, str]:
                                 "StartTime=now"], env=env)  # fmt: skip
         else:
             pending_since = None
-        time.sleep(2)
+        time.sleep(1)
     return info, log.read_text()
 
 
@@ -259,7 +259,7 @@ def test_two_nodes_stop_on_a_signal_and_resume(slurm2, tmp_path):
     torchrun's wait for its ranks after the signal is the launcher's (no start-up warning that
     it kills them after 30 s)."""
     env = {**slurm2, "RUN_ROOT": str(tmp_path), "SAVE_INTERVAL": "100000"}
-    iters = 60
+    iters = 30  # the signal comes at iteration 3: ~27 iterations (~7 s) for it to arrive
     argv = ["--nodes=2", "--job-name=two", "--time=10", f"--output={tmp_path / 'two.out'}",
             str(EX / "launch.sbatch"), *TINY, f"--train-iters={iters}"]  # fmt: skip
     run = tmp_path / "two"

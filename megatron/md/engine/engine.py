@@ -170,10 +170,15 @@ class Engine:
         return {key: torch.zeros(self._totals[(kind, key)], dtype=dtype, device=device)
                 for key in self.domains}  # fmt: skip
 
+    def _at(self, kind: str, g: Group, bufs: dict) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        """(group ``g``'s domain buffer in ``bufs``, where its ``kind`` partials start, their
+        index where they are not one span)."""
+        start, idx = self._index[(kind, id(g))]
+        return bufs[g.members[0].domain], start, idx
+
     def _view(self, kind: str, g: Group, bufs: dict, n: int) -> tuple[torch.Tensor, bool]:
         """(the group's (B, n) partials to fill, whether they are the buffer itself)."""
-        start, idx = self._index[(kind, id(g))]
-        buf = bufs[g.members[0].domain]
+        buf, start, idx = self._at(kind, g, bufs)
         if idx is None and g.md0.counts:
             return buf[start : start + g.B * n].view(g.B, n), True
         return torch.zeros(g.B, n, dtype=buf.dtype, device=buf.device), False
@@ -181,16 +186,14 @@ class Engine:
     def _write(self, kind: str, g: Group, bufs: dict, part: torch.Tensor, inplace: bool) -> None:
         if inplace or not g.md0.counts:  # a replica another rank of the group adds
             return
-        start, idx = self._index[(kind, id(g))]
-        buf = bufs[g.members[0].domain]
+        buf, start, idx = self._at(kind, g, bufs)
         if idx is None:
             buf[start : start + part.numel()].add_(part.view(-1))
         else:
             buf.index_add_(0, idx, part.view(-1))
 
     def _read(self, kind: str, g: Group, bufs: dict, n: int) -> torch.Tensor:
-        start, idx = self._index[(kind, id(g))]
-        buf = bufs[g.members[0].domain]
+        buf, start, idx = self._at(kind, g, bufs)
         if idx is None:
             return buf[start : start + g.B * n].view(g.B, n)
         return buf.index_select(0, idx).view(g.B, n)
@@ -308,7 +311,8 @@ class Engine:
                 self._write("step", g, bufs, P, inplace)
 
         chunk, size = [], 0
-        compiled1 = []  # (group, G, P, hp, in place): phase 1 compiled, the groups at once
+        compiled1 = []  # (group, G, P, hp): phase 1 compiled, the groups at once
+        written1 = []  # (group, P, in place): their partials to add into the buffers after
         for g in self.groups:
             G, own = g.grads()
             P, inplace = self._view("step", g, bufs, g.n_partial)
@@ -317,7 +321,8 @@ class Engine:
                 pre_p, pre_in = self._view("pre", g, pre_bufs, g.n_pre)
             if g.kernels is not None and g.kernels.phase1 is not None:
                 hp = hps[g.members[0].param_group].base(g.base.name)
-                compiled1.append((g, G, P, hp, inplace))
+                compiled1.append((g, G, P, hp))
+                written1.append((g, P, inplace))
                 continue
             if g.kernels is not None and g.kernels.partials is not None:
                 G = g.kernels.partials(g, G, P)  # (no tangent projection: no pre_p)
@@ -335,8 +340,8 @@ class Engine:
         if compiled1:
             from megatron.md.engine import compiled as ck
 
-            ck.phase1_groups([item[:4] for item in compiled1], step)
-            for g, _, P, _, inplace in compiled1:
+            ck.phase1_groups(compiled1, step)
+            for g, P, inplace in written1:
                 self._write("step", g, bufs, P, inplace)
         if pre:
             self._reduce(pre_bufs, reduce_fn)
@@ -410,8 +415,7 @@ class Engine:
 
     def _put(self, g: Group, bufs: dict, values: torch.Tensor) -> None:
         """``values`` (B, n_norm) where group ``g``'s norms lie in ``bufs``."""
-        start, idx = self._index[("step", id(g))]
-        buf = bufs[g.members[0].domain]
+        buf, start, idx = self._at("step", g, bufs)
         if idx is None:
             buf[start : start + g.B * g.n_partial].view(g.B, -1)[:, g.n_gain :].copy_(values)
         else:
