@@ -64,15 +64,17 @@ if how == "exit":
     sys.exit(3)
 if how == "signal":
     os.kill(os.getpid(), signal.SIGKILL)
-""" % (forkserver.PRELOAD,)
+"""
 STATUS = {"done": 0, "raise": 1, "exit": 3, "signal": 128 + signal.SIGKILL}
 
 
-def launch(tmp: Path, how: str, via: str, nproc: int = 2, **kw):
-    """The launch's result and each rank's facts, its ranks started ``via``."""
+def launch(tmp: Path, how: str, via: str, nproc: int = 2, imports: bool = True, **kw):
+    """The launch's result and each rank's facts, its ranks started ``via``; ``imports``: the
+    probe imports what the server preloads (a fresh rank then costs ~4 s of CPU: the tests
+    that only ask who started the ranks leave them out)."""
     d = tmp / via
     d.mkdir(parents=True)
-    (d / "probe.py").write_text(PROBE)
+    (d / "probe.py").write_text(PROBE % ((forkserver.PRELOAD if imports else ()),))
     env = {**os.environ, **({"MEGATRON_MD_FORKSERVER": "0"} if via == "fresh" else {})}
     out = subprocess.run(local_ranks(d / "probe.py", nproc, [how]), cwd=d, env=env, text=True,
                          capture_output=True, timeout=120, input="stdin text", **kw)  # fmt: skip
@@ -115,7 +117,7 @@ def test_a_forked_rank_is_the_process_a_fresh_start_makes(tmp_path, how):
 def test_a_launcher_in_another_session_gets_fresh_ranks(tmp_path):
     """Signals sent to that session's process group must reach the ranks (sbatch; a test that
     kills a launch's group): a forked rank would be in the server's session."""
-    out, facts = launch(tmp_path, "done", "forked", start_new_session=True)
+    out, facts = launch(tmp_path, "done", "forked", start_new_session=True, imports=False)
     assert out.returncode == 0, out.stderr
     assert [parent(f) for f in facts] == ["launcher"] * 2
     assert all(f["pgid"] == f["ppid"] for f in facts)  # the launcher leads its new group
@@ -129,7 +131,7 @@ def test_a_launcher_with_other_resource_limits_gets_fresh_ranks(tmp_path):
     def small_files():
         resource.setrlimit(resource.RLIMIT_FSIZE, (10 << 20, 10 << 20))
 
-    out, facts = launch(tmp_path, "done", "forked", preexec_fn=small_files)
+    out, facts = launch(tmp_path, "done", "forked", preexec_fn=small_files, imports=False)
     assert out.returncode == 0, out.stderr
     assert [parent(f) for f in facts] == ["launcher"] * 2
     assert [f["limits"]["RLIMIT_FSIZE"] for f in facts] == [[10 << 20, 10 << 20]] * 2
@@ -167,7 +169,7 @@ def test_ranks_are_forked_unless_a_variable_the_imports_read_differs(
     Variables no import read fork: Intel OpenMP's (not loaded by torch's CPU wheel; inductor
     sets KMP_DUPLICATE_LIB_OK in the test process once it compiles) and wandb's key."""
     monkeypatch.setenv(name, "2")
-    out, facts = launch(tmp_path, "done", "forked")
+    out, facts = launch(tmp_path, "done", "forked", imports=False)
     assert out.returncode == 0, out.stderr
     assert [(f["env"][name], parent(f)) for f in facts] == [("2", started_by)] * 2
 
