@@ -259,7 +259,9 @@ def test_two_nodes_stop_on_a_signal_and_resume(slurm2, tmp_path):
     torchrun's wait for its ranks after the signal is the launcher's (no start-up warning that
     it kills them after 30 s)."""
     env = {**slurm2, "RUN_ROOT": str(tmp_path), "SAVE_INTERVAL": "100000"}
-    iters = 30  # the signal comes at iteration 3: ~27 iterations (~7 s) for it to arrive
+    # the signal is sent once iteration 3 is logged: 37 iterations (~5 s at the 0.13 s step seen
+    # on a 2-core VM) for it to arrive (seen: the save at iteration 5)
+    iters = 40
     argv = ["--nodes=2", "--job-name=two", "--time=10", f"--output={tmp_path / 'two.out'}",
             str(EX / "launch.sbatch"), *TINY, f"--train-iters={iters}"]  # fmt: skip
     run = tmp_path / "two"
