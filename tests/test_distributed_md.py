@@ -48,6 +48,8 @@ MD_OFF = {
 }
 # --md-fused-step (compiled kernels): fp32 with cuts inside rows (4 ranks), bf16 MoE (2)
 FUSED = {4: (), 2: ("--dtype", "bf16", "--experts", "4")}
+# and at a GPU's call pattern: bf16 params written by the merged fuse into megatron's buffer
+FUSED_STACKED = ("--dist", "zero1", "--fused-step", "--stack", "--dtype", "bf16")
 # context parallelism (--cp 2): CP2 with ZeRO-1 AdamMD and layer-wise MuonMD, DP2 × CP2 MoE
 CP = {
     "cp2-zero1": (2, "--dist", "zero1"),
@@ -86,6 +88,7 @@ md_check = Batches(
         ],
         *[(2, "--vs", "megatron", *args) for args in MD_OFF.values()],
         *[(n, "--dist", "zero1", "--fused-step", *a) for n, a in FUSED.items()],
+        (2, *FUSED_STACKED),
         (2, *MUON_LW, "--fused-step"),
         *[(n, "--cp", "2", *a) for n, *a in CP.values()],
         *[(4, *a) for a in INSTANCES.values()],
@@ -197,6 +200,18 @@ def test_adam_md_zero1_fused_kernels(nproc):
     assert res["cut_inside_row"] or nproc == 2
     assert res["collectives_per_step"] == (1.0 if nproc > 1 else 0.0)
     assert res["payload"] == res["expected_payload"]
+
+
+def test_adam_md_zero1_stacked_kernels():
+    """AdamMD's compiled kernels at a GPU's call pattern (``--stack``: whole stacks) inside
+    ZeRO-1, bf16 params: phase 1 of a step's groups one call (``phase1_many``) and their fuse
+    one call writing the bf16 weights into megatron's param buffer passed whole
+    (``fuse_many``): the reference to one bf16 rounding, the buffer's other weights as
+    megatron's step left them (the check compares every weight)."""
+    res = md_check(2, *FUSED_STACKED)
+    check(res, 2, "bf16")
+    assert res["compiled_groups"] > 0
+    assert {"phase1_many", "fuse_many"} <= set(res["kernels"])  # (this job's alone)
 
 
 def test_muon_md_layerwise_fused_kernels():

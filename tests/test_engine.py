@@ -176,14 +176,15 @@ def test_compiled_kernels_take_the_whole_stack_in_one_call(monkeypatch):
 
     def spy(name, fn, fallback=False):
         kernel = get(name, fn, fallback)
-        return lambda *a: calls.append((name, a[0].shape[0], len(a))) or kernel(*a)
+        stack = 1 if name == "fuse_many" else 0  # (the fuse's first argument: the buffer)
+        return lambda *a: calls.append((name, a[stack].shape[0], len(a))) or kernel(*a)
 
     monkeypatch.setattr(compiled, "STACK_ON_CPU", True)
     monkeypatch.setattr(compiled, "_get", spy)
     spec = MatrixSpec("frobenius", "init", "rowcol", "softplus")
     w, w_ref, ranks, st_ref = _run(spec, [], compiled=True, n=3, one_buffer=True)
     # phase 1 and the fuse, each the whole stack of 3 (one group of 3 per rank here)
-    assert {c[0] for c in calls} == {"phase1_many", "rescale_fuse"}
+    assert {c[0] for c in calls} == {"phase1_many", "fuse_many"}
     assert all(c[1] == 3 for c in calls), calls
     for a, b in zip(w, w_ref):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
@@ -195,7 +196,8 @@ def test_compiled_groups_of_a_step_share_one_phase1_call(monkeypatch):
     """At a GPU's call pattern AdamMD's phase 1 of every group of a step is one compiled call
     (``phase1_groups``): two groups of different shapes, sphere variants and gains, fp64 to
     1e-12 of the reference, one phase-1 call a step (a call's host code, dynamo's and AOT's,
-    costs ~70 µs on a 2-core VM, 2026-12-04); the fuse one call a group."""
+    costs ~70 µs on a 2-core VM, 2026-12-04); the fuse of both groups one call where their
+    destinations share a buffer (megatron's param buffer), one call per buffer otherwise."""
     from megatron.md.engine import compiled
 
     calls, get = [], compiled._get
@@ -228,12 +230,20 @@ def test_compiled_groups_of_a_step_share_one_phase1_call(monkeypatch):
     assert len({id(g) for g in ranks.engines[0].groups}) == 2
     phase1 = [c for c in calls if c[0] == "phase1_many"]
     assert len(phase1) == steps and all(n == 2 * compiled.ITEM1 for _, n in phase1), calls
-    a, b = torch.empty(2, 99, dtype=torch.float64), torch.empty(2, 30, dtype=torch.float64)
-    calls.clear()
-    ranks.fuse([[a[0], a[1], b[0], b[1]]])
-    assert [c[0] for c in calls] == ["rescale_fuse"] * 2
-    for got, (want, _) in zip([a[0], a[1], b[0], b[1]], ref):
-        torch.testing.assert_close(got.view(want.shape), want, rtol=1e-12, atol=1e-13)
+    for one_buffer in (True, False):
+        buf = torch.full((2 * 99 + 2 * 30 + 7,), 3.0, dtype=torch.float64)
+        if one_buffer:  # a gap between the groups' rows: the buffer's rest stays as it is
+            a, b = buf[:198].view(2, 99), buf[205:].view(2, 30)
+        else:
+            a, b = torch.empty(2, 99, dtype=torch.float64), torch.empty(2, 30, dtype=torch.float64)
+        calls.clear()
+        ranks.fuse([[a[0], a[1], b[0], b[1]]])
+        assert calls == [("fuse_many", 1 + (2 if one_buffer else 1) * compiled.ITEMF)] * (
+            1 if one_buffer else 2
+        ), calls
+        for got, (want, _) in zip([a[0], a[1], b[0], b[1]], ref):
+            torch.testing.assert_close(got.view(want.shape), want, rtol=1e-12, atol=1e-13)
+        assert torch.equal(buf[198:205], torch.full((7,), 3.0, dtype=torch.float64))
 
 
 def test_compiled_groups_pass_the_whole_stack_as_it_is():
@@ -285,6 +295,17 @@ def _miscompiled_rescale_fuse(x, s, row, col, out):
     matrices: W = Γ ⊙ Ŵ computed after Ŵ was rescaled, so from s² Ŵ."""
     x.mul_(s)
     out.copy_(x * s * row * col)
+
+
+def _miscompiled_fuse_many(buf, *flat):
+    """``_fuse_many`` with the same miscompilation for each group whose rescale is pending."""
+    for i in range(0, len(flat), 7):
+        x, s, row, col, shape, stride, offset = flat[i : i + 7]
+        out = buf.as_strided(shape, stride, offset)
+        if s is None:
+            out.copy_(x * row * col)
+        else:
+            _miscompiled_rescale_fuse(x, s, row, col, out)
 
 
 def test_a_miscompiled_kernel_stops_the_run_at_its_first_call(capsys):
@@ -371,31 +392,36 @@ def test_a_kernel_past_dynamos_recompile_limit_compiles_again():
 
 def test_a_miscompiled_kernel_under_auto_keeps_the_step_right(monkeypatch, capsys):
     """MuonMD's groups, stacked (the GPU's call), with the rescale-and-fuse kernel miscompiled
-    as torch 2.9.1-2.11.0 did on a CPU: with ``fallback`` (``--md-fused-step auto``) the step
-    equals the reference as the right kernel's does (fp32, 1e-6), warned once; without it the
-    first fuse stops the run. The other kernels are their eager formulas standing in for
-    compiled ones (no compile time)."""
+    as torch 2.9.1-2.11.0 did on a CPU, a group's own (``rescale_fuse``: destinations apart, one
+    matrix a call) and the groups' merged one (``fuse_many``: destinations in one buffer): with
+    ``fallback`` (``--md-fused-step auto``) the step equals the reference as the right kernel's
+    does (fp32, 1e-6), warned once; without it the first fuse stops the run. The other kernels
+    are their eager formulas standing in for compiled ones (no compile time)."""
     from megatron.md.engine import compiled
 
     monkeypatch.setattr(compiled, "STACK_ON_CPU", True)
     spec = MatrixSpec("frobenius", "init", "rowcol", "softplus", muon_scale="sphere_rms")
-    for fallback in (True, False):
-        kernels = {"partials": compiled.Checked(compiled._partials, compiled._partials),
-                   "fuse": compiled.Checked(compiled._fuse, compiled._fuse),
-                   "rescale_fuse": compiled.Checked(compiled._rescale_fuse,
-                                                    _miscompiled_rescale_fuse)}  # fmt: skip
-        monkeypatch.setattr(compiled, "_compiled", kernels)
-        if not fallback:
-            with pytest.raises(compiled.MiscompiledKernel, match="_rescale_fuse"):
-                _run(spec, [], base="muon", dtype=torch.float32, n=3, compiled=True,
-                     one_buffer=True)  # fmt: skip
-            continue
-        w, w_ref, ranks, st_ref = _run(spec, [], base="muon", dtype=torch.float32, n=3,
-                                       compiled=True, one_buffer=True, fallback=True)  # fmt: skip
-        for a, b in zip(w, w_ref):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-        _same_gains(ranks, st_ref, reference.GAIN_NAMES["rowcol"], rtol=1e-5, atol=1e-6)
-        assert kernels["rescale_fuse"].eager and capsys.readouterr().err.count("warning:") == 1
+    for name, one_buffer in (("rescale_fuse", False), ("fuse_many", True)):
+        for fallback in (True, False):
+            kernels = {"partials": compiled.Checked(compiled._partials, compiled._partials),
+                       "fuse": compiled.Checked(compiled._fuse, compiled._fuse),
+                       "rescale_fuse": compiled.Checked(compiled._rescale_fuse,
+                                                        _miscompiled_rescale_fuse),
+                       "fuse_many": compiled.Checked(compiled._fuse_many,
+                                                     _miscompiled_fuse_many)}  # fmt: skip
+            monkeypatch.setattr(compiled, "_compiled", kernels)
+            if not fallback:
+                with pytest.raises(compiled.MiscompiledKernel, match=f"_{name}"):
+                    _run(spec, [], base="muon", dtype=torch.float32, n=3, compiled=True,
+                         one_buffer=one_buffer)  # fmt: skip
+                continue
+            w, w_ref, ranks, st_ref = _run(spec, [], base="muon", dtype=torch.float32, n=3,
+                                           compiled=True, one_buffer=one_buffer,
+                                           fallback=True)  # fmt: skip
+            for a, b in zip(w, w_ref):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+            _same_gains(ranks, st_ref, reference.GAIN_NAMES["rowcol"], rtol=1e-5, atol=1e-6)
+            assert kernels[name].eager and capsys.readouterr().err.count("warning:") == 1
 
 
 def test_muon_whole_matrix_matches_reference():

@@ -4,6 +4,8 @@
         [--dtype fp32|bf16] [--experts 4] [--sphere frobenius] [--vs reference|megatron]
         [--device cuda]   (NCCL, one rank per GPU; the oracle then runs on the GPU too)
         [--fused-step]    (the compiled kernels, megatron/md/engine/compiled.py)
+        [--stack]         (with --fused-step on a CPU: the kernels take whole stacks, a GPU's
+                           calls: phase 1 and the fuse of a step's groups one call each)
         [--device-scalars] [--lr-decay]  (the step count and LRs on the device; a moving LR)
         [--cuda-graph]    (with --device cuda: the step replayed from a CUDA graph)
         [--cp 2]          (megatron's context-parallel groups: DP × CP = W)
@@ -66,6 +68,7 @@ def parse(argv=None):
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--fused-step", action="store_true", help="MDConfig.fused_step")
+    ap.add_argument("--stack", action="store_true", help="engine/compiled.py STACK_ON_CPU")
     ap.add_argument(
         "--device-scalars",
         action="store_true",
@@ -382,6 +385,7 @@ def check(args) -> dict:
 
     torch.use_deterministic_algorithms(args.deterministic)
     basesteps.NS_ONE_BY_ONE_CPU = 1 if args.ns_one_by_one else NS_ONE_BY_ONE_CPU
+    compiled.STACK_ON_CPU = args.stack
     md = md_config(args)
     init_model_parallel(args.cp, args.instances)
     model, dmodel, opt = build(args, world)

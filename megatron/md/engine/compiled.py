@@ -24,8 +24,9 @@ strided view into megatron's buffers and gains broadcast against it (torch 2.15,
 with row and column gains 1.9 against 1.6); there a call costs microseconds against the
 milliseconds of a matrix. On a GPU, where a call's launches are the cost, once on the stack
 (``_pieces``), and AdamMD's phase 1 of the groups of a step together in one call
-(``phase1_groups``; not the fuse: its destinations share megatron's param buffer, and AOT
-autograd refuses mutated inputs that alias, torch 2.15.0). On a GPU both AdamMD's and
+(``phase1_groups``), and the fuse of the groups whose destinations lie in one buffer
+(``fuse_groups``: the buffer passed whole, the destinations' windows static; AOT autograd
+refuses mutated inputs that alias, torch 2.15.0). On a GPU both AdamMD's and
 MuonMD's are the default at scale (``MDConfig.use_fused``), after ``tools/gpu_check.py``
 checked them against the reference and measured them faster than the eager group there
 (H200, 2026-11-26, docs/benchmarks.md).
@@ -124,8 +125,28 @@ def _rescale_fuse(x, s, row, col, out):
     out.copy_(x2 * row * col)
 
 
+def _fuse_many(buf, *flat):
+    """``_fuse`` / ``_rescale_fuse`` of several groups in one call (``ITEMF`` arguments each:
+    Ŵ, the pending rescale or None, the gains, the destination's shape, stride and storage
+    offset): the destinations are windows of ``buf``, megatron's param buffer passed whole
+    (the groups' views of it as separate inputs AOT autograd refuses to mutate, torch 2.15.0);
+    inductor writes the windows in place (a CPU: 0.05 ms for two windows of a 2^24-element
+    buffer, 13 ms a copy of the buffer)."""
+    for i in range(0, len(flat), ITEMF):
+        x, s, row, col, shape, stride, offset = flat[i : i + ITEMF]
+        out = buf.as_strided(shape, stride, offset)
+        if s is None:
+            out.copy_(x * row * col)
+        else:
+            x2 = x * s
+            x.copy_(x2)
+            out.copy_(x2 * row * col)
+
+
 #: arguments of one group in ``_phase1_many`` (``_phase1``'s)
 ITEM1 = 10
+#: arguments of one group in ``_fuse_many`` (after the destination buffer)
+ITEMF = 7
 
 
 def _phase1_many(*flat):
@@ -177,7 +198,10 @@ WRITES = {**dict.fromkeys(_PHASE1.values(), (0, 2, 3, 7)), _partials: (4, 5), _f
           _rescale_fuse: (0, 4),
           # the merged call: by the groups it takes
           _phase1_many: lambda a: [i + k for i in range(0, len(a), ITEM1)
-                                   for k in (0, 2, 3, 7)]}  # fmt: skip
+                                   for k in (0, 2, 3, 7)],
+          # the buffer, and Ŵ where a rescale is pending
+          _fuse_many: lambda a: [0] + [1 + i for i in range(0, len(a) - 1, ITEMF)
+                                       if a[2 + i] is not None]}  # fmt: skip
 #: largest difference from the eager formula a compiled kernel may show, relative to the
 #: largest magnitude of the tensor compared (inductor reorders sums and contracts products);
 #: half precision: one rounding of the largest entry
@@ -338,7 +362,8 @@ def kernel_sphere(sphere: str, need_row: bool, need_col: bool) -> str:
 @dataclass
 class Kernels:
     """A group's compiled phases (None: that phase runs eager). The engine runs ``phase1``
-    through ``phase1_groups`` (several groups a call where their stacks are taken whole)."""
+    through ``phase1_groups`` and ``fuse`` through ``fuse_groups`` (several groups a call where
+    their stacks are taken whole)."""
 
     phase1: Callable | None
     """AdamMD: the gains' partials, G_Ŵ, Adam on Ŵ and the norms' partials in one pass."""
@@ -576,6 +601,35 @@ def _at(x: torch.Tensor | None, one: slice) -> torch.Tensor | None:
     if x is None or x.ndim == 0 or (one.start == 0 and one.stop == x.shape[0]):
         return x
     return x[one]
+
+
+def fuse_groups(items: list) -> None:
+    """The fuse of several groups, ``items`` (group, its members' destinations): where a
+    group's kernels take its whole stack (a GPU; ``STACK_ON_CPU``) and its destinations are
+    one strided view of a buffer, the groups of a buffer together in one compiled call up to
+    ``MERGE_ELEMENTS`` (``_fuse_many``); elsewhere one group a call (``_fuse_group``)."""
+    batches: dict[int, tuple[torch.Tensor, list]] = {}
+    for g, targets in items:
+        view = g.rows("out", targets) if _stacks(g) else None
+        if view is None:
+            _fuse_group(g, targets)
+            continue
+        buf = g.whole(view)
+        batches.setdefault(buf.data_ptr(), (buf, []))[1].append((g, view))
+    for buf, groups in batches.values():
+        flat, size = [], 0
+        for k, (g, view) in enumerate(groups):
+            B, (M, N) = g.B, g.full
+            row, col = _row_col(g, g.phi())
+            s = None if g.pending is None else g.axis_bcast(g.blocks[0], g.pending)
+            o3 = view.view(B, M, N)
+            flat += [g.W.view(B, M, N), s, row, col, tuple(o3.shape), o3.stride(),
+                     o3.storage_offset()]  # fmt: skip
+            g.pending = None
+            size += B * g.L
+            if size >= MERGE_ELEMENTS or k == len(groups) - 1:
+                _get("fuse_many", _fuse_many, g.kernels.fallback)(buf, *flat)
+                flat, size = [], 0
 
 
 def _fuse_group(g, targets: list[torch.Tensor]) -> None:

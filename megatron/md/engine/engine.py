@@ -425,12 +425,13 @@ class Engine:
     def fuse(self, outs: dict[int, torch.Tensor], fp32_mode: bool | None = None) -> None:
         """W = Γ ⊙ Ŵ of every member (of those whose ``fp32_mode`` is the one given, if given)
         into ``outs`` (id(member) -> its flat destination, of the model's dtype)."""
+        compiled = []  # (group, destinations): fused compiled, the groups at once
         for g in self.groups:
             if fp32_mode is not None and g.fp32_mode != fp32_mode:
                 continue
             targets = [outs[id(m)] for m in g.members]
             if g.kernels is not None and g.kernels.fuse is not None:
-                g.kernels.fuse(g, targets)
+                compiled.append((g, targets))
                 continue
             view = g.rows("out", targets)
             if view is not None:  # same-shape weights evenly spaced in megatron's param buffer
@@ -439,6 +440,10 @@ class Engine:
             tmp = torch.empty(g.B, *targets[0].shape, dtype=targets[0].dtype, device=g.W.device)
             g.fuse(tmp.view(g.B, g.L))
             torch._foreach_copy_(targets, list(tmp.unbind(0)))
+        if compiled:
+            from megatron.md.engine import compiled as ck
+
+            ck.fuse_groups(compiled)
 
     def settle(self) -> None:
         for g in self.groups:

@@ -271,6 +271,19 @@ class Group:
             hit = self._rows[kind] = (key, strided_rows(tensors))
         return hit[1]
 
+    def whole(self, view: torch.Tensor) -> torch.Tensor:
+        """A 1-D tensor over the whole storage ``view`` lies in (megatron's param buffer:
+        ``view``'s ``_base`` may be one parameter of it), made again only when the storage
+        changes."""
+        st = view.untyped_storage()
+        key = (st.data_ptr(), st.nbytes(), view.dtype)
+        hit = self._rows.get("whole")
+        if hit is None or hit[0] != key:
+            buf = torch.empty(0, dtype=view.dtype, device=view.device)
+            buf.set_(st, 0, (st.nbytes() // view.element_size(),), (1,))
+            hit = self._rows["whole"] = (key, buf)
+        return hit[1]
+
     def grads(self) -> tuple[torch.Tensor, bool]:
         """The members' gradients G as (B, L) in Ŵ's dtype, and whether that is a copy of the
         step's own (a stack) rather than a view of megatron's gradient buffer (only read)."""
