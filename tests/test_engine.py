@@ -246,6 +246,31 @@ def test_compiled_groups_of_a_step_share_one_phase1_call(monkeypatch):
         assert torch.equal(buf[198:205], torch.full((7,), 3.0, dtype=torch.float64))
 
 
+def test_the_merged_fuse_check_copies_its_windows_not_the_buffer():
+    """The first-call check of the merged fuse runs the eager formula into a buffer of the
+    windows it writes (a copy of megatron's whole param buffer would cost its size again at
+    the first step): here 2 x 3 x 4 + 5 x 2 elements of a 1000-element buffer, each window's
+    copy its window's values once the eager formula ran, a pending rescale's Ŵ copied."""
+    from megatron.md.engine import compiled
+
+    buf = torch.zeros(1000, dtype=torch.float64)
+    x1, x2 = torch.rand(2, 3, 4, dtype=torch.float64), torch.rand(1, 5, 2, dtype=torch.float64)
+    one = torch.ones((), dtype=torch.float64)
+    s2 = torch.full((1, 1, 1), 2.0, dtype=torch.float64)
+    args = (buf, x1, None, one, one, (2, 3, 4), (100, 4, 1), 7,
+            x2, s2, one, one, (1, 5, 2), (10, 2, 1), 500)  # fmt: skip
+    x2_0 = x2.clone()
+    mine, written = compiled._fuse_many_copies(args)
+    assert mine[0].numel() == 2 * 3 * 4 + 5 * 2 and mine[1] is x1 and mine[8] is not x2
+    compiled._fuse_many(*mine)
+    compiled._fuse_many(*args)
+    assert [w[0] for w in written] == ["group 0's weights", "group 1's weights", "group 1's Ŵ"]
+    for _, got, want in written:
+        assert torch.equal(got, want)
+    assert torch.equal(x2, 2 * x2_0) and torch.equal(buf[500:510].view(1, 5, 2), 2 * x2_0)
+    assert buf[:7].eq(0).all() and buf[510:].eq(0).all()  # nothing outside the windows
+
+
 def test_compiled_groups_pass_the_whole_stack_as_it_is():
     """At a GPU's call pattern a kernel takes the group's stack itself, not a slice of all of
     it (``x[0:B]``: one more dispatched operation for the same view), and an absent gain's 0-d

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import os
 import sys
 from contextlib import nullcontext
@@ -198,10 +199,34 @@ WRITES = {**dict.fromkeys(_PHASE1.values(), (0, 2, 3, 7)), _partials: (4, 5), _f
           _rescale_fuse: (0, 4),
           # the merged call: by the groups it takes
           _phase1_many: lambda a: [i + k for i in range(0, len(a), ITEM1)
-                                   for k in (0, 2, 3, 7)],
-          # the buffer, and Ŵ where a rescale is pending
-          _fuse_many: lambda a: [0] + [1 + i for i in range(0, len(a) - 1, ITEMF)
-                                       if a[2 + i] is not None]}  # fmt: skip
+                                   for k in (0, 2, 3, 7)]}  # fmt: skip
+
+
+def _fuse_many_copies(args: tuple) -> tuple[list, list]:
+    """The first-call check's copies for ``_fuse_many``: the windows it writes laid out one
+    after another in a new buffer (a copy of megatron's whole param buffer would cost its size
+    again at the first step, its fp32 difference twice that), and each Ŵ whose rescale is
+    pending; (the copies' arguments, (name, written tensor, its copy) of each)."""
+    buf, flat = args[0], args[1:]
+    items = [flat[i : i + ITEMF] for i in range(0, len(flat), ITEMF)]
+    sizes = [math.prod(item[4]) for item in items]
+    compact = torch.empty(sum(sizes), dtype=buf.dtype, device=buf.device)
+    mine, pairs, at = [compact], [], 0
+    for k, ((x, s, row, col, shape, stride, offset), n) in enumerate(zip(items, sizes)):
+        dense = tuple(math.prod(shape[j + 1 :]) for j in range(len(shape)))  # contiguous
+        mine_x = x if s is None else x.clone()
+        mine += [mine_x, s, row, col, shape, dense, at]
+        pairs.append((f"group {k}'s weights", buf.as_strided(shape, stride, offset),
+                      compact.as_strided(shape, dense, at)))  # fmt: skip
+        if s is not None:
+            pairs.append((f"group {k}'s Ŵ", x, mine_x))
+        at += n
+    return mine, pairs
+
+
+#: kernels whose check makes its own copies (instead of copying the arguments ``WRITES`` names)
+COPIES = {_fuse_many: _fuse_many_copies}
+
 #: largest difference from the eager formula a compiled kernel may show, relative to the
 #: largest magnitude of the tensor compared (inductor reorders sums and contracts products);
 #: half precision: one rounding of the largest entry
@@ -242,25 +267,29 @@ class Checked:
             return self.fn(*args)
         check = key not in self.checked and not _capturing()
         if check:
-            writes = WRITES.get(self.fn, ())
-            writes = writes(args) if callable(writes) else writes
-            mine = [a.clone() if i in writes and a is not None else a for i, a in enumerate(args)]
+            if self.fn in COPIES:
+                mine, written = COPIES[self.fn](args)
+            else:
+                writes = WRITES.get(self.fn, ())
+                writes = writes(args) if callable(writes) else writes
+                mine = [a.clone() if i in writes and a is not None else a
+                        for i, a in enumerate(args)]  # fmt: skip
+                written = [(f"argument {i}", args[i], mine[i]) for i in writes]
             want = self.fn(*mine)
         got = self._compiled(args)
         if not check:
             return got
-        pairs = [(f"argument {i}", args[i], mine[i]) for i in writes]
         outs = got if isinstance(got, tuple) else (got,)
         wants = want if isinstance(want, tuple) else (want,)
-        pairs += [(f"result {i}", a, b) for i, (a, b) in enumerate(zip(outs, wants))]
-        for what, a, b in pairs:
+        results = [(f"result {i}", a, b) for i, (a, b) in enumerate(zip(outs, wants))]
+        for what, a, b in written + results:
             if isinstance(a, torch.Tensor) and a.ndim and a.numel():
                 wrong = self._difference(what, a, b)
                 if wrong and not fallback:
                     raise MiscompiledKernel(f"{wrong}. Run with --md-fused-step off: the eager MD "
                                             "step, the same results to fp32 rounding")  # fmt: skip
                 if wrong:
-                    return self._keep_eager(key, wrong, args, mine, writes, want)
+                    return self._keep_eager(key, wrong, written, want)
         self.checked.add(key)
         return got
 
@@ -280,12 +309,13 @@ class Checked:
                 with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                     return self.compiled(*args)
 
-    def _keep_eager(self, key: tuple, wrong: str, args, mine, writes, want):
-        """The eager formula's results in place of the compiled kernel's, and that layout run
-        eager from now on."""
-        for i in writes:
-            if args[i] is not None:
-                args[i].copy_(mine[i])
+    def _keep_eager(self, key: tuple, wrong: str, written: list, want):
+        """The eager formula's results in place of the compiled kernel's (``written``: (name,
+        what the kernel wrote, the eager formula's copy)), and that layout run eager from now
+        on."""
+        for _, a, b in written:
+            if a is not None:
+                a.copy_(b)
         self.eager.add(key)
         print(f"[megatron-md] warning: {wrong}. --md-fused-step auto: this layout of the kernel "
               "now runs its eager formula (slower, the same results to fp32 rounding); "
