@@ -194,7 +194,7 @@ def _get(name: str, fn, fallback: bool = False):
 
 
 #: the arguments each kernel writes (by position): the first call of a layout runs the eager
-#: formula on copies of them
+#: formula on copies of them (``COPIES``: a kernel that makes its own)
 WRITES = {**dict.fromkeys(_PHASE1.values(), (0, 2, 3, 7)), _partials: (4, 5), _fuse: (3,),
           _rescale_fuse: (0, 4),
           # the merged call: by the groups it takes

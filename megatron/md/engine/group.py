@@ -77,6 +77,7 @@ class Group:
         self.pending = None  # a rescale of Ŵ left for the fuse (compiled path)
         self.kernels = None  # compiled kernels (engine.compiled) or None
         self._rows: dict[str, tuple] = {}  # kind -> (addresses, their (B, L) view or None)
+        self._whole: tuple | None = None  # (storage key, a tensor over the storage): ``whole``
         self.bind()
 
     # ---- the tensors: own storage, or views of each member's ----
@@ -277,12 +278,11 @@ class Group:
         changes."""
         st = view.untyped_storage()
         key = (st.data_ptr(), st.nbytes(), view.dtype)
-        hit = self._rows.get("whole")
-        if hit is None or hit[0] != key:
+        if self._whole is None or self._whole[0] != key:
             buf = torch.empty(0, dtype=view.dtype, device=view.device)
             buf.set_(st, 0, (st.nbytes() // view.element_size(),), (1,))
-            hit = self._rows["whole"] = (key, buf)
-        return hit[1]
+            self._whole = (key, buf)
+        return self._whole[1]
 
     def grads(self) -> tuple[torch.Tensor, bool]:
         """The members' gradients G as (B, L) in Ŵ's dtype, and whether that is a copy of the
