@@ -381,6 +381,38 @@ def test_a_refusal_is_one_line_from_rank_0(capsys, monkeypatch, tmp_path):
         assert (tmp_path / f"err{rank}").exists() == (rank == "0")
 
 
+def test_a_silent_rank_leaves_after_rank_0_has_said_the_refusal(monkeypatch, tmp_path):
+    """A rank that leaves a refusal to rank 0 waits for rank 0's line in
+    MEGATRON_MD_ERROR_FILE before leaving (leaving first, it made torchrun stop rank 0 before
+    rank 0 said anything: CI, 2026-12-04); without the file a fixed wait; one process alone,
+    none."""
+    import threading
+    import time
+
+    from megatron.md import errors
+
+    err = tmp_path / "startup_error"
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MEGATRON_MD_ERROR_FILE", str(err))
+    threading.Timer(0.5, lambda: err.write_text("pretrain_gpt.py: error: x\n")).start()
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as e, errors.one_line():
+        errors.fail("--thing is wrong")
+    assert e.value.code == 2 and 0.5 <= time.monotonic() - t0 < 5
+    monkeypatch.delenv("MEGATRON_MD_ERROR_FILE")
+    monkeypatch.setattr(errors, "WAIT_BLIND_S", 0.3)
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit), errors.one_line():
+        errors.fail("--thing is wrong")
+    assert 0.3 <= time.monotonic() - t0 < 5
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit), errors.one_line():
+        errors.fail("--thing is wrong")
+    assert time.monotonic() - t0 < 0.2
+
+
 def test_a_refusal_about_a_node_s_files_is_said_by_each_node_s_first_rank(
     capsys, monkeypatch, tmp_path
 ):
