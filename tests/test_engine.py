@@ -324,13 +324,9 @@ def _miscompiled_rescale_fuse(x, s, row, col, out):
 
 def _miscompiled_fuse_many(buf, *flat):
     """``_fuse_many`` with the same miscompilation for each group whose rescale is pending."""
-    for i in range(0, len(flat), 7):
-        x, s, row, col, shape, stride, offset = flat[i : i + 7]
-        out = buf.as_strided(shape, stride, offset)
-        if s is None:
-            out.copy_(x * row * col)
-        else:
-            _miscompiled_rescale_fuse(x, s, row, col, out)
+    from megatron.md.engine import compiled
+
+    compiled._fuse_windows(buf, flat, _miscompiled_rescale_fuse)
 
 
 def test_a_miscompiled_kernel_stops_the_run_at_its_first_call(capsys):

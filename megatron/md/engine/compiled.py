@@ -133,15 +133,18 @@ def _fuse_many(buf, *flat):
     (the groups' views of it as separate inputs AOT autograd refuses to mutate, torch 2.15.0);
     inductor writes the windows in place (a CPU: 0.05 ms for two windows of a 2^24-element
     buffer, 13 ms a copy of the buffer)."""
+    _fuse_windows(buf, flat, _rescale_fuse)
+
+
+def _fuse_windows(buf, flat: tuple, rescale_fuse: Callable) -> None:
+    """``_fuse_many``'s loop, each group's pending rescale by ``rescale_fuse``."""
     for i in range(0, len(flat), ITEMF):
         x, s, row, col, shape, stride, offset = flat[i : i + ITEMF]
         out = buf.as_strided(shape, stride, offset)
         if s is None:
-            out.copy_(x * row * col)
+            _fuse(x, row, col, out)
         else:
-            x2 = x * s
-            x.copy_(x2)
-            out.copy_(x2 * row * col)
+            rescale_fuse(x, s, row, col, out)
 
 
 #: arguments of one group in ``_phase1_many`` (``_phase1``'s)
@@ -649,14 +652,9 @@ def fuse_groups(items: list) -> None:
     for buf, groups in batches.values():
         flat, size = [], 0
         for k, (g, view) in enumerate(groups):
-            B, (M, N) = g.B, g.full
-            row, col = _row_col(g, g.phi())
-            s = None if g.pending is None else g.axis_bcast(g.blocks[0], g.pending)
-            o3 = view.view(B, M, N)
-            flat += [g.W.view(B, M, N), s, row, col, tuple(o3.shape), o3.stride(),
-                     o3.storage_offset()]  # fmt: skip
-            g.pending = None
-            size += B * g.L
+            w3, s, row, col, o3 = _fuse_operands(g, view)
+            flat += [w3, s, row, col, tuple(o3.shape), o3.stride(), o3.storage_offset()]
+            size += g.B * g.L
             if size >= MERGE_ELEMENTS or k == len(groups) - 1:
                 _get("fuse_many", _fuse_many, g.kernels.fallback)(buf, *flat)
                 flat, size = [], 0
@@ -664,12 +662,8 @@ def fuse_groups(items: list) -> None:
 
 def _fuse_group(g, targets: list[torch.Tensor]) -> None:
     """The pending rescale and W = Γ ⊙ Ŵ of the whole group in one pass, compiled."""
-    B, (M, N) = g.B, g.full
-    row, col = _row_col(g, g.phi())
-    w3 = g.W.view(B, M, N)
-    view = g.rows("out", targets)
-    out = view.view(B, M, N) if view is not None else None
-    s = None if g.pending is None else g.axis_bcast(g.blocks[0], g.pending)
+    M, N = g.full
+    w3, s, row, col, out = _fuse_operands(g, g.rows("out", targets))
     name, fn = ("fuse", _fuse) if s is None else ("rescale_fuse", _rescale_fuse)
     kernel = _get(name, fn, g.kernels.fallback)
     for one in _pieces(g, stackable=out is not None):
@@ -678,4 +672,15 @@ def _fuse_group(g, targets: list[torch.Tensor]) -> None:
             kernel(_at(w3, one), _at(row, one), _at(col, one), o)
         else:
             kernel(_at(w3, one), _at(s, one), _at(row, one), _at(col, one), o)
+
+
+def _fuse_operands(g, view: torch.Tensor | None) -> tuple:
+    """A group's fuse operands, (B, M, N) where stacked: Ŵ, the pending rescale's factors or
+    None, the gains' factors, the destination (``view``, the members' rows of one buffer, or
+    None: one call a member). Takes the pending rescale off the group (the fuse applies it)."""
+    B, (M, N) = g.B, g.full
+    row, col = _row_col(g, g.phi())
+    s = None if g.pending is None else g.axis_bcast(g.blocks[0], g.pending)
     g.pending = None
+    out = view.view(B, M, N) if view is not None else None
+    return g.W.view(B, M, N), s, row, col, out
