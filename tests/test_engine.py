@@ -176,8 +176,13 @@ def test_compiled_kernels_take_the_whole_stack_in_one_call(monkeypatch):
 
     def spy(name, fn, fallback=False):
         kernel = get(name, fn, fallback)
-        stack = 1 if name == "fuse_many" else 0  # (the fuse's first argument: the buffer)
-        return lambda *a: calls.append((name, a[stack].shape[0], len(a))) or kernel(*a)
+
+        def call(*a):  # the first stack: after the fuse's buffer, phase 1's partial buffers
+            stack = a[1] if name == "fuse_many" else a[1 + a[0]]
+            calls.append((name, stack.shape[0], len(a)))
+            return kernel(*a)
+
+        return call
 
     monkeypatch.setattr(compiled, "STACK_ON_CPU", True)
     monkeypatch.setattr(compiled, "_get", spy)
@@ -192,19 +197,31 @@ def test_compiled_kernels_take_the_whole_stack_in_one_call(monkeypatch):
 
 
 @MISCOMPILED_BY_OLD_TORCH
-def test_compiled_groups_of_a_step_share_one_phase1_call(monkeypatch):
+@pytest.mark.parametrize("own_partials", [False, True])
+def test_compiled_groups_of_a_step_share_one_phase1_call(monkeypatch, own_partials):
     """At a GPU's call pattern AdamMD's phase 1 of every group of a step is one compiled call
     (``phase1_groups``): two groups of different shapes, sphere variants and gains, fp64 to
     1e-12 of the reference, one phase-1 call a step (a call's host code, dynamo's and AOT's,
-    costs ~70 µs on a 2-core VM, 2026-12-04); the fuse of both groups one call where their
-    destinations share a buffer (megatron's param buffer), one call per buffer otherwise."""
+    costs ~70 µs on a 2-core VM, 2026-12-04), the partials written inside it into the step's
+    buffer, or (``own_partials``) into a group's own where its partials are not one span of
+    the buffer; the fuse of both groups one call where their destinations share a buffer
+    (megatron's param buffer), one call per buffer otherwise."""
     from megatron.md.engine import compiled
+    from megatron.md.engine.engine import Engine
 
+    if own_partials:  # the last group's partials its own (B, n) zeros, added in after
+        view = Engine._view
+
+        def own_first(self, kind, g, bufs, n):
+            got, inplace = view(self, kind, g, bufs, n)
+            return (torch.zeros_like(got), False) if g is self.groups[-1] else (got, inplace)
+
+        monkeypatch.setattr(Engine, "_view", own_first)
     calls, get = [], compiled._get
 
     def spy(name, fn, fallback=False):
         kernel = get(name, fn, fallback)
-        return lambda *a: calls.append((name, len(a))) or kernel(*a)
+        return lambda *a: calls.append((name, len(a), a[0])) or kernel(*a)
 
     monkeypatch.setattr(compiled, "STACK_ON_CPU", True)
     monkeypatch.setattr(compiled, "_get", spy)
@@ -229,7 +246,10 @@ def test_compiled_groups_of_a_step_share_one_phase1_call(monkeypatch):
         ranks.step([[g.reshape(-1) for g in gs]], hp, ghp)
     assert len({id(g) for g in ranks.engines[0].groups}) == 2
     phase1 = [c for c in calls if c[0] == "phase1_many"]
-    assert len(phase1) == steps and all(n == 2 * compiled.ITEM1 for _, n in phase1), calls
+    # both groups' partials in one buffer (the step's, passed whole), written inside the call
+    parts = 1 + own_partials
+    assert len(phase1) == steps and all(n == 1 + parts + 2 * compiled.ITEM1 and k == parts
+                                        for _, n, k in phase1), calls  # fmt: skip
     for one_buffer in (True, False):
         buf = torch.full((2 * 99 + 2 * 30 + 7,), 3.0, dtype=torch.float64)
         if one_buffer:  # a gap between the groups' rows: the buffer's rest stays as it is
@@ -238,9 +258,9 @@ def test_compiled_groups_of_a_step_share_one_phase1_call(monkeypatch):
             a, b = torch.empty(2, 99, dtype=torch.float64), torch.empty(2, 30, dtype=torch.float64)
         calls.clear()
         ranks.fuse([[a[0], a[1], b[0], b[1]]])
-        assert calls == [("fuse_many", 1 + (2 if one_buffer else 1) * compiled.ITEMF)] * (
-            1 if one_buffer else 2
-        ), calls
+        assert [c[:2] for c in calls] == [
+            ("fuse_many", 1 + (2 if one_buffer else 1) * compiled.ITEMF)
+        ] * (1 if one_buffer else 2), calls
         for got, (want, _) in zip([a[0], a[1], b[0], b[1]], ref):
             torch.testing.assert_close(got.view(want.shape), want, rtol=1e-12, atol=1e-13)
         assert torch.equal(buf[198:205], torch.full((7,), 3.0, dtype=torch.float64))

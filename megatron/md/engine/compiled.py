@@ -9,8 +9,9 @@ rescale's, their Newton–Schulz blocks the base's).
 Eager, an AdamMD group costs ~14 elementwise passes (Ŵ⊙G, two mat-vecs, G_Ŵ in two products,
 Adam's seven, the norm) where torch's AdamW costs seven. Compiled, phase 1 (gain-gradient
 partials, G_Ŵ = Γ ⊙ G, Adam on Ŵ, the sphere's squared-norm partials) is one read of Ŵ, G and
-the moments and one write of Ŵ and the moments (with column gains, plus Ŵ⊙G written once to a
-scratch buffer for a batched mat-vec), for all B matrices of the group; the sphere rescale
+the moments and one write of Ŵ and the moments (with column gains, where a call takes one
+matrix, plus Ŵ⊙G written once to a scratch buffer for a batched mat-vec; on a whole stack
+the column sums are the call's), for all B matrices of the group; the sphere rescale
 waits for the fuse, so rescale and W = Γ ⊙ Ŵ are one read of Ŵ and one write of Ŵ and of W.
 Same formulas as the eager group (tested against it and the reference); the rounding differs
 by fp32 reassociation only (inductor contracts products and orders sums its own way), so it is
@@ -24,12 +25,12 @@ strided view into megatron's buffers and gains broadcast against it (torch 2.15,
 with row and column gains 1.9 against 1.6); there a call costs microseconds against the
 milliseconds of a matrix. On a GPU, where a call's launches are the cost, once on the stack
 (``_pieces``), and AdamMD's phase 1 of the groups of a step together in one call
-(``phase1_groups``), and the fuse of the groups whose destinations lie in one buffer
-(``fuse_groups``: the buffer passed whole, the destinations' windows static; AOT autograd
-refuses mutated inputs that alias, torch 2.15.0). On a GPU both AdamMD's and
-MuonMD's are the default at scale (``MDConfig.use_fused``), after ``tools/gpu_check.py``
-checked them against the reference and measured them faster than the eager group there
-(H200, 2026-11-26, docs/benchmarks.md).
+(``phase1_groups``, the partials written into the step's buffer inside it), and the fuse of
+the groups whose destinations lie in one buffer (``fuse_groups``: the buffer passed whole, the
+destinations' windows static; AOT autograd refuses mutated inputs that alias, torch 2.15.0).
+On a GPU both AdamMD's and MuonMD's are the default at scale (``MDConfig.use_fused``), after
+``tools/gpu_check.py`` checked them against the reference and measured them faster than the
+eager group there (H200, 2026-11-26, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -84,16 +85,20 @@ def _gain_terms(w, g, col, scratch, need_row: bool):
 def _phase1(w, g, m, v, row, col, hp, scratch, need_row: bool, sphere: str):
     """(B, M, N) blocks; ``row`` (B, M, 1), ``col`` (B, 1, N) (0-d ones if absent)."""
     gb, gr = _gain_terms(w, g, col, scratch, need_row)
-    nrm = w.new_zeros(())
     w2 = _adam(w, gb * row * col, m, v, hp)
-    sq = w2 * w2
+    return gr, _sq_norms(w2, sphere)
+
+
+def _sq_norms(w2, sphere: str):
+    """The squared norms of the updated Ŵ, ``sphere``'s (0-d zero for "none")."""
     if sphere == "frobenius":
-        nrm = sq.sum(2).sum(1)  # row sums first: stays in the row loop, no second pass
-    elif sphere == "row":
-        nrm = sq.sum(2)
-    elif sphere == "row_norm":  # the row sphere next to both gains' partials (kernel_sphere)
-        nrm = torch.linalg.vector_norm(w2, dim=2).square()
-    return gr, nrm
+        sq = w2 * w2
+        return sq.sum(2).sum(1)  # row sums first: stays in the row loop, no second pass
+    if sphere == "row":
+        return (w2 * w2).sum(2)
+    if sphere == "row_norm":  # the row sphere next to both gains' partials (kernel_sphere)
+        return torch.linalg.vector_norm(w2, dim=2).square()
+    return w2.new_zeros(())
 
 
 def _phase1_frobenius(w, g, m, v, row, col, hp, scratch, need_row: bool):
@@ -147,20 +152,39 @@ def _fuse_windows(buf, flat: tuple, rescale_fuse: Callable) -> None:
             rescale_fuse(x, s, row, col, out)
 
 
-#: arguments of one group in ``_phase1_many`` (``_phase1``'s)
-ITEM1 = 10
+#: arguments of one group in ``_phase1_many`` (after the partial buffers)
+ITEM1 = 14
 #: arguments of one group in ``_fuse_many`` (after the destination buffer)
 ITEMF = 7
 
 
-def _phase1_many(*flat):
-    """``_phase1`` of several groups in one call (``ITEM1`` arguments each; the sphere variant
-    is the last): one compiled call where each group took one, ~70 µs of dynamo's and AOT's
-    host code a call on a 2-core VM (torch 2.15.0, 2026-12-04)."""
-    out = ()
+def _phase1_many(n_parts: int, *args):
+    """``_phase1`` of several groups in one call (one compiled call where each group took
+    one, ~70 µs of dynamo's and AOT's host code a call on a 2-core VM, torch 2.15.0,
+    2026-12-04), each group's partials added into the step's partial buffers inside it (where
+    an operation a group and kind added them after: 20 launches of AdamMD's step at the
+    12-layer layout, 2026-12-04), the column gains' as a column sum of Ŵ ⊙ G ⊙ g_row (no
+    scratch of Ŵ's size). ``n_parts`` buffers passed whole (windows of one buffer as separate
+    inputs AOT autograd refuses to mutate: ``_fuse_many``), then ``ITEM1`` arguments a group:
+    Ŵ, G, the moments, the gains' factors, the Adam scalars (as ``_phase1``'s), ``need_row``,
+    ``need_col``, the sphere, its buffer's index, where its (B, n_partial) partials start in
+    its storage, n_partial, and n_gain (the norms' partials follow the gains')."""
+    parts, flat = args[:n_parts], args[n_parts:]
     for i in range(0, len(flat), ITEM1):
-        out += _phase1(*flat[i : i + ITEM1])
-    return out
+        w, g, m, v, row, col, hp, need_row, need_col, sphere, k, start, n, n_gain = flat[
+            i : i + ITEM1]  # fmt: skip
+        B, M, N = w.shape
+        P = parts[k].as_strided((B, n), (n, 1), start)
+        gb = g.to(w.dtype)
+        p = w * gb
+        if need_row:
+            P[:, :M].add_((p * col).sum(2))
+        if need_col:
+            c0 = M if need_row else 0
+            P[:, c0 : c0 + N].add_((p * row).sum(1))
+        w2 = _adam(w, gb * row * col, m, v, hp)
+        if sphere != "none":
+            P[:, n_gain:].add_(_sq_norms(w2, sphere).view(B, -1))
 
 
 _PHASE1 = {"frobenius": _phase1_frobenius, "row": _phase1_row, "row_norm": _phase1_row_norm}
@@ -201,8 +225,8 @@ def _get(name: str, fn, fallback: bool = False):
 WRITES = {**dict.fromkeys(_PHASE1.values(), (0, 2, 3, 7)), _partials: (4, 5), _fuse: (3,),
           _rescale_fuse: (0, 4),
           # the merged call: by the groups it takes
-          _phase1_many: lambda a: [i + k for i in range(0, len(a), ITEM1)
-                                   for k in (0, 2, 3, 7)]}  # fmt: skip
+          _phase1_many: lambda a: [*range(1, 1 + a[0]), *(
+              i + k for i in range(1 + a[0], len(a), ITEM1) for k in (0, 2, 3))]}  # fmt: skip
 
 
 def _fuse_many_copies(args: tuple) -> tuple[list, list]:
@@ -459,6 +483,8 @@ class _Phase1:
     the scratch or None, ``need_row``."""
     need_row: bool
     """The group has row gains (the kernel returns their partials)."""
+    need_col: bool
+    """The group has column gains."""
     variant: str
     """The kernel's sphere variant (``_PHASE1``)."""
     sphere: str
@@ -467,9 +493,9 @@ class _Phase1:
     scratch: torch.Tensor | None
 
 
-def _phase1_prep(g, G: torch.Tensor, step, hp: AdamHParams, own_scratch: bool = False):
-    """A group's phase-1 arguments; ``own_scratch``: a scratch of its own (several groups in
-    one call), not the CPU's one kept buffer."""
+def _phase1_prep(g, G: torch.Tensor, step, hp: AdamHParams, merged: bool = False):
+    """A group's phase-1 arguments; ``merged``: for ``_phase1_many`` (no scratch: the column
+    partials are summed inside the call)."""
     g.settle()  # a rescale no fuse took since the last step
     B, (M, N) = g.B, g.full
     phi = g.phi()
@@ -480,17 +506,14 @@ def _phase1_prep(g, G: torch.Tensor, step, hp: AdamHParams, own_scratch: bool = 
         sphere = "none"
     w3, g3 = g.W.view(B, M, N), G.view(B, M, N)
     m3, v3 = g.state["exp_avg"].view(B, M, N), g.state["exp_avg_sq"].view(B, M, N)
-    scratch = None
-    if need_col:  # several groups in one call: each its own (a CPU keeps one for all)
-        scratch = torch.empty(w3.shape, dtype=w3.dtype, device=w3.device) if own_scratch else (
-            _scratch(w3))  # fmt: skip
+    scratch = _scratch(w3) if need_col and not merged else None
     # a group whose norms the eager group takes still runs the Frobenius variant, its partial
     # dropped: without a norm reduction inductor's CPU loops write Ŵ and the moments to
     # temporaries and copy them back, three more passes (one thread, 65536 x 512, torch
     # 2.15.0, 2026-12-03: 6.2 ns/element against 2.1; the Q/K/V and column-sphere groups')
     variant = "frobenius" if sphere == "none" else sphere
     args = (w3, g3, m3, v3, row, col, adam_hparams(hp, step, g.W), scratch, need_row)
-    return _Phase1(args, need_row, variant, sphere, row, scratch)
+    return _Phase1(args, need_row, need_col, variant, sphere, row, scratch)
 
 
 def _phase1_rows(g, rows: torch.Tensor, prep: _Phase1, gr, nrm) -> None:
@@ -521,8 +544,8 @@ def _phase1_group(g, G: torch.Tensor, P: torch.Tensor, step: int, hp: AdamHParam
     _phase1_finish(g, P, prep)
 
 
-#: elements of Ŵ one merged phase-1 call takes at most: each column-gain group's scratch
-#: (Ŵ ⊙ G, the group's size) lives until the call returns
+#: elements of Ŵ one merged call takes at most (its arguments' stacks stay alive until it
+#: returns, and with them any temporaries inductor makes)
 MERGE_ELEMENTS = 1 << 26
 
 
@@ -530,14 +553,14 @@ def phase1_groups(items: list, step) -> None:
     """Phase 1 of several groups, ``items`` (group, G, P, hp): where a group's kernels take
     its whole stack (a GPU; ``STACK_ON_CPU``), groups together in one compiled call up to
     ``MERGE_ELEMENTS`` (``_phase1_many``: one call's host cost for all, where each group's
-    call cost its own); elsewhere one group a call (``_phase1_group``: on a CPU one matrix a
-    call, into the one kept scratch)."""
+    call cost its own, and the partials written inside it); elsewhere one group a call
+    (``_phase1_group``: on a CPU one matrix a call, into the one kept scratch)."""
     batch, size = [], 0
     for g, G, P, hp in items:
         if not _stacks(g):
             _phase1_group(g, G, P, step, hp)
             continue
-        batch.append((g, P, _phase1_prep(g, G, step, hp, own_scratch=True)))
+        batch.append((g, P, _phase1_prep(g, G, step, hp, merged=True)))
         size += g.B * g.L
         if size >= MERGE_ELEMENTS:
             _phase1_call(batch)
@@ -547,12 +570,22 @@ def phase1_groups(items: list, step) -> None:
 
 
 def _phase1_call(batch: list) -> None:
-    flat = [a for _, _, prep in batch for a in (*prep.args, prep.variant)]
-    kernel = _get("phase1_many", _phase1_many, batch[0][0].kernels.fallback)
-    out = kernel(*flat)
-    for k, (g, P, prep) in enumerate(batch):
-        _phase1_rows(g, P, prep, out[2 * k], out[2 * k + 1])
-        _phase1_finish(g, P, prep)
+    """One ``_phase1_many`` call for ``batch`` (group, its (B, n_partial) partials, its prep):
+    each group's partials a window of its buffer (the step's buffer of its domain, or the
+    group's own where its partials are not one span of it), the eager norms after."""
+    parts, index, flat = [], {}, []
+    for g, P, prep in batch:
+        root = P if P._base is None else P._base  # the storage's tensor: as_strided's offsets
+        k = index.setdefault(root.untyped_storage().data_ptr(), len(parts))
+        if k == len(parts):
+            parts.append(root)
+        w, grad, m, v, row, col, hp_t, _, need_row = prep.args
+        flat += [w, grad, m, v, row, col, hp_t, need_row, prep.need_col, prep.sphere, k,
+                 P.storage_offset(), P.shape[1], g.n_gain]  # fmt: skip
+    _get("phase1_many", _phase1_many, batch[0][0].kernels.fallback)(len(parts), *parts, *flat)
+    for g, P, prep in batch:
+        if prep.sphere == "none" and g.n_norm:  # norm partials the kernel leaves to the group
+            g.norm_partials(P[:, g.n_gain :])
 
 
 def _partials_group(g, G: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
