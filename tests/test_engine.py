@@ -574,12 +574,28 @@ def test_adam_qkv_split_on_slices(n_slices, sphere):
             torch.testing.assert_close(got, torch.full((3,), 11**0.5, dtype=got.dtype))
 
 
-def test_adam_qkv_split_compiled():
-    """The compiled kernels on a split matrix leave the per-block norms to the eager group."""
+@MISCOMPILED_BY_OLD_TORCH
+@pytest.mark.parametrize("stack", [False, True])
+def test_adam_qkv_split_compiled(monkeypatch, stack):
+    """The compiled kernels on a split matrix leave the per-block norms to the eager group
+    where a call takes one matrix (a CPU); the merged phase 1 of whole stacks (a GPU's) sums
+    the blocks' Frobenius norms itself (``_sq_norms``): fp64 to 1e-12 of the reference."""
+    from megatron.md.engine import compiled
+    from megatron.md.engine.group import Group
+
+    eager = []
+    norm_partials = Group.norm_partials
+    monkeypatch.setattr(Group, "norm_partials",
+                        lambda self, out: eager.append(1) or norm_partials(self, out))  # fmt: skip
+    monkeypatch.setattr(compiled, "STACK_ON_CPU", stack)
     spec = MatrixSpec("frobenius", "shape", "rowcol", "softplus", row_blocks=(4, 2, 2))
-    w, w_ref, *_ = _run(spec, [], dtype=torch.float32, shape=(16, 11), compiled=True)
+    w, w_ref, ranks, st_ref = _run(spec, [], dtype=torch.float64, shape=(16, 11), n=3,
+                                   compiled=True, one_buffer=True)  # fmt: skip
     for a, b in zip(w, w_ref):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    _same_gains(ranks, st_ref, ["gain_row", "gain_col"], rtol=1e-12, atol=1e-13)
+    steps = 5  # _run's; the init reads the norms eager once either way (the radius)
+    assert len(eager) == 1 + (0 if stack else steps), len(eager)
 
 
 @pytest.mark.parametrize("variant", ["muown", "muown-unit", "muown-angular", "muown-qkv"])

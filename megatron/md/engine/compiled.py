@@ -89,8 +89,17 @@ def _phase1(w, g, m, v, row, col, hp, scratch, need_row: bool, sphere: str):
     return gr, _sq_norms(w2, sphere)
 
 
-def _sq_norms(w2, sphere: str):
-    """The squared norms of the updated Ŵ, ``sphere``'s (0-d zero for "none")."""
+def _sq_norms(w2, sphere):
+    """The squared norms of the updated Ŵ, ``sphere``'s (0-d zero for "none"); ``("blocks",
+    row_blocks)``: the Frobenius norms of a split matrix's Q/K/V blocks, (B, blocks), as the
+    eager group sums them (``Group.axis_add``: rows, then each row's place in a query group,
+    then the block's places)."""
+    if isinstance(sphere, tuple):
+        blocks = sphere[1]
+        B, M, _ = w2.shape
+        per = (w2 * w2).sum(2).view(B, M // sum(blocks), sum(blocks)).sum(1)
+        starts = [sum(blocks[:b]) for b in range(len(blocks))]
+        return torch.stack([per[:, a : a + n].sum(1) for a, n in zip(starts, blocks)], 1)
     if sphere == "frobenius":
         sq = w2 * w2
         return sq.sum(2).sum(1)  # row sums first: stays in the row loop, no second pass
@@ -167,8 +176,9 @@ def _phase1_many(n_parts: int, *args):
     scratch of Ŵ's size). ``n_parts`` buffers passed whole (windows of one buffer as separate
     inputs AOT autograd refuses to mutate: ``_fuse_many``), then ``ITEM1`` arguments a group:
     Ŵ, G, the moments, the gains' factors, the Adam scalars (as ``_phase1``'s), ``need_row``,
-    ``need_col``, the sphere, its buffer's index, where its (B, n_partial) partials start in
-    its storage, n_partial, and n_gain (the norms' partials follow the gains')."""
+    ``need_col``, the sphere (``_sq_norms``'), its buffer's index, where its (B, n_partial)
+    partials start in its storage, n_partial, and n_gain (the norms' partials follow the
+    gains')."""
     parts, flat = args[:n_parts], args[n_parts:]
     for i in range(0, len(flat), ITEM1):
         w, g, m, v, row, col, hp, need_row, need_col, sphere, k, start, n, n_gain = flat[
@@ -487,8 +497,9 @@ class _Phase1:
     """The group has column gains."""
     variant: str
     """The kernel's sphere variant (``_PHASE1``)."""
-    sphere: str
-    """The sphere whose norms the kernel takes ("none": the eager group's, after it)."""
+    sphere: str | tuple
+    """The sphere whose norms the kernel takes ("none": the eager group's, after it;
+    ``("blocks", row_blocks)``: a merged call's Q/K/V blocks, ``_sq_norms``)."""
     row: torch.Tensor
     scratch: torch.Tensor | None
 
@@ -503,7 +514,8 @@ def _phase1_prep(g, G: torch.Tensor, step, hp: AdamHParams, merged: bool = False
     need_row, need_col = "gain_row" in phi, "gain_col" in phi
     sphere = kernel_sphere(g.spec.sphere, need_row, need_col)
     if g.spec.row_blocks:  # Q/K/V spheres: per-block norms, the eager group's (one more read)
-        sphere = "none"
+        # except a merged call's Frobenius ones (its five eager operations a step, launches)
+        sphere = ("blocks", g.spec.row_blocks) if merged and sphere == "frobenius" else "none"
     w3, g3 = g.W.view(B, M, N), G.view(B, M, N)
     m3, v3 = g.state["exp_avg"].view(B, M, N), g.state["exp_avg_sq"].view(B, M, N)
     scratch = _scratch(w3) if need_col and not merged else None
@@ -511,7 +523,7 @@ def _phase1_prep(g, G: torch.Tensor, step, hp: AdamHParams, merged: bool = False
     # dropped: without a norm reduction inductor's CPU loops write Ŵ and the moments to
     # temporaries and copy them back, three more passes (one thread, 65536 x 512, torch
     # 2.15.0, 2026-12-03: 6.2 ns/element against 2.1; the Q/K/V and column-sphere groups')
-    variant = "frobenius" if sphere == "none" else sphere
+    variant = sphere if sphere in _PHASE1 else "frobenius"
     args = (w3, g3, m3, v3, row, col, adam_hparams(hp, step, g.W), scratch, need_row)
     return _Phase1(args, need_row, need_col, variant, sphere, row, scratch)
 
