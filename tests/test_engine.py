@@ -212,11 +212,11 @@ def test_compiled_groups_of_a_step_share_one_phase1_call(monkeypatch, own_partia
     if own_partials:  # the last group's partials its own (B, n) zeros, added in after
         view = Engine._view
 
-        def own_first(self, kind, g, bufs, n):
+        def own_last(self, kind, g, bufs, n):
             got, inplace = view(self, kind, g, bufs, n)
             return (torch.zeros_like(got), False) if g is self.groups[-1] else (got, inplace)
 
-        monkeypatch.setattr(Engine, "_view", own_first)
+        monkeypatch.setattr(Engine, "_view", own_last)
     calls, get = [], compiled._get
 
     def spy(name, fn, fallback=False):

@@ -71,7 +71,8 @@ def _adam(w, g, m, v, hp):
 
 def _gain_terms(w, g, col, scratch, need_row: bool):
     """G in Ŵ's dtype and the row gains' partials Σ_j Ŵ G g_col (a row reduction, in the
-    caller's loop); Ŵ⊙G into ``scratch`` for the column sums (a batched mat-vec outside)."""
+    caller's loop); Ŵ⊙G into ``scratch`` (if any) for the column sums (a batched mat-vec
+    outside)."""
     gb = g.to(w.dtype)
     gr = w.new_zeros(())
     p = w * gb
@@ -185,13 +186,12 @@ def _phase1_many(n_parts: int, *args):
             i : i + ITEM1]  # fmt: skip
         B, M, N = w.shape
         P = parts[k].as_strided((B, n), (n, 1), start)
-        gb = g.to(w.dtype)
-        p = w * gb
+        gb, gr = _gain_terms(w, g, col, None, need_row)
         if need_row:
-            P[:, :M].add_((p * col).sum(2))
+            P[:, :M].add_(gr)
         if need_col:
             c0 = M if need_row else 0
-            P[:, c0 : c0 + N].add_((p * row).sum(1))
+            P[:, c0 : c0 + N].add_((w * gb * row).sum(1))
         w2 = _adam(w, gb * row * col, m, v, hp)
         if sphere != "none":
             P[:, n_gain:].add_(_sq_norms(w2, sphere).view(B, -1))
@@ -514,7 +514,7 @@ def _phase1_prep(g, G: torch.Tensor, step, hp: AdamHParams, merged: bool = False
     need_row, need_col = "gain_row" in phi, "gain_col" in phi
     sphere = kernel_sphere(g.spec.sphere, need_row, need_col)
     if g.spec.row_blocks:  # Q/K/V spheres: per-block norms, the eager group's (one more read)
-        # except a merged call's Frobenius ones (its five eager operations a step, launches)
+        # except a merged call's Frobenius ones (four eager operations a step after it)
         sphere = ("blocks", g.spec.row_blocks) if merged and sphere == "frobenius" else "none"
     w3, g3 = g.W.view(B, M, N), G.view(B, M, N)
     m3, v3 = g.state["exp_avg"].view(B, M, N), g.state["exp_avg_sq"].view(B, M, N)
