@@ -205,7 +205,8 @@ def test_compiled_groups_of_a_step_share_one_phase1_call(monkeypatch, own_partia
     costs ~70 µs on a 2-core VM, 2026-12-04), the partials written inside it into the step's
     buffer, or (``own_partials``) into a group's own where its partials are not one span of
     the buffer; the fuse of both groups one call where their destinations share a buffer
-    (megatron's param buffer), one call per buffer otherwise."""
+    (megatron's param buffer), a group's members apart in it or not, one call per buffer
+    otherwise."""
     from megatron.md.engine import compiled
     from megatron.md.engine.engine import Engine
 
@@ -250,18 +251,20 @@ def test_compiled_groups_of_a_step_share_one_phase1_call(monkeypatch, own_partia
     parts = 1 + own_partials
     assert len(phase1) == steps and all(n == 1 + parts + 2 * compiled.ITEM1 and k == parts
                                         for _, n, k in phase1), calls  # fmt: skip
-    for one_buffer in (True, False):
+    for layout in ("one buffer", "apart", "two buffers"):
         buf = torch.full((2 * 99 + 2 * 30 + 7,), 3.0, dtype=torch.float64)
-        if one_buffer:  # a gap between the groups' rows: the buffer's rest stays as it is
+        if layout != "two buffers":  # a gap between the groups' rows: the rest stays as it is
             a, b = buf[:198].view(2, 99), buf[205:].view(2, 30)
         else:
             a, b = torch.empty(2, 99, dtype=torch.float64), torch.empty(2, 30, dtype=torch.float64)
+        # apart: the first group's members at descending addresses, no strided view of them
+        targets = [a[1], a[0], b[0], b[1]] if layout == "apart" else [a[0], a[1], b[0], b[1]]
         calls.clear()
-        ranks.fuse([[a[0], a[1], b[0], b[1]]])
+        ranks.fuse([targets])
         assert [c[:2] for c in calls] == [
-            ("fuse_many", 1 + (2 if one_buffer else 1) * compiled.ITEMF)
-        ] * (1 if one_buffer else 2), calls
-        for got, (want, _) in zip([a[0], a[1], b[0], b[1]], ref):
+            ("fuse_many", 1 + (1 if layout == "two buffers" else 2) * compiled.ITEMF)
+        ] * (2 if layout == "two buffers" else 1), calls
+        for got, (want, _) in zip(targets, ref):
             torch.testing.assert_close(got.view(want.shape), want, rtol=1e-12, atol=1e-13)
         assert torch.equal(buf[198:205], torch.full((7,), 3.0, dtype=torch.float64))
 

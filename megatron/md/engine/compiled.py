@@ -152,14 +152,25 @@ def _fuse_many(buf, *flat):
 
 
 def _fuse_windows(buf, flat: tuple, rescale_fuse: Callable) -> None:
-    """``_fuse_many``'s loop, each group's pending rescale by ``rescale_fuse``."""
+    """``_fuse_many``'s loop, each group's pending rescale by ``rescale_fuse``; a group's
+    destination one window of ``buf`` (its members' rows evenly spaced) or, with a tuple of
+    offsets, one window a member (``fuse_groups``)."""
     for i in range(0, len(flat), ITEMF):
         x, s, row, col, shape, stride, offset = flat[i : i + ITEMF]
-        out = buf.as_strided(shape, stride, offset)
-        if s is None:
-            _fuse(x, row, col, out)
+        if isinstance(offset, tuple):
+            for b, at in enumerate(offset):
+                one = slice(b, b + 1)
+                _fuse_window(buf.as_strided(shape, stride, at), x[one], _at(s, one),
+                             _at(row, one), _at(col, one), rescale_fuse)  # fmt: skip
         else:
-            rescale_fuse(x, s, row, col, out)
+            _fuse_window(buf.as_strided(shape, stride, offset), x, s, row, col, rescale_fuse)
+
+
+def _fuse_window(out, x, s, row, col, rescale_fuse: Callable) -> None:
+    if s is None:
+        _fuse(x, row, col, out)
+    else:
+        rescale_fuse(x, s, row, col, out)
 
 
 #: arguments of one group in ``_phase1_many`` (after the partial buffers)
@@ -246,18 +257,24 @@ def _fuse_many_copies(args: tuple) -> tuple[list, list]:
     pending; (the copies' arguments, (name, written tensor, its copy) of each)."""
     buf, flat = args[0], args[1:]
     items = [flat[i : i + ITEMF] for i in range(0, len(flat), ITEMF)]
-    sizes = [math.prod(item[4]) for item in items]
-    compact = torch.empty(sum(sizes), dtype=buf.dtype, device=buf.device)
+    windows = [item[6] if isinstance(item[6], tuple) else (item[6],) for item in items]
+    n_all = sum(math.prod(item[4]) * len(w) for item, w in zip(items, windows))
+    compact = torch.empty(n_all, dtype=buf.dtype, device=buf.device)
     mine, pairs, at = [compact], [], 0
-    for k, ((x, s, row, col, shape, stride, offset), n) in enumerate(zip(items, sizes)):
+    for k, ((x, s, row, col, shape, stride, offset), offs) in enumerate(zip(items, windows)):
+        n = math.prod(shape)
         dense = tuple(math.prod(shape[j + 1 :]) for j in range(len(shape)))  # contiguous
+        mine_offs = tuple(at + b * n for b in range(len(offs)))
         mine_x = x if s is None else x.clone()
-        mine += [mine_x, s, row, col, shape, dense, at]
-        pairs.append((f"group {k}'s weights", buf.as_strided(shape, stride, offset),
-                      compact.as_strided(shape, dense, at)))  # fmt: skip
+        mine += [mine_x, s, row, col, shape, dense,
+                 mine_offs if isinstance(offset, tuple) else at]  # fmt: skip
+        for b, (o, m) in enumerate(zip(offs, mine_offs)):
+            name = f"group {k}'s weights" + (f", member {b}" if len(offs) > 1 else "")
+            pairs.append((name, buf.as_strided(shape, stride, o),
+                          compact.as_strided(shape, dense, m)))  # fmt: skip
         if s is not None:
             pairs.append((f"group {k}'s Ŵ", x, mine_x))
-        at += n
+        at += n * len(offs)
     return mine, pairs
 
 
@@ -683,26 +700,42 @@ def _at(x: torch.Tensor | None, one: slice) -> torch.Tensor | None:
 
 def fuse_groups(items: list) -> None:
     """The fuse of several groups, ``items`` (group, its members' destinations): where a
-    group's kernels take its whole stack (a GPU; ``STACK_ON_CPU``) and its destinations are
-    one strided view of a buffer, the groups of a buffer together in one compiled call up to
-    ``MERGE_ELEMENTS`` (``_fuse_many``); elsewhere one group a call (``_fuse_group``)."""
+    group's kernels take its whole stack (a GPU; ``STACK_ON_CPU``) and its destinations lie in
+    one buffer, the groups of a buffer together in one compiled call up to ``MERGE_ELEMENTS``
+    (``_fuse_many``), a group's destinations one window of it where they are one strided view,
+    one window a member otherwise (two shapes' roles of one shape group together, their rows
+    interleaved in megatron's buffer: a call a member cost ~70 µs of host code each);
+    elsewhere one group a call (``_fuse_group``)."""
     batches: dict[int, tuple[torch.Tensor, list]] = {}
     for g, targets in items:
         view = g.rows("out", targets) if _stacks(g) else None
-        if view is None:
+        apart = view is None and _stacks(g) and _one_storage(targets)
+        if view is None and not apart:
             _fuse_group(g, targets)
             continue
-        buf = g.whole(view)
-        batches.setdefault(buf.data_ptr(), (buf, []))[1].append((g, view))
+        buf = g.whole(targets[0] if apart else view)
+        batches.setdefault(buf.data_ptr(), (buf, []))[1].append((g, view, targets))
     for buf, groups in batches.values():
         flat, size = [], 0
-        for k, (g, view) in enumerate(groups):
+        for k, (g, view, targets) in enumerate(groups):
             w3, s, row, col, o3 = _fuse_operands(g, view)
-            flat += [w3, s, row, col, tuple(o3.shape), o3.stride(), o3.storage_offset()]
+            if o3 is None:  # a window a member
+                M, N = g.full
+                flat += [w3, s, row, col, (1, M, N), (M * N, N, 1),
+                         tuple(t.storage_offset() for t in targets)]  # fmt: skip
+            else:
+                flat += [w3, s, row, col, tuple(o3.shape), o3.stride(), o3.storage_offset()]
             size += g.B * g.L
             if size >= MERGE_ELEMENTS or k == len(groups) - 1:
                 _get("fuse_many", _fuse_many, g.kernels.fallback)(buf, *flat)
                 flat, size = [], 0
+
+
+def _one_storage(targets: list[torch.Tensor]) -> bool:
+    """Whether ``targets`` (contiguous, one dtype) all lie in one storage."""
+    st = targets[0].untyped_storage().data_ptr()
+    return all(t.is_contiguous() and t.dtype == targets[0].dtype
+               and t.untyped_storage().data_ptr() == st for t in targets)  # fmt: skip
 
 
 def _fuse_group(g, targets: list[torch.Tensor]) -> None:
