@@ -418,3 +418,32 @@ def test_fresh_moments_restart_the_step_count():
     assert all(i.engine.steps == 0 for i in inners)
     opt.step()
     assert all(int(st["step"]) == 1 for i in inners for st in i.state.values())
+
+
+def test_the_plain_copies_follow_a_reallocated_param_buffer():
+    """ZeRO-1's main→model copy of the parameters MD does not step (norms, biases) looks their
+    ranges of megatron's param buffer up once (~10 µs a parameter a step otherwise), and again
+    when megatron re-allocates a bucket's param data: the copy then writes the new buffer."""
+    from megatron.md import zero1
+    from megatron.md.enable import enable_md
+    from megatron.md.leaves import leaf_optimizers
+    from megatron.md.testing import megatron_optimizer
+
+    model = tiny_gpt(3, 32, 2, 16)
+    dmodel, opt = megatron_optimizer(model, model.config, "zero1", 1, "adam", lr=1e-2,
+                                     weight_decay=0.0, bf16=False)  # fmt: skip
+    enable_md(opt, [dmodel], MDConfig())
+    (leaf,) = leaf_optimizers(opt)
+    dsts, srcs = zero1._plain_copies(leaf)
+    assert dsts and zero1._plain_copies(leaf)[0] is dsts  # looked up once
+    buckets = [b for buf in leaf.buffers for b in buf.buckets]
+    for b in buckets:  # megatron re-allocating the param data
+        b.param_data = torch.zeros_like(b.param_data)
+    for s in srcs:
+        s.data.uniform_()
+    leaf._copy_main_params_to_model_params()
+    new = zero1._plain_copies(leaf)[0]
+    assert new is not dsts and len(new) == len(dsts)
+    storages = {b.param_data.untyped_storage().data_ptr() for b in buckets}
+    assert all(d.untyped_storage().data_ptr() in storages for d in new)
+    assert all(torch.equal(d, s) for d, s in zip(new, srcs))

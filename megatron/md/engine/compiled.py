@@ -709,33 +709,25 @@ def fuse_groups(items: list) -> None:
     batches: dict[int, tuple[torch.Tensor, list]] = {}
     for g, targets in items:
         view = g.rows("out", targets) if _stacks(g) else None
-        apart = view is None and _stacks(g) and _one_storage(targets)
-        if view is None and not apart:
+        apart = g.apart("out", targets) if _stacks(g) else None
+        if view is None and apart is None:
             _fuse_group(g, targets)
             continue
-        buf = g.whole(targets[0] if apart else view)
-        batches.setdefault(buf.data_ptr(), (buf, []))[1].append((g, view, targets))
+        buf = g.whole(targets[0] if view is None else view)
+        batches.setdefault(buf.data_ptr(), (buf, []))[1].append((g, view, apart))
     for buf, groups in batches.values():
         flat, size = [], 0
-        for k, (g, view, targets) in enumerate(groups):
+        for k, (g, view, apart) in enumerate(groups):
             w3, s, row, col, o3 = _fuse_operands(g, view)
             if o3 is None:  # a window a member
                 M, N = g.full
-                flat += [w3, s, row, col, (1, M, N), (M * N, N, 1),
-                         tuple(t.storage_offset() for t in targets)]  # fmt: skip
+                flat += [w3, s, row, col, (1, M, N), (M * N, N, 1), apart]
             else:
                 flat += [w3, s, row, col, tuple(o3.shape), o3.stride(), o3.storage_offset()]
             size += g.B * g.L
             if size >= MERGE_ELEMENTS or k == len(groups) - 1:
                 _get("fuse_many", _fuse_many, g.kernels.fallback)(buf, *flat)
                 flat, size = [], 0
-
-
-def _one_storage(targets: list[torch.Tensor]) -> bool:
-    """Whether ``targets`` (contiguous, one dtype) all lie in one storage."""
-    st = targets[0].untyped_storage().data_ptr()
-    return all(t.is_contiguous() and t.dtype == targets[0].dtype
-               and t.untyped_storage().data_ptr() == st for t in targets)  # fmt: skip
 
 
 def _fuse_group(g, targets: list[torch.Tensor]) -> None:

@@ -75,6 +75,13 @@ def radius_shape(shape: tuple[int, int], sphere: str, row_blocks: tuple[int, ...
     return (nb, d_in) if nb else (d_in,)
 
 
+def one_storage(tensors: list[torch.Tensor]) -> bool:
+    """Whether ``tensors`` (each contiguous, one dtype) all lie in one storage."""
+    st = tensors[0].untyped_storage().data_ptr()
+    return all(t.is_contiguous() and t.dtype == tensors[0].dtype
+               and t.untyped_storage().data_ptr() == st for t in tensors)  # fmt: skip
+
+
 def strided_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """``tensors`` (same size, dtype and storage, each contiguous, at evenly spaced ascending
     addresses: same-shape parameters of megatron's flat param and grad buffers) as ONE

@@ -20,6 +20,7 @@ from megatron.md import maps
 from megatron.md.engine.basesteps import BASE_STEPS, muon_scales
 from megatron.md.engine.geometry import (
     norm_count,
+    one_storage,
     qkv_slices,
     radius_shape,
     row_to_block,
@@ -266,11 +267,24 @@ class Group:
         """``tensors`` (one per member, in order) as one (B, L) view of the storage they share
         (``geometry.strided_rows``), or None; looked up again only when an address changes
         (megatron's buffers keep them, so once)."""
+        return self._placed(kind, tensors)[0]
+
+    def apart(self, kind: str, tensors: list[torch.Tensor]) -> tuple[int, ...] | None:
+        """The storage offsets of ``tensors`` where they lie in one storage, each contiguous,
+        but are no strided view of it (``rows`` None: two roles of one shape, their rows
+        interleaved in megatron's buffer); None otherwise. Cached as ``rows``."""
+        return self._placed(kind, tensors)[1]
+
+    def _placed(self, kind: str, tensors: list[torch.Tensor]) -> tuple:
         key = tuple(t.data_ptr() for t in tensors)
         hit = self._rows.get(kind)
         if hit is None or hit[0] != key:
-            hit = self._rows[kind] = (key, strided_rows(tensors))
-        return hit[1]
+            view = strided_rows(tensors)
+            offsets = None
+            if view is None and one_storage(tensors):
+                offsets = tuple(t.storage_offset() for t in tensors)
+            hit = self._rows[kind] = (key, view, offsets)
+        return hit[1:]
 
     def whole(self, view: torch.Tensor) -> torch.Tensor:
         """A 1-D tensor over the whole storage ``view`` lies in (megatron's param buffer:
