@@ -167,6 +167,7 @@ def _fuse_windows(buf, flat: tuple, rescale_fuse: Callable) -> None:
 
 
 def _fuse_window(out, x, s, row, col, rescale_fuse: Callable) -> None:
+    """W = Γ ⊙ Ŵ into ``out``, after the pending rescale ``s`` where there is one."""
     if s is None:
         _fuse(x, row, col, out)
     else:
@@ -251,10 +252,11 @@ WRITES = {**dict.fromkeys(_PHASE1.values(), (0, 2, 3, 7)), _partials: (4, 5), _f
 
 
 def _fuse_many_copies(args: tuple) -> tuple[list, list]:
-    """The first-call check's copies for ``_fuse_many``: the windows it writes laid out one
-    after another in a new buffer (a copy of megatron's whole param buffer would cost its size
-    again at the first step, its fp32 difference twice that), and each Ŵ whose rescale is
-    pending; (the copies' arguments, (name, written tensor, its copy) of each)."""
+    """The first-call check's copies for ``_fuse_many``: the windows it writes (a group's, or
+    each member's) laid out one after another in a new buffer (a copy of megatron's whole
+    param buffer would cost its size again at the first step, its fp32 difference twice
+    that), and each Ŵ whose rescale is pending; (the copies' arguments, (name, written
+    tensor, its copy) of each)."""
     buf, flat = args[0], args[1:]
     items = [flat[i : i + ITEMF] for i in range(0, len(flat), ITEMF)]
     windows = [item[6] if isinstance(item[6], tuple) else (item[6],) for item in items]
@@ -703,13 +705,12 @@ def fuse_groups(items: list) -> None:
     group's kernels take its whole stack (a GPU; ``STACK_ON_CPU``) and its destinations lie in
     one buffer, the groups of a buffer together in one compiled call up to ``MERGE_ELEMENTS``
     (``_fuse_many``), a group's destinations one window of it where they are one strided view,
-    one window a member otherwise (two shapes' roles of one shape group together, their rows
+    one window a member otherwise (two roles of one shape grouped together, their rows
     interleaved in megatron's buffer: a call a member cost ~70 µs of host code each);
     elsewhere one group a call (``_fuse_group``)."""
     batches: dict[int, tuple[torch.Tensor, list]] = {}
     for g, targets in items:
-        view = g.rows("out", targets) if _stacks(g) else None
-        apart = g.apart("out", targets) if _stacks(g) else None
+        view, apart = g.placed("out", targets) if _stacks(g) else (None, None)
         if view is None and apart is None:
             _fuse_group(g, targets)
             continue

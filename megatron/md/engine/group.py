@@ -267,15 +267,12 @@ class Group:
         """``tensors`` (one per member, in order) as one (B, L) view of the storage they share
         (``geometry.strided_rows``), or None; looked up again only when an address changes
         (megatron's buffers keep them, so once)."""
-        return self._placed(kind, tensors)[0]
+        return self.placed(kind, tensors)[0]
 
-    def apart(self, kind: str, tensors: list[torch.Tensor]) -> tuple[int, ...] | None:
-        """The storage offsets of ``tensors`` where they lie in one storage, each contiguous,
-        but are no strided view of it (``rows`` None: two roles of one shape, their rows
-        interleaved in megatron's buffer); None otherwise. Cached as ``rows``."""
-        return self._placed(kind, tensors)[1]
-
-    def _placed(self, kind: str, tensors: list[torch.Tensor]) -> tuple:
+    def placed(self, kind: str, tensors: list[torch.Tensor]) -> tuple:
+        """(``rows``' view or None, the storage offsets of ``tensors`` where they lie in one
+        storage, each contiguous, but are no strided view of it — two roles of one shape,
+        their rows interleaved in megatron's buffer — or None), cached as ``rows``."""
         key = tuple(t.data_ptr() for t in tensors)
         hit = self._rows.get(kind)
         if hit is None or hit[0] != key:
