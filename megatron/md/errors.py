@@ -83,10 +83,15 @@ def wait_for_rank0() -> None:
         time.sleep(0.05)
 
 
+def _said(msg: str, every_rank: bool = False, node: bool = False) -> None:
+    """``say``, or where this rank leaves the refusal to rank 0, ``wait_for_rank0``."""
+    if not say(msg, every_rank, node):
+        wait_for_rank0()
+
+
 def exit_with(msg: str):
     """Say a refusal (``say``) and leave with its status, outside ``one_line``."""
-    if not say(msg):
-        wait_for_rank0()
+    _said(msg)
     raise SystemExit(STATUS)
 
 
@@ -96,8 +101,7 @@ def one_line():
     try:
         yield
     except Refusal as e:
-        if not say(e.msg, e.every_rank, e.node):
-            wait_for_rank0()
+        _said(e.msg, e.every_rank, e.node)
         sys.stdout.flush()
         dist = sys.modules.get("torch.distributed")
         if dist is not None and dist.is_initialized() and dist.get_world_size() > 1:

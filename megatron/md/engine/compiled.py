@@ -83,7 +83,7 @@ def _gain_terms(w, g, col, scratch, need_row: bool):
     return gb, gr
 
 
-def _phase1(w, g, m, v, row, col, hp, scratch, need_row: bool, sphere: str):
+def _phase1(w, g, m, v, row, col, hp, scratch, need_row: bool, sphere):
     """(B, M, N) blocks; ``row`` (B, M, 1), ``col`` (B, 1, N) (0-d ones if absent)."""
     gb, gr = _gain_terms(w, g, col, scratch, need_row)
     w2 = _adam(w, gb * row * col, m, v, hp)
@@ -198,15 +198,14 @@ def _phase1_many(n_parts: int, *args):
             i : i + ITEM1]  # fmt: skip
         B, M, N = w.shape
         P = parts[k].as_strided((B, n), (n, 1), start)
-        gb, gr = _gain_terms(w, g, col, None, need_row)
+        if need_col:  # from Ŵ before ``_phase1``'s Adam writes it
+            c0 = M if need_row else 0
+            P[:, c0 : c0 + N].add_((w * g.to(w.dtype) * row).sum(1))
+        gr, nrm = _phase1(w, g, m, v, row, col, hp, None, need_row, sphere)
         if need_row:
             P[:, :M].add_(gr)
-        if need_col:
-            c0 = M if need_row else 0
-            P[:, c0 : c0 + N].add_((w * gb * row).sum(1))
-        w2 = _adam(w, gb * row * col, m, v, hp)
         if sphere != "none":
-            P[:, n_gain:].add_(_sq_norms(w2, sphere).view(B, -1))
+            P[:, n_gain:].add_(nrm.view(B, -1))
 
 
 _PHASE1 = {"frobenius": _phase1_frobenius, "row": _phase1_row, "row_norm": _phase1_row_norm}
@@ -615,8 +614,7 @@ def _phase1_call(batch: list) -> None:
                  P.storage_offset(), P.shape[1], g.n_gain]  # fmt: skip
     _get("phase1_many", _phase1_many, batch[0][0].kernels.fallback)(len(parts), *parts, *flat)
     for g, P, prep in batch:
-        if prep.sphere == "none" and g.n_norm:  # norm partials the kernel leaves to the group
-            g.norm_partials(P[:, g.n_gain :])
+        _phase1_finish(g, P, prep)  # (no scratch here: the eager norms where the kernel took none)
 
 
 def _partials_group(g, G: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
