@@ -73,6 +73,7 @@ md_check = Batches(
     [
         *[(n, "--dist", "zero1", "--experts", e) for n, e in RANKS_EXPERTS],
         (4, "--dist", "zero1", "--dtype", "bf16"),
+        (2, "--dist", "zero1", "--gain-lr-mult", "0.3"),
         *[(4, "--dist", "zero1", "--sphere", s) for s in ("row", "col")],
         *[(n, *MUON_LW, "--experts", e) for n, e in RANKS_EXPERTS],
         (2, *MUON_LW, "--dtype", "bf16"),
@@ -116,6 +117,14 @@ def test_adam_md_zero1_bf16(nproc):
     check(res, nproc, "bf16")
     assert res["collectives_per_step"] == 1.0
     assert res["extra_collectives"] == md_collectives(res, nproc)
+
+
+def test_adam_md_gains_at_their_own_lr_share_the_vectors_adam():
+    """The gains at 0.3x the LR of the 1-D parameters, both in one multi-tensor Adam (an LR a
+    tensor: engine._GainBatch, base_steps.adam_multi_): every weight as the reference's, which
+    steps each parameter group with its own Adam."""
+    res = md_check(2, "--dist", "zero1", "--gain-lr-mult", "0.3")
+    check(res, 2)
 
 
 @pytest.mark.parametrize("sphere", ["row", "col"])

@@ -689,6 +689,41 @@ def _count_ops(fn) -> tuple[int, int]:
     return Count.n, Count.syncs
 
 
+def test_one_adam_for_the_gains_and_vectors_of_every_parameter_group():
+    """The step's Adam of tensors outside Ŵ (the gains, the 1-D parameters) in parameter
+    groups of other LRs and weight decays: one multi-tensor Adam (one ``_foreach_lerp_``) where
+    each group took one, every tensor bit for bit what its group's own Adam makes; groups of
+    other betas, and LRs that are device tensors (a step a CUDA graph replays), an Adam each."""
+    from megatron.md.base_steps import adam_multi_
+    from megatron.md.engine.engine import _GainBatch
+
+    gen = torch.Generator().manual_seed(5)
+    numbers = [AdamHParams(1e-2), AdamHParams(3e-3, weight_decay=0.1), AdamHParams(2e-2),
+               AdamHParams(1e-2, beta2=0.95)]  # fmt: skip
+    on_device = [AdamHParams(torch.tensor(1e-2)), AdamHParams(torch.tensor(3e-3))]
+    for hps, step, lerps in ((numbers, 3, 2), (on_device, torch.tensor(3.0), 2)):
+        sets = [[[torch.randn(n, generator=gen) for n in (5, 7)] for _ in range(4)] for _ in hps]
+
+        def work():  # (tensor, gradient, exp_avg, exp_avg_sq, hp) of every tensor: copies
+            return [(p.clone(), g, m.clone(), v.abs(), hp) for hp, (ps, gs, ms, vs) in
+                    zip(hps, sets) for p, g, m, v in zip(ps, gs, ms, vs)]  # fmt: skip
+
+        alone = work()
+        for k, hp in enumerate(hps):  # each group its own Adam, as the step ran them before
+            w = alone[2 * k : 2 * k + 2]
+            adam_multi_(*[[x[i] for x in w] for i in range(4)], step, hp)
+        together, batch = work(), _GainBatch()
+        batch.add_plain(together)
+        # numbers: groups 0-2 one Adam, group 3 (other betas) its own; on the device: each its own
+        assert _op_names(lambda: batch.run(step)).count("aten._foreach_lerp_.Scalar") == lerps
+        for a, b in zip(alone, together):
+            for x, y in zip(a[:4], b[:4]):
+                assert torch.equal(x, y)
+    with pytest.raises(ValueError, match="same betas"):
+        adam_multi_([torch.ones(2)] * 2, [torch.ones(2)] * 2, [torch.zeros(2)] * 2,
+                    [torch.zeros(2)] * 2, 1, numbers[2:])  # fmt: skip
+
+
 def _stepped_once(spec, base, shapes):
     """Whole matrices of ``shapes`` on one rank, stepped once (the first step's one-off work);
     returns their next step, to be observed."""
@@ -755,6 +790,22 @@ def test_matrices_in_one_flat_buffer_are_one_view(base, sphere, tangent):
     assert not {op for op, _ in seen} & {"aten._foreach_copy_.default", "aten.copy_.default"}
     for i, (w, _) in enumerate(ref):
         torch.testing.assert_close(at(param_buf, i).view(shape), w, **tol)
+
+
+def _op_names(fn) -> list[str]:
+    """The aten operations ``fn`` dispatches, in order, by name."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    names = []
+
+    class Names(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Names():
+        fn()
+    return names
 
 
 def _ops(fn) -> set[tuple[str, int]]:

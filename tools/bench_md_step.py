@@ -120,6 +120,7 @@ def build(
 
     from megatron.md.config import MDConfig
     from megatron.md.enable import enable_md
+    from megatron.md.leaves import leaf_optimizers
     from megatron.md.testing import megatron_optimizer
 
     d, layers, heads, kv, _ = SHAPES[name]
@@ -145,7 +146,10 @@ def build(
         muon_fp32_matmul_prec="medium" if DEV == "cuda" else "highest",
     )  # fmt: skip
     if md_on:
-        md = MDConfig(adam_layer_wise=optimizer == "adam_lw", fused_step=fused, cuda_graph=graph)
+        ocfg = leaf_optimizers(opt)[0].config
+        md = MDConfig(adam_layer_wise=optimizer == "adam_lw", fused_step=fused, cuda_graph=graph,
+                      # the gains' betas are megatron's --adam-beta1/2 in pretrain_gpt.py
+                      gain_betas=(ocfg.adam_beta1, ocfg.adam_beta2))  # fmt: skip
         enable_md(opt, [dmodel], md)
     gen = torch.Generator(DEV).manual_seed(1)
     for p in dmodel.module.parameters():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -56,14 +57,20 @@ def adam_multi_(
     exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor],
     step: int,
-    hp: AdamHParams,
+    hp: AdamHParams | Sequence[AdamHParams],
 ) -> None:
     """``adam_step_`` on many tensors with multi-tensor (``torch._foreach_*``) ops, called the
     way torch's ``_multi_tensor_adam`` calls them (what ``torch.optim.AdamW`` runs on CUDA):
     bit-identical to it on CUDA and, since CPU foreach ops decompose per tensor, to the
-    single-tensor path on CPU; a few kernel launches in all on GPU."""
+    single-tensor path on CPU; a few kernel launches in all on GPU. ``hp``: one for all, or
+    one per tensor (``merged_hparams``: several parameter groups in one multi-tensor Adam, their
+    LRs and weight decays as the scalar lists torch passes a step size in, the same arithmetic
+    per tensor)."""
     if not params:
         return
+    hps = list(hp) if isinstance(hp, (list, tuple)) else None
+    if hps is not None:
+        return _adam_multi_lists_(params, grads, exp_avgs, exp_avg_sqs, step, hps)
     on_device = isinstance(step, torch.Tensor)  # a step a CUDA graph replays (engine/graph.py)
     if isinstance(hp.weight_decay, torch.Tensor) or hp.weight_decay != 0:
         torch._foreach_mul_(params, 1 - hp.lr * hp.weight_decay)
@@ -91,6 +98,42 @@ def adam_multi_(
     torch._foreach_div_(denom, [bias_correction2**0.5] * n)
     torch._foreach_add_(denom, hp.eps)
     torch._foreach_addcdiv_(params, exp_avgs, denom, [step_size * -1] * n)
+
+
+def merged_hparams(hp: AdamHParams) -> tuple | None:
+    """What Adam steps of several parameter groups must share to run as one
+    (``adam_multi_`` with one ``AdamHParams`` a tensor): the betas and epsilon, with the LR and
+    weight decay Python numbers; None where they are device tensors (a step a CUDA graph
+    replays: each parameter group its own Adam, as before)."""
+    if isinstance(hp.lr, torch.Tensor) or isinstance(hp.weight_decay, torch.Tensor):
+        return None
+    return (hp.beta1, hp.beta2, hp.eps)
+
+
+def _adam_multi_lists_(params, grads, exp_avgs, exp_avg_sqs, step: int, hps: list) -> None:
+    """``adam_multi_``'s Python-number path with an ``AdamHParams`` per tensor: the seven
+    multi-tensor operations of one Adam where each parameter group took seven. A tensor's
+    arithmetic is the one-group path's: the decay factor and step size, per tensor here, are
+    the numbers that path computes (and a scalar list's entry is what a CPU foreach op
+    multiplies by; a decay factor of 1 multiplies exactly)."""
+    shared = {merged_hparams(h) for h in hps}
+    if len(hps) != len(params) or len(shared) != 1 or None in shared:
+        raise ValueError("one Adam over several parameter groups needs an AdamHParams a tensor, "
+                         "the same betas and eps, Python-number LRs and decays")  # fmt: skip
+    hp = hps[0]
+    if any(h.weight_decay != 0 for h in hps):
+        factors = [1 - h.lr * h.weight_decay for h in hps]
+        torch._foreach_mul_(params, factors[0] if len(set(factors)) == 1 else factors)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - hp.beta1)
+    torch._foreach_mul_(exp_avg_sqs, hp.beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - hp.beta2)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    bias_correction1 = 1 - hp.beta1**step
+    bias_correction2 = 1 - hp.beta2**step
+    torch._foreach_div_(denom, [bias_correction2**0.5] * len(params))
+    torch._foreach_add_(denom, hp.eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom,
+                            [(h.lr / bias_correction1) * -1 for h in hps])  # fmt: skip
 
 
 def muon_scale_factor(mode: str, d_out: int, d_in: int, radius=None):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.md.base_steps import AdamHParams, MuonHParams, adam_multi_
+from megatron.md.base_steps import AdamHParams, MuonHParams
 from megatron.md.config import MDConfig
 from megatron.md.engine.engine import Domain, Engine, HParams, Member, reduced_norms
 from megatron.md.engine.graph import DeviceScalars, StepGraph
@@ -251,24 +251,22 @@ class MDInner(torch.optim.Optimizer):
             with self._timer("md-step"):
                 self._device_step(hps)
             return None
-        with self._timer("md-step"):
-            self.engine.step(hps, self._reduce)
-        self._vector_adam([(i, p) for i, p in self._vectors() if p.grad is not None],
-                          self.engine.steps, hps)  # fmt: skip
+        vectors = [(i, p) for i, p in self._vectors() if p.grad is not None]
+        with self._timer("md-step"):  # the 1-D parameters' Adam with the gains'
+            self.engine.step(hps, self._reduce, self._vector_works(vectors, hps))
         if any(s.fp32_mode for s in self.slots.values()):  # W is the main param: now
             with self._timer("md-fuse"):
                 self.engine.fuse(self.outputs(), fp32_mode=True)
         return None
 
-    def _vector_adam(self, vectors: list, step, hps: dict[int, HParams]) -> None:
-        """The 1-D parameters' step (``(group index, param)`` with a gradient): torch AdamW's
-        arithmetic, one multi-tensor Adam per parameter group."""
-        works: dict[int, list] = {}
+    def _vector_works(self, vectors: list, hps: dict[int, HParams]) -> list[tuple]:
+        """The 1-D parameters' Adam (``(group index, param)`` with a gradient) as the engine's
+        ``extra`` steps: torch AdamW's arithmetic, in the gains' multi-tensor Adam."""
+        out = []
         for i, p in vectors:
             st = self.state[p]
-            works.setdefault(i, []).append((p, p.grad, st["exp_avg"], st["exp_avg_sq"]))
-        for i, w in works.items():
-            adam_multi_(*map(list, zip(*w)), step, hps[i].adam)
+            out.append((p, p.grad, st["exp_avg"], st["exp_avg_sq"], hps[i].adam))
+        return out
 
     # ---- the step with its changing numbers on the device (--md-cuda-graph) ----
     def use_cuda_graph(self, graph: bool = True) -> None:
@@ -295,8 +293,7 @@ class MDInner(torch.optim.Optimizer):
                 for g in self.engine.groups:  # φ(ĝ) from this step's kernels, not a cached
                     g.settle()  # tensor the graph would outlive
                     g.gains_changed()
-                self.engine.run(dev, self._reduce, step)
-                self._vector_adam(vectors, step, dev)
+                self.engine.run(dev, self._reduce, step, self._vector_works(vectors, dev))
                 if self.slots:
                     self.engine.fuse(outs)
             finally:

@@ -86,6 +86,12 @@ def parse(argv=None):
     )
     ap.add_argument("--cp", type=int, default=1, help="context-parallel size (DP = W / cp)")
     ap.add_argument(
+        "--gain-lr-mult",
+        type=float,
+        default=1.0,
+        help="MDConfig.gain_lr_mult: the gains' LR apart from the 1-D parameters' (one Adam)",
+    )
+    ap.add_argument(
         "--instances", type=int, default=1, help="--num-distributed-optimizer-instances (ZeRO-1)"
     )
     ap.add_argument(
@@ -131,6 +137,7 @@ def md_config(args):
         fused_step="on" if args.fused_step else "off",
         cuda_graph=args.cuda_graph,
         split_qkv=args.split_qkv,  # AdamMD splits too (pretrain_gpt.py's --muon-split-qkv)
+        gain_lr_mult=getattr(args, "gain_lr_mult", 1.0),  # (md_tp_check.py's jobs have none)
     )
 
 
