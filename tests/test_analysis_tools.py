@@ -580,6 +580,22 @@ def test_bench_dispatch_counts(tmp_path):
     assert res["adam_md/adam"]["flop_ratio"] is None
 
 
+def test_the_merged_run_raises_the_merge_limit_while_its_pair_steps():
+    """bench_md_step's ``adam_md_merged`` (the GPU check's 181M row: phase 1 and the fuse one
+    compiled call each): MERGE_ELEMENTS 2^28 while its pair steps, as it was after."""
+    import bench_md_step
+
+    from megatron.md.engine import compiled
+
+    saved = compiled.MERGE_ELEMENTS
+    assert bench_md_step.PAIRS["adam_md_merged/adam"] == ("adam", "adam_md_merged")
+    with bench_md_step.merge_limit(bench_md_step.MERGED_ELEMENTS):
+        assert compiled.MERGE_ELEMENTS == 1 << 28 == 4 * saved
+    with bench_md_step.merge_limit(None):
+        assert compiled.MERGE_ELEMENTS == saved
+    assert compiled.MERGE_ELEMENTS == saved
+
+
 def test_dispatch_count_takes_a_compiled_call_as_one_op():
     """bench_dispatch --fused-step on: a compiled MD kernel's call counts as one operation
     (dynamo cannot run under the counter: the call runs its function unseen), with the kernel's

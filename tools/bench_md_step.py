@@ -12,6 +12,9 @@ with megatron-core's own optimizers and ``enable_md``:
 - MuonMD / Muon layer-wise (``LayerWiseDistributedOptimizer``, Adam for embeddings/LM head),
   likewise as a user gets it (``muon_md``: compiled on a GPU at these sizes, eager on a CPU),
   eager (``muon_md_eager``) and compiled (``muon_md_fused``);
+- AdamMD with each step's phase 1 and fuse merged over more groups (``adam_md_merged``:
+  ``compiled.MERGE_ELEMENTS`` 2^28, one call each at 181M where the default's 2^26 makes two;
+  the merged calls exist where the kernels take whole stacks, a GPU) / Adam;
 - AdamMD layer-wise (``--md-adam-layer-wise``) / AdamMD ZeRO-1: the two sharding strategies;
 - optimizer-state bytes with MD / without, bf16 params (fp32 main params held by megatron).
 
@@ -34,6 +37,7 @@ world size; ``--world 1 2 4`` runs the ladder
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -463,13 +467,32 @@ PAIRS = {
     "adam_md layer-wise/zero1": ("adam_md", "adam_lw_md"),
     "adam_md_graph/adam": ("adam", "adam_md_graph"),
     "muon_md_graph/muon": ("muon", "muon_md_graph"),
+    "adam_md_merged/adam": ("adam", "adam_md_merged"),
 }
+#: ``adam_md_merged``'s ``compiled.MERGE_ELEMENTS`` (the default's 4x: 181M's embedding and LM
+#: head, 2^26 elements each, no longer split its phase 1 and its fuse into two calls each)
+MERGED_ELEMENTS = 1 << 28
 #: adam/muon as megatron builds them, ``_md``: with MD as a user gets it (--md-fused-step auto);
 #: ``_md_eager`` / ``_md_fused``: the eager step / the compiled kernels; ``_md_graph``: the
-#: default step replayed from a CUDA graph (--md-cuda-graph, GPU only); adam_lw_md = AdamMD
-#: layer-wise
+#: default step replayed from a CUDA graph (--md-cuda-graph, GPU only); ``_md_merged``: the
+#: default step with ``MERGED_ELEMENTS``; adam_lw_md = AdamMD layer-wise
 RUNS = ["adam", "adam_md", "adam_md_eager", "adam_md_fused", "muon", "muon_md", "muon_md_eager",
-        "muon_md_fused", "adam_lw_md", "adam_md_graph", "muon_md_graph"]  # fmt: skip
+        "muon_md_fused", "adam_lw_md", "adam_md_graph", "muon_md_graph",
+        "adam_md_merged"]  # fmt: skip
+
+
+@contextlib.contextmanager
+def merge_limit(elements: int | None):
+    """``compiled.MERGE_ELEMENTS`` set to ``elements`` (None: as it is) while a pair steps (the
+    base in it has no MD step to read it)."""
+    from megatron.md.engine import compiled
+
+    saved = compiled.MERGE_ELEMENTS
+    compiled.MERGE_ELEMENTS = elements or saved
+    try:
+        yield
+    finally:
+        compiled.MERGE_ELEMENTS = saved
 
 
 def measure(name: str, dtype: str, args, rank: int) -> dict:
@@ -489,7 +512,8 @@ def measure(name: str, dtype: str, args, rank: int) -> dict:
                                       graph=run.endswith("_graph"))  # fmt: skip
             models.append(dmodel)
             log(rank, f"{name} {dtype} {run}: built in {time.perf_counter() - t0:.1f} s")
-        got = time_interleaved(opts, args.steps)
+        with merge_limit(MERGED_ELEMENTS if "adam_md_merged" in pair else None):
+            got = time_interleaved(opts, args.steps)
         if "adam_md" in pair and "bytes" not in row:  # the payload of its last step
             row["bytes"] = collective_bytes(models[pair.index("adam_md")], opts["adam_md"])
         for run, t in got.items():
@@ -540,7 +564,8 @@ def main(argv=None) -> None:
                     default=["bf16" if DEV == "cuda" else "fp32"])  # fmt: skip
     ap.add_argument("--runs", nargs="+", choices=RUNS,
                     default=[r for r in RUNS
-                             if not r.startswith("muon_md_") and not r.endswith("_graph")],
+                             if not r.startswith("muon_md_")
+                             and not r.endswith(("_graph", "_merged"))],
                     help="which optimizer builds to time (ratios need both of a pair)")  # fmt: skip
     ap.add_argument("--world", type=int, nargs="+", help="world sizes to run in turn (ladder)")
     ap.add_argument("--tp", type=int, default=1,

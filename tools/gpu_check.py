@@ -171,12 +171,16 @@ def plan() -> list[Step]:
         # the default step replayed from a CUDA graph (--md-cuda-graph) at the launch-bound
         # size, against the base; the step-cost rows above are the same step without it (the
         # eager step beside the compiled one: H200, 2026-11-26, docs/benchmarks.md; run
-        # bench_md_step.py --runs adam adam_md_eager muon muon_md_eager to see it again)
+        # bench_md_step.py --runs adam adam_md_eager muon muon_md_eager to see it again);
+        # and AdamMD's phase 1 and fuse one compiled call each (adam_md_merged: 2 calls a
+        # step at 181M, 4 by default) - whether the ~2.4 GB more its first step's check
+        # copies buy host time worth having
         Step("step-cost", "tools/bench_md_step.py",
              ["--model", "181M", "--world", "1", "--dtype", "bf16", "--steps", "8",
-              "--runs", "adam", "adam_md_graph", "muon", "muon_md_graph",
+              "--runs", "adam", "adam_md_graph", "adam_md_merged", "muon", "muon_md_graph",
               "--json", "{out}/step_graph.json"], 120, shows=STEP_COST_LINES,
-             notes=["the MD step replayed from a CUDA graph (*_md_graph, --md-cuda-graph)"]),
+             notes=["the MD step replayed from a CUDA graph (*_md_graph, --md-cuda-graph); "
+                    "adam_md_merged: compiled.MERGE_ELEMENTS 2^28"]),
         # where one step's time goes, base against MD: at 181M whether AdamMD's compiled step
         # is host-bound (wall time against kernel time), at 1.29B which kernels make MuonMD's
         # step (the H100, 2026-11-26: a batched dot as a cuBLAS mat-vec, 34 of 138 ms; gone)
