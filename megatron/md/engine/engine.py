@@ -501,13 +501,19 @@ class _GainBatch:
             raws = [self.works[i][0] for i in idx]
             for i, gr in zip(idx, torch._foreach_mul([grads[i] for i in idx], unary(raws))):
                 grads[i] = gr
+        # a parameter group's tensors share one AdamHParams: its set looked up once a step
+        keys: dict[int, tuple] = {}
         sets: dict[tuple, list[int]] = {}
         for i, w in enumerate(self.works):
-            shared = merged_hparams(w[4])
-            sets.setdefault(("device", _key(w[4])) if shared is None else shared, []).append(i)
+            key = keys.get(id(w[4]))
+            if key is None:
+                shared = merged_hparams(w[4])
+                key = keys[id(w[4])] = ("device", _key(w[4])) if shared is None else shared
+            sets.setdefault(key, []).append(i)
         for key, idx in sets.items():
             hps = [self.works[i][4] for i in idx]
-            one = key[0] == "device" or len({_key(h) for h in hps}) == 1
+            distinct = {id(h): h for h in hps}.values()
+            one = key[0] == "device" or len({_key(h) for h in distinct}) == 1
             adam_multi_([self.works[i][0] for i in idx], [grads[i] for i in idx],
                         [self.works[i][2] for i in idx], [self.works[i][3] for i in idx],
                         step, hps[0] if one else hps)  # fmt: skip
