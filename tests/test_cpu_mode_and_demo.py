@@ -28,6 +28,11 @@ def test_cpu_mode_redirects_devices_and_types():
     assert x.type() == "torch.cuda.FloatTensor"
     assert x.cuda() is x
     assert torch.cuda.device_count() == 1
+    # calls without keyword arguments, which skip the rewriting unless their function is one
+    # it rewrites (``cpu_mode._SPECIAL``)
+    assert x.to("cuda").device.type == "cpu" and x.to(0).device.type == "cpu"
+    assert x.pin_memory() is x
+    assert x.type("torch.cuda.DoubleTensor").dtype == torch.float64
 
 
 def test_cpu_mode_resolves_onemkls_vector_math_before_any_parallel_call(monkeypatch):
