@@ -68,11 +68,16 @@ def adam_multi_(
     per tensor)."""
     if not params:
         return
-    hps = list(hp) if isinstance(hp, (list, tuple)) else None
-    if hps is not None:
-        return _adam_multi_lists_(params, grads, exp_avgs, exp_avg_sqs, step, hps)
+    n = len(params)
+    lrs = wds = None  # per tensor, where ``hp`` is a list
+    if isinstance(hp, (list, tuple)):
+        hp, lrs, wds = _per_tensor(hp, n)
     on_device = isinstance(step, torch.Tensor)  # a step a CUDA graph replays (engine/graph.py)
-    if isinstance(hp.weight_decay, torch.Tensor) or hp.weight_decay != 0:
+    if lrs is not None:
+        if any(wd != 0 for wd in wds):
+            factors = [1 - lr * wd for lr, wd in zip(lrs, wds)]
+            torch._foreach_mul_(params, factors[0] if len(set(factors)) == 1 else factors)
+    elif isinstance(hp.weight_decay, torch.Tensor) or hp.weight_decay != 0:
         torch._foreach_mul_(params, 1 - hp.lr * hp.weight_decay)
     torch._foreach_lerp_(exp_avgs, grads, 1 - hp.beta1)
     torch._foreach_mul_(exp_avg_sqs, hp.beta2)
@@ -91,13 +96,15 @@ def adam_multi_(
         return
     bias_correction1 = 1 - hp.beta1**step
     bias_correction2 = 1 - hp.beta2**step
-    step_size = hp.lr / bias_correction1
     # scalar lists, as torch passes them: on CUDA ``_foreach_div_`` by a list rounds
     # differently from by a scalar (up to 1 ulp, measured on an H100, torch 2.11)
-    n = len(params)
     torch._foreach_div_(denom, [bias_correction2**0.5] * n)
     torch._foreach_add_(denom, hp.eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denom, [step_size * -1] * n)
+    if lrs is None:
+        step_sizes = [(hp.lr / bias_correction1) * -1] * n
+    else:  # each tensor's number as its own group's path computes it
+        step_sizes = [(lr / bias_correction1) * -1 for lr in lrs]
+    torch._foreach_addcdiv_(params, exp_avgs, denom, step_sizes)
 
 
 def merged_hparams(hp: AdamHParams) -> tuple | None:
@@ -110,30 +117,17 @@ def merged_hparams(hp: AdamHParams) -> tuple | None:
     return (hp.beta1, hp.beta2, hp.eps)
 
 
-def _adam_multi_lists_(params, grads, exp_avgs, exp_avg_sqs, step: int, hps: list) -> None:
-    """``adam_multi_``'s Python-number path with an ``AdamHParams`` per tensor: the seven
-    multi-tensor operations of one Adam where each parameter group took seven. A tensor's
-    arithmetic is the one-group path's: the decay factor and step size, per tensor here, are
-    the numbers that path computes (and a scalar list's entry is what a CPU foreach op
-    multiplies by; a decay factor of 1 multiplies exactly)."""
-    shared = {merged_hparams(h) for h in hps}
-    if len(hps) != len(params) or len(shared) != 1 or None in shared:
+def _per_tensor(hps: Sequence[AdamHParams], n: int) -> tuple[AdamHParams, list, list]:
+    """``adam_multi_``'s ``hp`` given one a tensor: (one of them for the shared numbers, the
+    LRs, the weight decays), checked once per distinct object (a parameter group's tensors
+    share one). A decay factor of 1 multiplies exactly, and a scalar list's entry is what a
+    foreach op multiplies by: each tensor's arithmetic is its own group's Adam's."""
+    distinct = {id(h): h for h in hps}.values()
+    shared = {merged_hparams(h) for h in distinct}
+    if len(hps) != n or len(shared) != 1 or None in shared:
         raise ValueError("one Adam over several parameter groups needs an AdamHParams a tensor, "
                          "the same betas and eps, Python-number LRs and decays")  # fmt: skip
-    hp = hps[0]
-    if any(h.weight_decay != 0 for h in hps):
-        factors = [1 - h.lr * h.weight_decay for h in hps]
-        torch._foreach_mul_(params, factors[0] if len(set(factors)) == 1 else factors)
-    torch._foreach_lerp_(exp_avgs, grads, 1 - hp.beta1)
-    torch._foreach_mul_(exp_avg_sqs, hp.beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - hp.beta2)
-    denom = torch._foreach_sqrt(exp_avg_sqs)
-    bias_correction1 = 1 - hp.beta1**step
-    bias_correction2 = 1 - hp.beta2**step
-    torch._foreach_div_(denom, [bias_correction2**0.5] * len(params))
-    torch._foreach_add_(denom, hp.eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denom,
-                            [(h.lr / bias_correction1) * -1 for h in hps])  # fmt: skip
+    return hps[0], [h.lr for h in hps], [h.weight_decay for h in hps]
 
 
 def muon_scale_factor(mode: str, d_out: int, d_in: int, radius=None):

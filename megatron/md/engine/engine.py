@@ -511,12 +511,11 @@ class _GainBatch:
                 key = keys[id(w[4])] = ("device", _key(w[4])) if shared is None else shared
             sets.setdefault(key, []).append(i)
         for key, idx in sets.items():
+            # an AdamHParams a tensor (where all agree: one group's Adam, the same numbers)
             hps = [self.works[i][4] for i in idx]
-            distinct = {id(h): h for h in hps}.values()
-            one = key[0] == "device" or len({_key(h) for h in distinct}) == 1
             adam_multi_([self.works[i][0] for i in idx], [grads[i] for i in idx],
                         [self.works[i][2] for i in idx], [self.works[i][3] for i in idx],
-                        step, hps[0] if one else hps)  # fmt: skip
+                        step, hps[0] if key[0] == "device" else hps)  # fmt: skip
         floor = [w[0] for w in self.works if w[6] == "direct-floor"]
         if floor:
             torch._foreach_clamp_min_(floor, GAIN_FLOOR)
