@@ -659,6 +659,137 @@ def test_launch_count_leaves_out_views_host_reads_and_step_counters():
     assert launches(lambda: compiled._get("fuse", compiled._fuse)(x3, row, col, x3)) == 1
 
 
+def _phase1_many_args() -> tuple:
+    """``compiled._phase1_many``'s arguments for two small groups: column and row gains with a
+    Frobenius sphere (2 × 8 × 16), row gains with a row sphere (3 × 4 × 8), one partial
+    buffer."""
+    import torch
+
+    from megatron.md.engine import compiled
+
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.rand(shape, generator=gen) + 0.5
+
+    hp = torch.tensor([1e-3, 1.0, 0.1, 0.999, 1e-3, 1e-8])
+    parts = torch.zeros(2 * 25 + 3 * 8)
+    one = torch.ones(())
+    g1 = [rand(2, 8, 16), rand(2, 8, 16), rand(2, 8, 16), rand(2, 8, 16), rand(2, 8, 1),
+          rand(2, 1, 16), hp, True, True, "frobenius", 0, 0, 25, 24]  # fmt: skip
+    g2 = [rand(3, 4, 8), rand(3, 4, 8), rand(3, 4, 8), rand(3, 4, 8), rand(3, 4, 1), one, hp,
+          True, False, "row", 0, 50, 8, 4]  # fmt: skip
+    assert len(g1) == len(g2) == compiled.ITEM1
+    return (1, parts, *g1, *g2)
+
+
+def test_gpu_launches_of_a_multi_tensor_op_follow_multi_tensor_apply():
+    """``--gpu-launches``: a multi-tensor op launches as torch's ``multi_tensor_apply`` does on
+    a GPU (up to 320 chunks of 65536 elements and, by depth, 110/64/48/36/30 tensors a launch):
+    megatron's Adam's two ``_foreach_addcdiv_`` at the 181M shapes (vocab 131072) 9 + 1
+    launches, the 10 ``multi_tensor_apply_kernel`` the H200's profile listed (2026-12-04,
+    docs/benchmarks/2026-12-04-h200.md); off its fast path (tensors of two dtypes) one a
+    tensor; ``_foreach_norm`` its cleanup kernel more; a compiled call its Triton kernels
+    (``test_triton_kernels_match_the_cpu_compile``)."""
+    import bench_dispatch
+    import torch
+
+    chunk = bench_dispatch.MTA_CHUNK
+    layer = [1024 * 512, 512 * 512, 4096 * 512, 512 * 2048]  # QKV, proj, fc1, fc2 (181M)
+    decay = [131072 * 512, *layer * 12, 131072 * 512]
+    assert bench_dispatch.mta_launches(decay, 3, scalar_list=True) == 9
+    assert bench_dispatch.mta_launches([512] * 25, 3, scalar_list=True) == 1
+    assert bench_dispatch.mta_launches([10] * 75, 3) == 2  # 48 tensors a launch at depth 3
+    assert bench_dispatch.mta_launches([10] * 110, 1) == 1
+    assert bench_dispatch.mta_launches([320 * chunk, 1], 1) == 2  # 320 chunks fill a launch
+    assert bench_dispatch.mta_launches([0, 5, 0], 2) == 1  # empty tensors take no chunk
+
+    def launches(f):
+        return bench_dispatch.count(f, gpu=True)[5]
+
+    xs = [torch.zeros(10) for _ in range(75)]
+    assert launches(lambda: torch._foreach_addcmul_(xs, xs, xs)) == 2
+    assert launches(lambda: torch._foreach_mul_(xs, 2.0)) == 1
+    mixed = [torch.zeros(3), torch.zeros(3, dtype=torch.float64)]
+    assert launches(lambda: torch._foreach_mul_(mixed, 2.0)) == 2
+    assert launches(lambda: torch._foreach_norm(xs)) == 2
+    # a compiled MD call: its Triton kernels (one launch without --gpu-launches)
+    from megatron.md.engine import compiled
+
+    args = _phase1_many_args()
+    call = lambda: compiled._get("phase1_many", compiled._phase1_many)(*args)  # noqa: E731
+    assert launches(call) == 5 and bench_dispatch.count(call)[5] == 1
+    with pytest.raises(SystemExit):  # the compiled step's kernels only: --fused-step on
+        bench_dispatch.main(["--gpu-launches"])
+
+
+def test_triton_kernels_match_the_cpu_compile():
+    """tools/triton_kernels.py: a compiled MD call's Triton kernels, generated here for an
+    H100. Its path (make_fx, then AOT autograd and inductor on fake tensors laid out as the
+    real arguments) writes the C++ kernels torch.compile writes for the same call on a CPU,
+    names aside (AdamMD's merged phase 1 of two groups: column gains and a Frobenius sphere,
+    row gains and a row sphere); for CUDA, the fuse of a stack is one pointwise kernel, the
+    phase 1 five (torch 2.15.0): the first group's column sums (one reduction at this size; a
+    split reduction, two, at 181M's), its row pass (Adam, the row partials, the norms' row
+    partials), those summed per matrix, the second group's row pass, and its row norms added
+    into the partials (a pointwise kernel of its own)."""
+    import re
+
+    import torch
+    import triton_kernels
+    from torch._inductor.graph import GraphLowering
+
+    from megatron.md.engine import compiled
+
+    before = [getattr(o, a) for o, a, _ in triton_kernels._seams()]
+    inherited = [a for o, a, _ in triton_kernels._seams() if a not in vars(o)]
+    args = _phase1_many_args()
+
+    def phase1(*a):  # a code object of its own: dynamo compiles it here, whatever ran before
+        return compiled._phase1_many(*a)
+
+    seen = []
+    saved = GraphLowering.save_output_code
+    GraphLowering.save_output_code = staticmethod(seen.append)
+    try:
+        # the default stance: CPU mode runs torch.compile'd functions eagerly elsewhere
+        with (
+            torch._inductor.config.patch(fx_graph_cache=False),
+            torch.compiler.set_stance("default"),
+        ):
+            torch.compile(phase1, dynamic=False, fullgraph=True)(*args)
+    finally:
+        GraphLowering.save_output_code = saved
+    mine = triton_kernels.wrapper_code(compiled._phase1_many, args, "cpu")
+
+    def kernels(code):  # the C++ source, the names of buffers, arguments and kernels aside
+        code = code[code.index("cpp_fused") : code.index("async_compile.wait")]
+        return re.sub(r"\b(arg|buf|in_ptr|out_ptr|tmp|x|cpp_fused)\w*", "_", code)
+
+    assert seen and kernels(mine) == kernels(seen[-1])
+    assert len(triton_kernels.launches(mine)) == 1  # a CPU: one C++ function of loops
+    got = triton_kernels.kernels_of(compiled._phase1_many, args)
+    assert len(got) == 5 and all(k.startswith("triton_") for k in got), got
+    x, row, col, out = (
+        torch.ones(2, 8, 16),
+        torch.ones(2, 8, 1),
+        torch.ones(2, 1, 16),
+        torch.empty(2, 8, 16),
+    )
+    fuse = triton_kernels.kernels_of(compiled._fuse, (x, row, col, out))
+    assert len(fuse) == 1 and fuse[0].startswith("triton_poi_"), fuse
+    # a constant made in the graph (no row gains: the row partials a 0-d zero) is folded on the
+    # CPU, the generated code's still CUDA's: one kernel (Adam, the norms' row partials), one
+    # to sum them per matrix, one to fill the zero the call returns
+    hp = args[8]
+    one_group = (x, x.clone(), x.clone(), x.clone(), torch.ones(()), col, hp, None, False)
+    got = triton_kernels.kernels_of(compiled._phase1_frobenius, one_group)
+    assert len(got) == 3 and got[2].startswith("triton_poi_fused_new_zeros"), got
+    # every seam restored, an inherited attribute deleted again (not left set on the class)
+    assert [getattr(o, a) for o, a, _ in triton_kernels._seams()] == before
+    assert inherited == [a for o, a, _ in triton_kernels._seams() if a not in vars(o)]
+
+
 def test_matmul_flops_count_by_dtype():
     """bench_dispatch.count's matrix-product FLOPs: 2·m·n·k per product (batched: times the
     batch; matrix-vector: 2·m·k), keyed by the factors' dtype; an elementwise op adds none."""

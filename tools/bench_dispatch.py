@@ -11,10 +11,12 @@ optimizer and with MD, at 12 and 24 layers:
 - kernel launches per step, base and MD: the operations a GPU runs as kernels — not views,
   allocations, host reads, Python numbers made tensors, nor the host-side step counters (torch's
   Adam's ``state["step"]`` and MD's, CPU tensors on a GPU too); a multi-tensor (``_foreach``)
-  operation and a compiled MD call count as one (on a GPU a multi-tensor operation launches one
-  kernel per chunk of tensors, more at scale; each compiled MD call was one Triton kernel in the
-  H200's profile, 2026-12-04). The host cost a launch-bound GPU step pays, which the operation
-  count blurs (base Adam's 150 reads of its CPU step counts are operations, not launches);
+  operation and a compiled MD call count as one, or with ``--gpu-launches`` as a GPU launches
+  them: a multi-tensor operation once per ``multi_tensor_apply`` launch (``foreach_launches``),
+  a compiled call once per Triton kernel inductor makes of it (``triton_kernels.py``: a merged
+  call of several groups is tens). The host cost a launch-bound GPU step pays, which the
+  operation count blurs (base Adam's 150 reads of its CPU step counts are operations, not
+  launches);
 - host synchronizations (``.item()``, ``int(tensor)``, ``.tolist()``: aten's
   ``_local_scalar_dense``) in the step, base and MD, and of MD's those its own code issues
   (the rest are megatron's: its gradient norm reads two);
@@ -35,7 +37,8 @@ step as a GPU runs it at scale (its default there), each kernel call one operati
 (docs/benchmarks.md): AdamMD/Adam ≤ 1.15, MuonMD/Muon ≤ 1.00, ≤ 4 extra operations per added
 matrix.
 
-    python tools/bench_dispatch.py [--width 128] [--layers 12 24] [--rounds 30]
+    python tools/bench_dispatch.py [--hidden-size 128] [--num-layers 12 24] [--rounds 30]
+        [--fused-step on [--gpu-launches]] [--model 181M --vocab-size 131072]
 """
 
 from __future__ import annotations
@@ -97,6 +100,61 @@ HOST_OPS = {_aten._local_scalar_dense.default, _aten.lift_fresh.default,
             _aten.scalar_tensor.default}  # fmt: skip
 
 
+#: torch's ``multi_tensor_apply`` (ATen/native/cuda/MultiTensorApply.cuh): a launch takes up to
+#: this many tensors (by depth: the tensor lists it reads and writes; with a list of scalars
+#: the second row) and 320 chunks of 65536 elements
+MTA_TENSORS = ((110, 64, 48, 36, 30), (96, 64, 48, 36, 30))
+MTA_BLOCKS, MTA_CHUNK = 320, 65536
+
+
+def mta_launches(numels: list[int], depth: int, scalar_list: bool = False) -> int:
+    """The kernels one multi-tensor operation launches on a GPU: ``multi_tensor_apply``'s loop,
+    a launch whenever its tensors or chunks are full, and after the last chunk (at 181M the
+    H200's profile showed 10 for megatron's Adam's two ``_foreach_addcdiv_``: this gives 9 + 1)."""
+    cap = MTA_TENSORS[scalar_list][min(depth, 5) - 1]
+    live = [n for n in numels if n]
+    launches = tensors = blocks = 0
+    for t, n in enumerate(live):
+        tensors += 1
+        chunks = -(-n // MTA_CHUNK)
+        for c in range(chunks):
+            blocks += 1
+            last = c == chunks - 1
+            if (tensors == cap and last) or blocks == MTA_BLOCKS or (last and t == len(live) - 1):
+                launches += 1
+                blocks = 0
+                tensors = 0 if last else 1  # a tensor cut between launches starts the next
+    return launches
+
+
+def foreach_launches(func, args, kwargs) -> int | None:
+    """A ``_foreach_*`` operation's kernel launches on a GPU (None for another operation):
+    ``mta_launches`` on its fast path (every list's tensors dense, of one dtype and device, the
+    lists' strides alike), one a tensor off it (torch's per-tensor loop); ``_foreach_norm``
+    one more (its cleanup kernel)."""
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
+
+    name = func.name().split("::")[-1].split(".")[0]
+    if not name.startswith("_foreach_"):
+        return None
+    leaves = list(args) + list((kwargs or {}).values())
+    lists = [a for a in leaves if isinstance(a, (list, tuple)) and a
+             and all(isinstance(t, torch.Tensor) for t in a)]  # fmt: skip
+    if not lists:
+        return None
+    scalar_list = any(isinstance(a, (list, tuple)) and a and not isinstance(a[0], torch.Tensor)
+                      for a in leaves)  # fmt: skip
+    first = lists[0]
+    fast = all(
+        dense(t) and t.dtype == lst[0].dtype and t.device == lst[0].device
+        and t.stride() == first[i].stride() for lst in lists for i, t in enumerate(lst)
+    )  # fmt: skip
+    if not fast:
+        return sum(1 for t in first if t.numel())
+    depth = len(lists) + (not name.endswith("_") and name != "_foreach_norm")
+    return mta_launches([t.numel() for t in first], depth, scalar_list) + (name == "_foreach_norm")
+
+
 def host_counters(opt) -> set[int]:
     """ids of the step counters a GPU keeps on the host: torch's Adam's ``state["step"]`` of
     every leaf, MD's engine's (shared into those states)."""
@@ -114,7 +172,7 @@ def host_counters(opt) -> set[int]:
     return out
 
 
-def count(step, host: set[int] = frozenset()) -> tuple[int, int, int, int, dict, int]:
+def count(step, host: set[int] = frozenset(), gpu: bool = False) -> tuple:
     """(aten operations dispatched by ``step()``, of which host reads of a tensor, of which
     issued by MD's own code: a frame of megatron/md/ other than the CPU mode's redirection;
     bytes the operations read and write: every tensor argument and result of an operation that
@@ -122,7 +180,9 @@ def count(step, host: set[int] = frozenset()) -> tuple[int, int, int, int, dict,
     the step if nothing were fused or cached — the proxy of a bandwidth-bound step, as
     operations are of a launch-bound one; matrix-product FLOPs by the factors' dtype — the
     compute of a compute-bound step, Muon's Newton–Schulz at scale; kernel launches, as the
-    module says: ``host`` the ids of the host-side step counters)."""
+    module says: ``host`` the ids of the host-side step counters; compiled MD calls). ``gpu``:
+    the launches a GPU makes (``--gpu-launches``): a multi-tensor operation's
+    ``foreach_launches``, a compiled call's Triton kernels (``triton_kernels.py``)."""
     import traceback
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -152,7 +212,9 @@ def count(step, host: set[int] = frozenset()) -> tuple[int, int, int, int, dict,
                 made.add(id(out))
                 kept.append(out)  # alive while counting: its id is not another tensor's
             launched = not (func.is_view or func in NO_TRAFFIC or func in HOST_OPS or on_host)
-            Count.launches += launched and func.namespace != "profiler"
+            if launched and func.namespace != "profiler":
+                many = foreach_launches(func, args, kwargs) if gpu else None
+                Count.launches += 1 if many is None else many
             if func.is_view or func in NO_TRAFFIC:
                 pass
             elif func in WRITE_ONLY:  # the argument gives a shape, dtype and device
@@ -163,8 +225,13 @@ def count(step, host: set[int] = frozenset()) -> tuple[int, int, int, int, dict,
 
     with Count(), _kernels_as_one_op() as calls:
         step()
+    kernels = calls[0]
+    if gpu:  # after the step: inductor's code generation is not for the counter to see
+        import triton_kernels
+
+        kernels = sum(len(triton_kernels.kernels_of(fn, a)) for fn, a in calls[2])
     return (Count.ops + calls[0], Count.syncs, Count.md_syncs, Count.moved + calls[1],
-            Count.flops, Count.launches + calls[0])  # fmt: skip
+            Count.flops, Count.launches + kernels, calls[0])  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -180,11 +247,12 @@ def _kernels_as_one_op():
 
     from megatron.md.engine import compiled
 
-    calls, real = [0, 0], compiled._get  # calls, bytes
+    calls, real = [0, 0, []], compiled._get  # calls, bytes, (function, arguments) of each
 
     def stub(name, fn, fallback: bool = False):  # no check to fall back from
         def call(*args):
             calls[0] += 1
+            calls[2].append((fn, args))
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             before = [t._version for t in tensors]
             with no_dispatch():
@@ -202,12 +270,18 @@ def _kernels_as_one_op():
         compiled._get = real
 
 
-def build(width: int, layers: int, run: str, vocab: int, fused: str = "auto"):
-    """megatron's optimizer of the shape model (``bench_md_step.shape_model``); the base Adam
-    multi-tensor, as on a GPU."""
+def build(width: int, layers: int, run: str, vocab: int, fused: str = "auto",
+          model: str | None = None):  # fmt: skip
+    """megatron's optimizer of the shape model (``bench_md_step.shape_model``): one head and
+    query group of 128, an MLP of 4 ``width``, or ``model``'s shapes (a ``bench_md_step`` size)
+    at ``layers``; the base Adam multi-tensor, as on a GPU."""
     from megatron.md.leaves import leaf_optimizers
 
-    bench.SHAPES["dispatch"] = (width, layers, 1, 1, 4 * width)
+    if model is None:
+        bench.SHAPES["dispatch"] = (width, layers, 1, 1, 4 * width)
+    else:
+        d, _, heads, kv, ff = bench.SHAPES[model]
+        bench.SHAPES["dispatch"] = (d, layers, heads, kv, ff)
     opt_name, md_on = run.split("_md")[0], "_md" in run
     dtype = "bf16" if bench.DEV == "cuda" else "fp32"
     _, opt = bench.build("dispatch", opt_name, md_on, dtype, vocab, fused=fused)
@@ -233,10 +307,13 @@ def measure(args) -> dict:
         got = {}
         for layers in args.num_layers:
             opts = {
-                run: build(args.hidden_size, layers, run, args.vocab_size, args.fused_step)
+                run: build(
+                    args.hidden_size, layers, run, args.vocab_size, args.fused_step, args.model
+                )  # fmt: skip
                 for run in (base, md)
             }
-            got[layers] = {run: count(o.step, host_counters(o)) for run, o in opts.items()}
+            got[layers] = {run: count(o.step, host_counters(o), args.gpu_launches)
+                           for run, o in opts.items()}  # fmt: skip
             if layers == args.num_layers[0]:
                 ratios = []
                 for _ in range(args.rounds):
@@ -256,6 +333,7 @@ def measure(args) -> dict:
             "op_ratio": got[lo][md][0] / got[lo][base][0],
             "launches": {n: {r: got[n][r][5] for r in (base, md)} for n in args.num_layers},
             "launch_ratio": got[lo][md][5] / got[lo][base][5],
+            "compiled_calls": {n: got[n][md][6] for n in args.num_layers},
             "bytes": {n: {r: got[n][r][3] for r in (base, md)} for n in args.num_layers},
             "byte_ratio": got[lo][md][3] / got[lo][base][3],
             "matmul_flops": {n: {r: got[n][r][4] for r in (base, md)} for n in args.num_layers},
@@ -283,7 +361,18 @@ def main(argv=None) -> None:
     ap.add_argument("--fused-step", choices=("auto", "on"), default="auto",
                     help="on: the compiled MD step as a GPU runs it at scale (one call per "
                          "group), each kernel call counted as one operation")  # fmt: skip
+    ap.add_argument("--model", choices=[k for k in bench.SHAPES if k[0].isdigit()],
+                    help="a bench_md_step size's shapes (its width, heads, MLP) at --num-layers, "
+                         "instead of --hidden-size's one-head layout")  # fmt: skip
+    ap.add_argument("--gpu-launches", action="store_true",
+                    help="count launches as a GPU makes them: a multi-tensor op's "
+                         "multi_tensor_apply launches (its chunking), a compiled call's Triton "
+                         "kernels (inductor's code for an H100, generated here: "
+                         "tools/triton_kernels.py); with --fused-step on")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.gpu_launches and args.fused_step != "on":
+        ap.error("--gpu-launches counts the compiled calls' Triton kernels: add --fused-step on "
+                 "(the step a GPU runs at scale)")  # fmt: skip
     if args.fused_step == "on":
         from megatron.md.engine import compiled
 
@@ -306,10 +395,13 @@ def main(argv=None) -> None:
     res = measure(args)
     where = torch.cuda.get_device_name() if bench.DEV == "cuda" else "CPU"
     lo = args.num_layers[0]
-    print(f"\nDispatched operations per optimizer step, {where}, width {args.hidden_size}, "
+    shape = f"{args.model} shapes" if args.model else f"width {args.hidden_size}"
+    launches = ("launches as a GPU's (multi-tensor chunks, Triton kernels)" if args.gpu_launches
+                else "launches: a multi-tensor op or compiled call one")  # fmt: skip
+    print(f"\nDispatched operations per optimizer step, {where}, {shape}, "
           f"vocab {args.vocab_size}, MD step --md-fused-step {args.fused_step}"
-          f"{' (a compiled call: one op)' if args.fused_step == 'on' else ''}; time: median "
-          f"of {args.rounds} paired rounds at {lo} layers")  # fmt: skip
+          f"{' (a compiled call: one op)' if args.fused_step == 'on' else ''}; {launches}; time: "
+          f"median of {args.rounds} paired rounds at {lo} layers")  # fmt: skip
     print(f"{'pair':<14} {'layers':>6} {'base ops':>9} {'MD ops':>8} {'syncs b/MD':>11} "
           f"{'MD code':>8} {'op ratio':>9} {'launches b/MD':>14} {'ratio':>6} "
           f"{'time ratio':>11} {'extra/matrix':>13} "
@@ -332,8 +424,15 @@ def main(argv=None) -> None:
                   f"{r['byte_ratio'] if first else '':>11.4} "
                   f"{_mflops(fl[n][base]):>8}/{_mflops(fl[n][md]):<9} "
                   f"{fr if first else '':>10}")  # fmt: skip
+    for key, r in res.items():
+        if args.fused_step == "on":
+            print(
+                f"{key}: compiled MD calls a step "
+                f"{', '.join(f'{v} at {n} layers' for n, v in r['compiled_calls'].items())}"
+            )
     summary = {"device": where, "torch": torch.__version__, "width": args.hidden_size,
-               "vocab": args.vocab_size, "fused_step": args.fused_step, "results": res}  # fmt: skip
+               "model": args.model, "vocab": args.vocab_size, "fused_step": args.fused_step,
+               "gpu_launches": args.gpu_launches, "results": res}  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))
