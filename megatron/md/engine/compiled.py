@@ -92,15 +92,20 @@ def _phase1(w, g, m, v, row, col, hp, scratch, need_row: bool, sphere):
 
 def _sq_norms(w2, sphere):
     """The squared norms of the updated Ŵ, ``sphere``'s (0-d zero for "none"); ``("blocks",
-    row_blocks)``: the Frobenius norms of a split matrix's Q/K/V blocks, (B, blocks), as the
-    eager group sums them (``Group.axis_add``: rows, then each row's place in a query group,
-    then the block's places)."""
+    row_blocks)``: the Frobenius norms of a split matrix's Q/K/V blocks, (B, blocks): the rows'
+    sums, then each block's rows in one masked reduction over the query groups and places (on
+    a GPU one kernel with its add into the partials, where a sum a block and their stack took
+    four at 181M: ``tools/triton_kernels.py``, 2026-12-05); the eager group's order
+    (``Group.axis_add``) differs by fp32 reassociation."""
     if isinstance(sphere, tuple):
         blocks = sphere[1]
         B, M, _ = w2.shape
-        per = (w2 * w2).sum(2).view(B, M // sum(blocks), sum(blocks)).sum(1)
-        starts = [sum(blocks[:b]) for b in range(len(blocks))]
-        return torch.stack([per[:, a : a + n].sum(1) for a, n in zip(starts, blocks)], 1)
+        rows = (w2 * w2).sum(2).view(B, M // sum(blocks), sum(blocks), 1)
+        at = torch.arange(sum(blocks), device=w2.device)
+        # each place's block (iota arithmetic: no constant tensor in the graph)
+        block = sum((at >= sum(blocks[:b]) for b in range(1, len(blocks))), torch.zeros_like(at))
+        inside = block.view(-1, 1) == torch.arange(len(blocks), device=w2.device)
+        return (rows * inside).sum((1, 2))
     if sphere == "frobenius":
         sq = w2 * w2
         return sq.sum(2).sum(1)  # row sums first: stays in the row loop, no second pass
