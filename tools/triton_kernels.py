@@ -11,14 +11,15 @@ properties, keeps the wrapper inductor writes, and counts the launches in its ``
 Triton compiles nothing.
 
 The seam is inductor's, not a public API (torch 2.15.0): the device properties and Triton checks
-it asks (``_FAKE``) and ``GraphLowering.save_output_code``, the hook that sees the wrapper's
-source. Each is checked before it is patched and restored after: a torch that moved one fails
-here, naming it. The path is make_fx then ``compile_fx`` (AOT autograd and inductor), not
-dynamo's capture: the same aten graph for these functions (plain tensor arithmetic, no Python
-state); ``test_triton_kernels_match_the_cpu_compile`` holds it to torch.compile's own count
-on a CPU.
+it asks (``_seams``), its uniform-constant folding (which evaluates a constructor on the
+device: on the CPU here) and ``GraphLowering.save_output_code``, the hook that sees the
+wrapper's source. Each is checked before it is patched and restored after: a torch that moved
+one fails here, naming it. The path is make_fx then ``compile_fx`` (AOT autograd and inductor),
+not dynamo's capture: the same aten graph for these functions (plain tensor arithmetic, no
+Python state); ``test_triton_kernels_match_the_cpu_compile`` holds it to torch.compile's own
+C++ kernels for the same call on a CPU.
 
-    python tools/bench_dispatch.py --fused-step on --triton [--model 181M]
+    python tools/bench_dispatch.py --fused-step on --gpu-launches [--model 181M]
 """
 
 from __future__ import annotations
@@ -59,20 +60,20 @@ def _seams() -> list[tuple[object, str, object]]:
     from torch._inductor.runtime import hints
 
     props = _Props(**H100)
-    dev = hints.DeviceProperties(type="cuda", index=0, multi_processor_count=132, cc=90, major=9,
-                                 regs_per_multiprocessor=65536,
-                                 max_threads_per_multi_processor=2048, max_threads_per_block=1024,
-                                 warp_size=32)  # fmt: skip
+    fields = ("multi_processor_count", "major", "regs_per_multiprocessor",
+              "max_threads_per_multi_processor", "max_threads_per_block", "warp_size")  # fmt: skip
+    dev = hints.DeviceProperties(type="cuda", index=0, cc=10 * H100["major"] + H100["minor"],
+                                 **{k: H100[k] for k in fields})  # fmt: skip
     cuda = di.CudaInterface
     return [
         (hints.DeviceProperties, "create", classmethod(lambda cls, device: dev)),
-        (cuda, "get_compute_capability", staticmethod(lambda device=None: 90)),
+        (cuda, "get_compute_capability", staticmethod(lambda device=None: dev.cc)),
         (cuda, "is_available", staticmethod(lambda: True)),
         (cuda, "current_device", staticmethod(lambda: 0)),
         (cuda, "is_triton_capable", staticmethod(lambda device=None: True)),
         (cuda, "get_device_properties", staticmethod(lambda device=None: props)),
         (cuda.Worker, "get_device_properties", staticmethod(lambda device=None: props)),
-        (torch.cuda, "get_device_capability", lambda device=None: (9, 0)),
+        (torch.cuda, "get_device_capability", lambda device=None: (props.major, props.minor)),
         (torch.cuda, "current_device", lambda: 0),
         (torch.cuda, "get_device_properties", lambda device=None: props),
         (ut, "has_triton", lambda *a, **k: True),
@@ -212,6 +213,7 @@ def wrapper_code(fn, args: tuple, device: str = "cuda") -> str:
 
 @contextlib.contextmanager
 def _capture_only(sink: list):
+    """``_fake_h100``'s hook alone: the wrapper inductor writes for the real device."""
     import torch._inductor.config as inductor_config
     from torch._inductor.graph import GraphLowering
 
@@ -242,13 +244,15 @@ def launches(code: str) -> list[str]:
 
 
 def layout_key(fn, args: tuple) -> tuple:
-    """What the kernels depend on: the function, each tensor's dtype, shape, stride, offset and
-    which arguments share a storage, and the other arguments."""
-    stores, key = {}, [fn]
+    """What the kernels depend on: the function, each tensor's dtype, shape, stride, offset,
+    which arguments share a storage and which are one tensor (``_fake_args``), and the other
+    arguments."""
+    stores, same, key = {}, {}, [fn]
     for a in args:
         if isinstance(a, torch.Tensor):
             sid = stores.setdefault(a.untyped_storage().data_ptr(), len(stores))
-            key.append((a.dtype, tuple(a.shape), a.stride(), a.storage_offset(), sid))
+            key.append((a.dtype, tuple(a.shape), a.stride(), a.storage_offset(), sid,
+                        same.setdefault(id(a), len(same))))  # fmt: skip
         else:
             key.append(a)
     return tuple(key)
