@@ -498,8 +498,13 @@ class _GainBatch:
                 by_chain.setdefault(w[5], []).append(i)
         for chain, idx in by_chain.items():
             unary = torch._foreach_sigmoid if chain == "softplus" else torch._foreach_exp
-            raws = [self.works[i][0] for i in idx]
-            for i, gr in zip(idx, torch._foreach_mul([grads[i] for i in idx], unary(raws))):
+            raws, ours = [self.works[i][0] for i in idx], [grads[i] for i in idx]
+            if all(g.is_contiguous() for g in ours):
+                products = torch._foreach_mul(ours, unary(raws))
+            else:  # strided views of the partial buffer: one gather, then the fast path
+                products = _dense_copies(ours)
+                torch._foreach_mul_(products, unary(raws))
+            for i, gr in zip(idx, products):
                 grads[i] = gr
         # a parameter group's tensors share one AdamHParams: its set looked up once a step
         keys: dict[int, tuple] = {}
@@ -519,6 +524,49 @@ class _GainBatch:
         floor = [w[0] for w in self.works if w[6] == "direct-floor"]
         if floor:
             torch._foreach_clamp_min_(floor, GAIN_FLOOR)
+
+
+#: (layout of the tensors of one storage) -> (their elements' storage index, one past the last)
+_GATHER: dict[tuple, tuple[torch.Tensor, int]] = {}
+
+
+def _dense_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous copies of ``tensors``, those of one storage gathered by one ``index_select``
+    (the index made once per layout). The gains' gradients are strided views of the step's
+    partial buffer (a group's (B, n_partial) rows), which torch's multi-tensor fast path
+    refuses: the chain rule's product took one kernel a gain on a GPU (10 at the 12-layer
+    layout), and Adam's operations need them dense too (2026-12-05, ``bench_dispatch.py
+    --gpu-launches``)."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    by_storage: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_storage.setdefault((t.untyped_storage().data_ptr(), t.dtype), []).append(i)
+    for idx in by_storage.values():
+        ts = [tensors[i] for i in idx]
+        key = (ts[0].device, *((t.storage_offset(), t.shape, t.stride()) for t in ts))
+        if key not in _GATHER:  # each element's place in the storage, in the copies' order
+            end = max(t.storage_offset() + _extent(t) for t in ts)
+            _GATHER[key] = (torch.cat([_places(t) for t in ts]).to(ts[0].device), end)
+        where, end = _GATHER[key]
+        flat = ts[0].as_strided((end,), (1,), 0).index_select(0, where)
+        for i, piece in zip(idx, flat.split([t.numel() for t in ts])):
+            out[i] = piece.view(tensors[i].shape)
+    return out  # type: ignore[return-value]
+
+
+def _places(t: torch.Tensor) -> torch.Tensor:
+    """The storage index of each element of ``t``, row-major (made on the CPU, once)."""
+    at = torch.full(t.shape, t.storage_offset(), dtype=torch.long)
+    for d, (n, st) in enumerate(zip(t.shape, t.stride())):
+        shape = [1] * t.dim()
+        shape[d] = n
+        at = at + torch.arange(n).view(shape) * st
+    return at.reshape(-1)
+
+
+def _extent(t: torch.Tensor) -> int:
+    """One past the last storage element ``t`` covers, from its offset."""
+    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n)
 
 
 def _key(hp) -> tuple:
