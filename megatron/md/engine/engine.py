@@ -498,11 +498,11 @@ class _GainBatch:
                 by_chain.setdefault(w[5], []).append(i)
         for chain, idx in by_chain.items():
             unary = torch._foreach_sigmoid if chain == "softplus" else torch._foreach_exp
-            raws, ours = [self.works[i][0] for i in idx], [grads[i] for i in idx]
-            if all(g.is_contiguous() for g in ours):
-                products = torch._foreach_mul(ours, unary(raws))
+            raws, chained = [self.works[i][0] for i in idx], [grads[i] for i in idx]
+            if all(g.is_contiguous() for g in chained):
+                products = torch._foreach_mul(chained, unary(raws))
             else:  # strided views of the partial buffer: one gather, then the fast path
-                products = _dense_copies(ours)
+                products = _dense_copies(chained)
                 torch._foreach_mul_(products, unary(raws))
             for i, gr in zip(idx, products):
                 grads[i] = gr
@@ -565,8 +565,8 @@ def _places(t: torch.Tensor) -> torch.Tensor:
 
 
 def _extent(t: torch.Tensor) -> int:
-    """One past the last storage element ``t`` covers, from its offset."""
-    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n)
+    """One past the last storage element ``t`` covers, from its offset (0 if it is empty)."""
+    return 0 if t.numel() == 0 else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
 
 
 def _key(hp) -> tuple:
