@@ -480,8 +480,11 @@ class _GainBatch:
         #: (tensor, gradient, exp_avg, exp_avg_sq, AdamHParams, chain, gain map)
         self.works: list[tuple] = []
         self.raws: list[torch.Tensor] = []
+        #: the works whose gradient is a view of the step's partial buffer (``add``'s)
+        self.from_partials: list[int] = []
 
     def add(self, g: Group, name: str, grad: torch.Tensor, chain: str, gain_map: str, hp) -> None:
+        self.from_partials.append(len(self.works))
         self.works.append((g.gains[name], grad, g.moments[name + "_exp_avg"],
                            g.moments[name + "_exp_avg_sq"], hp, chain, gain_map))  # fmt: skip
         self.raws.append(g.gains[name])
@@ -492,6 +495,13 @@ class _GainBatch:
 
     def run(self, step) -> None:
         grads = [w[1] for w in self.works]
+        # the gains' gradients are views of the step's partial buffer (a group's rows of
+        # n_partial: strides unlike their gains'), which torch's multi-tensor fast path
+        # refuses (a kernel a tensor on a GPU, in the chain rule and in Adam): copied out by
+        # one gather
+        ours = set(self.from_partials)
+        for i, gr in zip(self.from_partials, _dense_copies([grads[i] for i in self.from_partials])):
+            grads[i] = gr
         by_chain: dict[str, list[int]] = {}
         for i, w in enumerate(self.works):
             if w[5] in maps.CHAIN_MAPS:
@@ -499,12 +509,10 @@ class _GainBatch:
         for chain, idx in by_chain.items():
             unary = torch._foreach_sigmoid if chain == "softplus" else torch._foreach_exp
             raws, chained = [self.works[i][0] for i in idx], [grads[i] for i in idx]
-            if all(g.is_contiguous() for g in chained):
-                products = torch._foreach_mul(chained, unary(raws))
-            else:  # strided views of the partial buffer: one gather, then the fast path
-                products = _dense_copies(chained)
-                torch._foreach_mul_(products, unary(raws))
-            for i, gr in zip(idx, products):
+            if ours.issuperset(idx):  # the copies: multiplied in place
+                torch._foreach_mul_(chained, unary(raws))
+                continue
+            for i, gr in zip(idx, torch._foreach_mul(chained, unary(raws))):
                 grads[i] = gr
         # a parameter group's tensors share one AdamHParams: its set looked up once a step
         keys: dict[int, tuple] = {}
@@ -532,11 +540,9 @@ _GATHER: dict[tuple, tuple[torch.Tensor, int]] = {}
 
 def _dense_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Contiguous copies of ``tensors``, those of one storage gathered by one ``index_select``
-    (the index made once per layout). The gains' gradients are strided views of the step's
-    partial buffer (a group's (B, n_partial) rows), which torch's multi-tensor fast path
-    refuses: the chain rule's product took one kernel a gain on a GPU (10 at the 12-layer
-    layout), and Adam's operations need them dense too (2026-12-05, ``bench_dispatch.py
-    --gpu-launches``)."""
+    (the index made once per layout; ``_GainBatch.run``'s strided gain gradients: the chain
+    rule's product took one kernel a gain on a GPU, 10 at the 12-layer layout, 2026-12-05,
+    ``bench_dispatch.py --gpu-launches``)."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
     by_storage: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
