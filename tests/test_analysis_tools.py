@@ -580,6 +580,36 @@ def test_bench_dispatch_counts(tmp_path):
     assert res["adam_md/adam"]["flop_ratio"] is None
 
 
+def test_bench_dispatch_moe_layout_is_regular_pieces():
+    """``bench_dispatch.py --experts``' model is the MoE ladder's layout at expert-parallel size
+    1 (a dense first layer, then layers of experts, a shared expert and a router: 2 + 4 + 13 a
+    layer of 4 experts), built in megatron's DDP and optimizer: its expert groups are no one
+    strided view of megatron's gradient buffer but one regular (layers, experts) grid, its
+    attention's matrices two pieces (the dense first layer apart); and --experts refuses
+    --model."""
+    import bench_dispatch
+
+    from megatron.md import testing
+    from megatron.md.engine.geometry import strided_rows
+    from megatron.md.leaves import leaf_optimizers
+
+    testing.one_process_group()
+    opt, matrices = bench_dispatch.build(48, 3, "adam_md", 128, "off", None, 4)
+    assert matrices == 2 + 4 + 2 * 13
+    pieces = {}
+    for g in leaf_optimizers(opt)[0].optimizer.engine.groups:
+        grads = [m.main.grad for m in g.members]
+        if g.B > 1 and strided_rows(grads) is None:
+            pieces[(g.B, g.full)] = g.grad_pieces()[1]
+    for shape in ((64, 48), (48, 32)):  # the experts' matrices (fc1: SwiGLU's 2 x 32 rows)
+        experts = pieces.pop((8, shape))
+        assert len(experts) == 1 and experts[0][1:3] == (2, 4), experts
+    assert set(pieces) == {(3, (96, 48)), (3, (48, 48))}, pieces  # QKV and proj: 2 pieces
+    assert all(len(p) == 2 for p in pieces.values()), pieces
+    out = run_tool("bench_dispatch.py", "--experts", "4", "--model", "181M", timeout=120)
+    assert out.returncode == 2 and "leave out --model" in out.stderr
+
+
 def test_the_merged_run_raises_the_merge_limit_while_its_pair_steps():
     """bench_md_step's ``adam_md_merged`` (the GPU check's 181M row: phase 1 and the fuse one
     compiled call each): MERGE_ELEMENTS 2^28 while its pair steps, as it was after."""
@@ -676,9 +706,9 @@ def _phase1_many_args() -> tuple:
     parts = torch.zeros(2 * 25 + 3 * 8)
     one = torch.ones(())
     g1 = [rand(2, 8, 16), rand(2, 8, 16), rand(2, 8, 16), rand(2, 8, 16), rand(2, 8, 1),
-          rand(2, 1, 16), hp, True, True, "frobenius", 0, 0, 25, 24]  # fmt: skip
+          rand(2, 1, 16), hp, True, True, "frobenius", 0, 0, 25, 24, None]  # fmt: skip
     g2 = [rand(3, 4, 8), rand(3, 4, 8), rand(3, 4, 8), rand(3, 4, 8), rand(3, 4, 1), one, hp,
-          True, False, "row", 0, 50, 8, 4]  # fmt: skip
+          True, False, "row", 0, 50, 8, 4, None]  # fmt: skip
     assert len(g1) == len(g2) == compiled.ITEM1
     return (1, parts, *g1, *g2)
 

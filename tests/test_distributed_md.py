@@ -211,16 +211,20 @@ def test_adam_md_zero1_fused_kernels(nproc):
     assert res["payload"] == res["expected_payload"]
 
 
-def test_adam_md_zero1_stacked_kernels():
+@pytest.mark.parametrize("experts", [0, 4])
+def test_adam_md_zero1_stacked_kernels(experts):
     """AdamMD's compiled kernels at a GPU's call pattern (``--stack``: whole stacks) inside
     ZeRO-1, bf16 params: phase 1 of a step's groups one call (``phase1_many``) and their fuse
     one call writing the bf16 weights into megatron's param buffer passed whole
     (``fuse_many``): the reference to one bf16 rounding, the buffer's other weights as
-    megatron's step left them (the check compares every weight)."""
-    res = md_check(2, *FUSED_STACKED)
+    megatron's step left them (the check compares every weight). With experts (expert-parallel
+    size 1) groups whose members are no one strided view of megatron's buffers, read and
+    written by regular pieces (``geometry.regular_pieces``)."""
+    res = md_check(2, *FUSED_STACKED, "--experts", str(experts))
     check(res, 2, "bf16")
     assert res["compiled_groups"] > 0
     assert {"phase1_many", "fuse_many"} <= set(res["kernels"])  # (this job's alone)
+    assert (res["piece_groups"] > 0) == bool(experts), res["piece_groups"]
 
 
 def test_muon_md_layerwise_fused_kernels():

@@ -294,6 +294,82 @@ def test_the_merged_fuse_check_copies_its_windows_not_the_buffer():
     assert buf[:7].eq(0).all() and buf[510:].eq(0).all()  # nothing outside the windows
 
 
+def test_regular_pieces_cover_an_moe_layout():
+    """Same-shape matrices of an MoE model as megatron lays them out: the experts of a layer
+    evenly spaced, the layers evenly spaced (one (layers, experts) grid), a dense first layer
+    apart, members that descend one piece each."""
+    from megatron.md.engine.geometry import regular_pieces
+
+    experts = [40 + 150 * layer + 35 * j for layer in range(3) for j in range(4)]
+    assert regular_pieces(experts, 30) == ((0, 3, 4, 150, 35, 40),)
+    # a dense first layer, then five MoE layers: two pieces (two windows), not six
+    qkv = [0] + [50 + 30 * k for k in range(5)]
+    assert len(regular_pieces(qkv, 10)) == 2
+    assert regular_pieces([30, 0], 10) == ((0, 1, 1, 10, 10, 30), (1, 1, 1, 10, 10, 0))
+    # two experts a layer (64 experts over 32 expert-parallel ranks): one grid of pairs
+    assert regular_pieces([0, 12, 100, 112, 200, 212], 10) == ((0, 3, 2, 100, 12, 0),)
+
+
+@MISCOMPILED_BY_OLD_TORCH
+def test_compiled_moe_groups_read_and_write_megatrons_buffers_by_piece(monkeypatch):
+    """An MoE model's experts are no one strided view of megatron's buffers (expert-parallel
+    size 1: a layer's experts evenly spaced, then the attention's weights): at a GPU's call
+    pattern the merged phase 1 reads their gradients in place from the gradient buffer (no
+    stack: a copy of every expert gradient a step) and the merged fuse writes their weights
+    one window a regular piece (a window a member was a kernel a member on a GPU), fp64 to
+    1e-12 of the reference; a dense first layer apart makes two pieces."""
+    from megatron.md.engine import compiled
+
+    calls, get = [], compiled._get
+
+    def spy(name, fn, fallback=False):
+        kernel = get(name, fn, fallback)
+        return lambda *a: calls.append((name, a)) or kernel(*a)
+
+    monkeypatch.setattr(compiled, "STACK_ON_CPU", True)
+    monkeypatch.setattr(compiled, "_get", spy)
+    spec, shape, L = MatrixSpec("frobenius", "init", "rowcol", "softplus"), (6, 5), 30
+    # 7 matrices: a first layer's, then 2 layers x 3 experts (35 apart, layers 150 apart)
+    offsets = [0] + [40 + 150 * layer + 35 * j for layer in range(2) for j in range(3)]
+    size = offsets[-1] + L + 9
+    gen = torch.Generator().manual_seed(7)
+    w0 = [torch.randn(shape, generator=gen, dtype=torch.float64) / 5**0.5 for _ in offsets]
+    steps = 3
+    grads = [[torch.randn(shape, generator=gen, dtype=torch.float64) for _ in offsets]
+             for _ in range(steps)]  # fmt: skip
+    hp, ghp = AdamHParams(2e-2), AdamHParams(1e-2)
+    ref = [(w.clone(), reference.init_state(w, spec, "adam")) for w in w0]
+    for gs in grads:
+        for (w, st), g in zip(ref, gs):
+            reference.md_step(w, g, st, spec, hp, ghp)
+    pieces = [[(sliced.SliceMD(shape, 0, L, spec, "adam"), w.reshape(-1), i)
+               for i, w in enumerate(w0)]]  # fmt: skip
+    ranks = Ranks(pieces, torch.float64, compiled=True)
+    ranks.init()
+    gbuf = torch.full((size,), float("nan"), dtype=torch.float64)  # read only where laid out
+    for gs in grads:
+        for o, g in zip(offsets, gs):
+            gbuf[o : o + L] = g.reshape(-1)
+        ranks.step([[gbuf[o : o + L] for o in offsets]], hp, ghp)
+    phase1 = [a for name, a in calls if name == "phase1_many"]
+    assert len(phase1) == steps
+    n_parts = phase1[0][0]
+    item = phase1[0][1 + n_parts : 1 + n_parts + compiled.ITEM1]
+    assert item[1] is not None and item[1].numel() == size and len(item[-1]) == 2, item[-1]
+    pbuf = torch.full((size,), 3.0, dtype=torch.float64)
+    targets = [pbuf[o : o + L] for o in offsets]
+    calls.clear()
+    ranks.fuse([targets])
+    (name, args), = calls  # fmt: skip
+    assert name == "fuse_many" and args[0] is not None and len(args[compiled.ITEMF]) == 2
+    for got, (want, _) in zip(targets, ref):
+        torch.testing.assert_close(got.view(shape), want, rtol=1e-12, atol=1e-13)
+    laid = torch.zeros(size, dtype=torch.bool)
+    for o in offsets:
+        laid[o : o + L] = True
+    assert pbuf[~laid].eq(3.0).all()  # the gaps stay as they are
+
+
 def test_compiled_groups_pass_the_whole_stack_as_it_is():
     """At a GPU's call pattern a kernel takes the group's stack itself, not a slice of all of
     it (``x[0:B]``: one more dispatched operation for the same view), and an absent gain's 0-d

@@ -37,8 +37,14 @@ step as a GPU runs it at scale (its default there), each kernel call one operati
 (docs/benchmarks.md): AdamMD/Adam ≤ 1.15, MuonMD/Muon ≤ 1.00, ≤ 4 extra operations per added
 matrix.
 
+With ``--experts E`` the model is the MoE ladder's layout (``moe_model``: a dense first
+layer, then layers of E experts, a shared expert and a router; expert-parallel size 1, where
+megatron lays the experts out among the attention's weights) at ``--num-layers``: its
+same-shape matrices are no one strided view of megatron's buffers, but a few regular pieces.
+
     python tools/bench_dispatch.py [--hidden-size 128] [--num-layers 12 24] [--rounds 30]
         [--fused-step on [--gpu-launches]] [--model 181M --vocab-size 131072]
+        [--experts 64 --num-layers 4 8]
 """
 
 from __future__ import annotations
@@ -271,10 +277,11 @@ def _kernels_as_one_op():
 
 
 def build(width: int, layers: int, run: str, vocab: int, fused: str = "auto",
-          model: str | None = None):  # fmt: skip
+          model: str | None = None, experts: int = 0):  # fmt: skip
     """megatron's optimizer of the shape model (``bench_md_step.shape_model``): one head and
     query group of 128, an MLP of 4 ``width``, or ``model``'s shapes (a ``bench_md_step`` size)
-    at ``layers``; the base Adam multi-tensor, as on a GPU."""
+    at ``layers``, or with ``experts`` an MoE model (``moe_model``); the base Adam
+    multi-tensor, as on a GPU. Returns (the optimizer, the model's matrices)."""
     from megatron.md.leaves import leaf_optimizers
 
     if model is None:
@@ -284,13 +291,54 @@ def build(width: int, layers: int, run: str, vocab: int, fused: str = "auto",
         bench.SHAPES["dispatch"] = (d, layers, heads, kv, ff)
     opt_name, md_on = run.split("_md")[0], "_md" in run
     dtype = "bf16" if bench.DEV == "cuda" else "fp32"
-    _, opt = bench.build("dispatch", opt_name, md_on, dtype, vocab, fused=fused)
+    module = moe_model(width, layers, experts, vocab) if experts else None
+    dmodel, opt = bench.build("dispatch", opt_name, md_on, dtype, vocab, fused=fused,
+                              module=module)  # fmt: skip
     for o in leaf_optimizers(opt):
         for g in o.optimizer.param_groups:
             g["foreach"] = True
     for _ in range(2):  # state, and any first-step work, before anything is counted or timed
         opt.step()
-    return opt
+    return opt, sum(p.dim() == 2 for p in dmodel.module.parameters())
+
+
+def moe_model(width: int, layers: int, experts: int, vocab: int):
+    """megatron-core's GPT with the MoE ladder's layout (``megatron/md/train/presets.py``: a
+    dense first layer, then DeepSeekMoE layers of ``experts`` experts of 2/3 the width, top-2
+    sigmoid router, one shared expert of half that; head dimension a quarter of the width,
+    dense MLP 5/2 of it) at ``width``, expert-parallel size 1 (the sweep's default): the
+    experts share megatron's buffers with the attention's weights, layer by layer. Returns
+    (the model, its TransformerConfig)."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    ffe = 2 * width // 3
+    cfg = TransformerConfig(
+        num_layers=layers, hidden_size=width, ffn_hidden_size=5 * width // 2,
+        num_attention_heads=4, num_query_groups=2, kv_channels=width // 4,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        normalization="RMSNorm", qk_layernorm=True, init_method_std=width**-0.5,
+        use_cpu_initialization=True, num_moe_experts=experts,
+        moe_layer_freq=[0] + [1] * (layers - 1), moe_ffn_hidden_size=ffe,
+        moe_shared_expert_intermediate_size=ffe // 2, moe_router_topk=2,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_dtype="fp32", moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+    )  # fmt: skip
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+    model = GPTModel(
+        cfg,
+        spec,
+        vocab_size=vocab,
+        max_sequence_length=16,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+    )
+    return model.to(bench.DEV), cfg
 
 
 def timed(opt) -> float:
@@ -305,13 +353,14 @@ def measure(args) -> dict:
     out = {}
     for key, (base, md) in PAIRS.items():
         got = {}
+        matrices = {}
         for layers in args.num_layers:
-            opts = {
-                run: build(
-                    args.hidden_size, layers, run, args.vocab_size, args.fused_step, args.model
+            opts = {}
+            for run in (base, md):
+                opts[run], matrices[layers] = build(
+                    args.hidden_size, layers, run, args.vocab_size, args.fused_step, args.model,
+                    args.experts,
                 )  # fmt: skip
-                for run in (base, md)
-            }
             got[layers] = {run: count(o.step, host_counters(o), args.gpu_launches)
                            for run, o in opts.items()}  # fmt: skip
             if layers == args.num_layers[0]:
@@ -322,10 +371,11 @@ def measure(args) -> dict:
                 got["time_ratio"] = statistics.median(ratios)
             del opts
         lo, hi = args.num_layers[0], args.num_layers[-1]
-        added = 4 * (hi - lo)  # QKV, proj, fc1, fc2 per layer
+        added = matrices[hi] - matrices[lo]  # QKV, proj, fc1, fc2 a dense layer
         extra = lambda n: got[n][md][0] - got[n][base][0]  # noqa: E731
         base_flops = sum(got[lo][base][4].values())
         out[key] = {
+            "matrices": matrices,
             "ops": {n: {r: got[n][r][0] for r in (base, md)} for n in args.num_layers},
             "syncs": {n: {r: got[n][r][1] for r in (base, md)} for n in args.num_layers},
             "md_code_syncs": {n: got[n][md][2] for n in args.num_layers},
@@ -364,6 +414,10 @@ def main(argv=None) -> None:
     ap.add_argument("--model", choices=[k for k in bench.SHAPES if k[0].isdigit()],
                     help="a bench_md_step size's shapes (its width, heads, MLP) at --num-layers, "
                          "instead of --hidden-size's one-head layout")  # fmt: skip
+    ap.add_argument("--experts", type=int, default=0,
+                    help="an MoE model of this many experts (the MoE ladder's layout at "
+                         "--hidden-size, expert-parallel size 1: moe_model) instead of a dense "
+                         "one")  # fmt: skip
     ap.add_argument("--gpu-launches", action="store_true",
                     help="count launches as a GPU makes them: a multi-tensor op's "
                          "multi_tensor_apply launches (its chunking), a compiled call's Triton "
@@ -373,6 +427,10 @@ def main(argv=None) -> None:
     if args.gpu_launches and args.fused_step != "on":
         ap.error("--gpu-launches counts the compiled calls' Triton kernels: add --fused-step on "
                  "(the step a GPU runs at scale)")  # fmt: skip
+    if args.experts and args.model:
+        ap.error("--experts builds the MoE ladder's layout at --hidden-size: leave out --model")
+    if args.experts and min(args.num_layers) < 2:
+        ap.error("--experts: at least 2 layers (a dense first layer, then MoE layers)")
     if args.fused_step == "on":
         from megatron.md.engine import compiled
 
@@ -396,6 +454,8 @@ def main(argv=None) -> None:
     where = torch.cuda.get_device_name() if bench.DEV == "cuda" else "CPU"
     lo = args.num_layers[0]
     shape = f"{args.model} shapes" if args.model else f"width {args.hidden_size}"
+    if args.experts:
+        shape += f", MoE of {args.experts} experts (a dense first layer, expert-parallel size 1)"
     launches = ("launches as a GPU's (multi-tensor chunks, Triton kernels)" if args.gpu_launches
                 else "launches: a multi-tensor op or compiled call one")  # fmt: skip
     print(f"\nDispatched operations per optimizer step, {where}, {shape}, "
@@ -431,7 +491,8 @@ def main(argv=None) -> None:
                 f"{', '.join(f'{v} at {n} layers' for n, v in r['compiled_calls'].items())}"
             )
     summary = {"device": where, "torch": torch.__version__, "width": args.hidden_size,
-               "model": args.model, "vocab": args.vocab_size, "fused_step": args.fused_step,
+               "model": args.model, "experts": args.experts, "vocab": args.vocab_size,
+               "fused_step": args.fused_step,
                "gpu_launches": args.gpu_launches, "results": res}  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))

@@ -119,7 +119,11 @@ def build(
     fused: str = "auto",
     tp: int = 1,
     graph: bool = False,
+    module=None,
 ):
+    """megatron's DDP model and optimizer of ``name``'s shape model (``shape_model``), or of
+    ``module`` (a (model, TransformerConfig) pair: ``bench_dispatch.py --experts``' MoE
+    model), with MD enabled where ``md_on``; random gradients in its buffers."""
     from megatron.core.transformer import TransformerConfig
 
     from megatron.md.config import MDConfig
@@ -127,13 +131,16 @@ def build(
     from megatron.md.leaves import leaf_optimizers
     from megatron.md.testing import megatron_optimizer
 
-    d, layers, heads, kv, _ = SHAPES[name]
-    # the attention layout of shape_model's QKV (megatron tags it for Muon's Q/K/V split from it)
-    cfg = TransformerConfig(
-        num_layers=layers, hidden_size=d, num_attention_heads=heads, num_query_groups=kv,
-        kv_channels=128, use_cpu_initialization=True, tensor_model_parallel_size=tp,
-    )  # fmt: skip
-    module = shape_model(name, vocab, tp)
+    if module is None:
+        d, layers, heads, kv, _ = SHAPES[name]
+        # the attention layout of shape_model's QKV (megatron tags it for Muon's Q/K/V split)
+        cfg = TransformerConfig(
+            num_layers=layers, hidden_size=d, num_attention_heads=heads, num_query_groups=kv,
+            kv_channels=128, use_cpu_initialization=True, tensor_model_parallel_size=tp,
+        )  # fmt: skip
+        module = shape_model(name, vocab, tp)
+    else:
+        module, cfg = module
     if dtype == "bf16":
         module = module.to(torch.bfloat16)
     layer_wise = optimizer in ("muon", "adam_lw")  # adam_lw: --md-adam-layer-wise

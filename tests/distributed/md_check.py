@@ -569,6 +569,15 @@ def check(args) -> dict:
         "compiled_groups": sum(
             1 for i in inners if i.engine is not None for g in i.engine.groups if g.kernels
         ),
+        # this rank's groups whose gradients are no one strided view of megatron's buffer but
+        # regular pieces of it (an MoE layout: Group.grad_pieces)
+        "piece_groups": sum(
+            1
+            for i in inners
+            if i.engine is not None
+            for g in i.engine.groups
+            if g.B > 1 and g.grad_pieces() is not None
+        ),
         # the compiled kernels the ranks have built so far (engine/compiled.py names; the row
         # sphere with both gains, the LM head's: "row_norm")
         "kernels": kernels_built(),

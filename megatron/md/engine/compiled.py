@@ -159,16 +159,27 @@ def _fuse_many(buf, *flat):
 def _fuse_windows(buf, flat: tuple, rescale_fuse: Callable) -> None:
     """``_fuse_many``'s loop, each group's pending rescale by ``rescale_fuse``; a group's
     destination one window of ``buf`` (its members' rows evenly spaced) or, with a tuple of
-    offsets, one window a member (``fuse_groups``)."""
+    pieces (``geometry.regular_pieces``: members ``b0 ..``, an (n1, r) grid of strides s1, s0
+    at ``at``), one (n1, r, M, N) window a piece (``fuse_groups``)."""
     for i in range(0, len(flat), ITEMF):
         x, s, row, col, shape, stride, offset = flat[i : i + ITEMF]
         if isinstance(offset, tuple):
-            for b, at in enumerate(offset):
-                one = slice(b, b + 1)
-                _fuse_window(buf.as_strided(shape, stride, at), x[one], _at(s, one),
-                             _at(row, one), _at(col, one), rescale_fuse)  # fmt: skip
+            M, N = shape[-2:]
+            for b0, n1, r, s1, s0, at in offset:
+                one = slice(b0, b0 + n1 * r)
+                grid = [_grid(t, one, n1) for t in (x, s, row, col)]
+                _fuse_window(buf.as_strided((n1, r, M, N), (s1, s0, N, 1), at), *grid,
+                             rescale_fuse)  # fmt: skip
         else:
             _fuse_window(buf.as_strided(shape, stride, offset), x, s, row, col, rescale_fuse)
+
+
+def _grid(x: torch.Tensor | None, one: slice, n1: int) -> torch.Tensor | None:
+    """Matrices ``one`` of a stacked argument as an (n1, r, ...) grid; a 0-d one (an absent
+    gain) or None as it is."""
+    if x is None or x.ndim == 0:
+        return x
+    return x[one].unflatten(0, (n1, -1))
 
 
 def _fuse_window(out, x, s, row, col, rescale_fuse: Callable) -> None:
@@ -180,9 +191,17 @@ def _fuse_window(out, x, s, row, col, rescale_fuse: Callable) -> None:
 
 
 #: arguments of one group in ``_phase1_many`` (after the partial buffers)
-ITEM1 = 14
+ITEM1 = 15
 #: arguments of one group in ``_fuse_many`` (after the destination buffer)
 ITEMF = 7
+
+
+def _gathered(buf: torch.Tensor, pieces: tuple, M: int, N: int) -> torch.Tensor:
+    """The (B, M, N) stack of the matrices of ``buf`` that ``pieces`` lay out
+    (``geometry.regular_pieces``)."""
+    grids = [buf.as_strided((n1, r, M, N), (s1, s0, N, 1), at).reshape(n1 * r, M, N)
+             for _, n1, r, s1, s0, at in pieces]  # fmt: skip
+    return grids[0] if len(grids) == 1 else torch.cat(grids)
 
 
 def _phase1_many(n_parts: int, *args):
@@ -195,13 +214,18 @@ def _phase1_many(n_parts: int, *args):
     inputs AOT autograd refuses to mutate: ``_fuse_many``), then ``ITEM1`` arguments a group:
     Ŵ, G, the moments, the gains' factors, the Adam scalars (as ``_phase1``'s), ``need_row``,
     ``need_col``, the sphere (``_sq_norms``'), its buffer's index, where its (B, n_partial)
-    partials start in its storage, n_partial, and n_gain (the norms' partials follow the
-    gains')."""
+    partials start in its storage, n_partial, n_gain (the norms' partials follow the gains')
+    and G's pieces (``geometry.regular_pieces``) where G is megatron's gradient buffer whole:
+    read in place, inductor fusing the gather into the kernels that read G (the same five
+    Triton kernels as from a (B, M, N) G, a toy group in two pieces, torch 2.15.0,
+    ``tools/triton_kernels.py``, 2026-12-05)."""
     parts, flat = args[:n_parts], args[n_parts:]
     for i in range(0, len(flat), ITEM1):
-        w, g, m, v, row, col, hp, need_row, need_col, sphere, k, start, n, n_gain = flat[
+        w, g, m, v, row, col, hp, need_row, need_col, sphere, k, start, n, n_gain, pieces = flat[
             i : i + ITEM1]  # fmt: skip
         B, M, N = w.shape
+        if pieces is not None:
+            g = _gathered(g, pieces, M, N)
         P = parts[k].as_strided((B, n), (n, 1), start)
         if need_col:  # from Ŵ before ``_phase1``'s Adam writes it
             c0 = M if need_row else 0
@@ -263,24 +287,29 @@ def _fuse_many_copies(args: tuple) -> tuple[list, list]:
     tensor, its copy) of each)."""
     buf, flat = args[0], args[1:]
     items = [flat[i : i + ITEMF] for i in range(0, len(flat), ITEMF)]
-    windows = [item[6] if isinstance(item[6], tuple) else (item[6],) for item in items]
-    n_all = sum(math.prod(item[4]) * len(w) for item, w in zip(items, windows))
+    n_all = sum(item[0].numel() for item in items)  # a window of each group's Ŵ's size
     compact = torch.empty(n_all, dtype=buf.dtype, device=buf.device)
     mine, pairs, at = [compact], [], 0
-    for k, ((x, s, row, col, shape, stride, offset), offs) in enumerate(zip(items, windows)):
-        n = math.prod(shape)
-        dense = tuple(math.prod(shape[j + 1 :]) for j in range(len(shape)))  # contiguous
-        mine_offs = tuple(at + b * n for b in range(len(offs)))
+    for k, (x, s, row, col, shape, stride, offset) in enumerate(items):
         mine_x = x if s is None else x.clone()
-        mine += [mine_x, s, row, col, shape, dense,
-                 mine_offs if isinstance(offset, tuple) else at]  # fmt: skip
-        for b, (o, m) in enumerate(zip(offs, mine_offs)):
-            name = f"group {k}'s weights" + (f", member {b}" if len(offs) > 1 else "")
-            pairs.append((name, buf.as_strided(shape, stride, o),
-                          compact.as_strided(shape, dense, m)))  # fmt: skip
+        if isinstance(offset, tuple):  # pieces: laid out one after another, as the members
+            (M, N), name = shape[-2:], f"group {k}'s weights, members"
+            mine_pieces = tuple((b0, n1, r, r * M * N, M * N, at + b0 * M * N)
+                                for b0, n1, r, _, _, _ in offset)  # fmt: skip
+            mine += [mine_x, s, row, col, shape, stride, mine_pieces]
+            for (b0, n1, r, s1, s0, o), (*_, m) in zip(offset, mine_pieces):
+                grid = (n1, r, M, N)
+                pairs.append((f"{name} {b0}-{b0 + n1 * r - 1}",
+                              buf.as_strided(grid, (s1, s0, N, 1), o),
+                              compact.as_strided(grid, (r * M * N, M * N, N, 1), m)))  # fmt: skip
+        else:
+            dense = tuple(math.prod(shape[j + 1 :]) for j in range(len(shape)))  # contiguous
+            mine += [mine_x, s, row, col, shape, dense, at]
+            pairs.append((f"group {k}'s weights", buf.as_strided(shape, stride, offset),
+                          compact.as_strided(shape, dense, at)))  # fmt: skip
         if s is not None:
             pairs.append((f"group {k}'s Ŵ", x, mine_x))
-        at += n * len(offs)
+        at += x.numel()
     return mine, pairs
 
 
@@ -525,11 +554,14 @@ class _Phase1:
     ``("blocks", row_blocks)``: a merged call's Q/K/V blocks, ``_sq_norms``)."""
     row: torch.Tensor
     scratch: torch.Tensor | None
+    g_pieces: tuple | None = None
+    """Where ``args``' G is megatron's gradient buffer whole: the regular pieces the group's
+    gradients are in it (``Group.grad_pieces``), read in place by ``_phase1_many``."""
 
 
-def _phase1_prep(g, G: torch.Tensor, step, hp: AdamHParams, merged: bool = False):
+def _phase1_prep(g, G, step, hp: AdamHParams, merged: bool = False):
     """A group's phase-1 arguments; ``merged``: for ``_phase1_many`` (no scratch: the column
-    partials are summed inside the call)."""
+    partials are summed inside the call; ``G`` may then be ``Group.grad_pieces``')."""
     g.settle()  # a rescale no fuse took since the last step
     B, (M, N) = g.B, g.full
     phi = g.phi()
@@ -539,7 +571,12 @@ def _phase1_prep(g, G: torch.Tensor, step, hp: AdamHParams, merged: bool = False
     if g.spec.row_blocks:  # Q/K/V spheres: per-block norms, the eager group's (one more read)
         # except a merged call's Frobenius ones (four eager operations a step after it)
         sphere = ("blocks", g.spec.row_blocks) if merged and sphere == "frobenius" else "none"
-    w3, g3 = g.W.view(B, M, N), G.view(B, M, N)
+    g_pieces = None
+    if isinstance(G, tuple):  # megatron's gradient buffer and the pieces of it to read
+        g3, g_pieces = G
+    else:
+        g3 = G.view(B, M, N)
+    w3 = g.W.view(B, M, N)
     m3, v3 = g.state["exp_avg"].view(B, M, N), g.state["exp_avg_sq"].view(B, M, N)
     scratch = _scratch(w3) if need_col and not merged else None
     # a group whose norms the eager group takes still runs the Frobenius variant, its partial
@@ -548,7 +585,7 @@ def _phase1_prep(g, G: torch.Tensor, step, hp: AdamHParams, merged: bool = False
     # 2.15.0, 2026-12-03: 6.2 ns/element against 2.1; the Q/K/V and column-sphere groups')
     variant = sphere if sphere in _PHASE1 else "frobenius"
     args = (w3, g3, m3, v3, row, col, adam_hparams(hp, step, g.W), scratch, need_row)
-    return _Phase1(args, need_row, need_col, variant, sphere, row, scratch)
+    return _Phase1(args, need_row, need_col, variant, sphere, row, scratch, g_pieces)
 
 
 def _phase1_rows(g, rows: torch.Tensor, prep: _Phase1, gr, nrm) -> None:
@@ -585,16 +622,19 @@ MERGE_ELEMENTS = 1 << 26
 
 
 def phase1_groups(items: list, step) -> None:
-    """Phase 1 of several groups, ``items`` (group, G, P, hp): where a group's kernels take
+    """Phase 1 of several groups, ``items`` (group, P, hp): where a group's kernels take
     its whole stack (a GPU; ``STACK_ON_CPU``), groups together in one compiled call up to
     ``MERGE_ELEMENTS`` (``_phase1_many``: one call's host cost for all, where each group's
-    call cost its own, and the partials written inside it); elsewhere one group a call
-    (``_phase1_group``: on a CPU one matrix a call, into the one kept scratch)."""
+    call cost its own, and the partials written inside it; gradients that are no strided view
+    of megatron's buffer read in place there, ``Group.grad_pieces``, where a stack copied
+    them); elsewhere one group a call (``_phase1_group``: on a CPU one matrix a call, into the
+    one kept scratch)."""
     batch, size = [], 0
-    for g, G, P, hp in items:
+    for g, P, hp in items:
         if not _stacks(g):
-            _phase1_group(g, G, P, step, hp)
+            _phase1_group(g, g.grads()[0], P, step, hp)
             continue
+        G = g.grad_pieces() or g.grads()[0]
         batch.append((g, P, _phase1_prep(g, G, step, hp, merged=True)))
         size += g.B * g.L
         if size >= MERGE_ELEMENTS:
@@ -616,7 +656,7 @@ def _phase1_call(batch: list) -> None:
             parts.append(root)
         w, grad, m, v, row, col, hp_t, _, need_row = prep.args
         flat += [w, grad, m, v, row, col, hp_t, need_row, prep.need_col, prep.sphere, k,
-                 P.storage_offset(), P.shape[1], g.n_gain]  # fmt: skip
+                 P.storage_offset(), P.shape[1], g.n_gain, prep.g_pieces]  # fmt: skip
     _get("phase1_many", _phase1_many, batch[0][0].kernels.fallback)(len(parts), *parts, *flat)
     for g, P, prep in batch:
         _phase1_finish(g, P, prep)  # (no scratch here: the eager norms where the kernel took none)
@@ -708,24 +748,25 @@ def fuse_groups(items: list) -> None:
     group's kernels take its whole stack (a GPU; ``STACK_ON_CPU``) and its destinations lie in
     one buffer, the groups of a buffer together in one compiled call up to ``MERGE_ELEMENTS``
     (``_fuse_many``), a group's destinations one window of it where they are one strided view,
-    one window a member otherwise (two roles of one shape grouped together, their rows
-    interleaved in megatron's buffer: a call a member cost ~70 µs of host code each);
-    elsewhere one group a call (``_fuse_group``)."""
+    one window a regular piece otherwise (``geometry.regular_pieces``: an MoE model's experts,
+    layer by layer, where a window a member made a kernel a member on a GPU — 83 of a 69-matrix
+    MoE's 117 fuse kernels, ``tools/triton_kernels.py``, 2026-12-05); elsewhere one group a
+    call (``_fuse_group``)."""
     batches: dict[int, tuple[torch.Tensor, list]] = {}
     for g, targets in items:
-        view, apart = g.placed("out", targets) if _stacks(g) else (None, None)
-        if view is None and apart is None:
+        view, pieces = g.placed("out", targets) if _stacks(g) else (None, None)
+        if view is None and pieces is None:
             _fuse_group(g, targets)
             continue
         buf = g.whole(targets[0] if view is None else view)
-        batches.setdefault(buf.data_ptr(), (buf, []))[1].append((g, view, apart))
+        batches.setdefault(buf.data_ptr(), (buf, []))[1].append((g, view, pieces))
     for buf, groups in batches.values():
         flat, size = [], 0
-        for k, (g, view, apart) in enumerate(groups):
+        for k, (g, view, pieces) in enumerate(groups):
             w3, s, row, col, o3 = _fuse_operands(g, view)
-            if o3 is None:  # a window a member
+            if o3 is None:  # a window a regular piece
                 M, N = g.full
-                flat += [w3, s, row, col, (1, M, N), (M * N, N, 1), apart]
+                flat += [w3, s, row, col, (M, N), None, pieces]
             else:
                 flat += [w3, s, row, col, tuple(o3.shape), o3.stride(), o3.storage_offset()]
             size += g.B * g.L

@@ -316,19 +316,19 @@ class Engine:
                 self._write("step", g, bufs, P, inplace)
 
         chunk, size = [], 0
-        compiled1 = []  # (group, G, P, hp): phase 1 compiled, the groups at once
+        compiled1 = []  # (group, P, hp): phase 1 compiled, the groups at once (G read there)
         written1 = []  # (group, P, in place): their partials to add into the buffers after
         for g in self.groups:
-            G, own = g.grads()
             P, inplace = self._view("step", g, bufs, g.n_partial)
+            if g.kernels is not None and g.kernels.phase1 is not None:
+                hp = hps[g.members[0].param_group].base(g.base.name)
+                compiled1.append((g, P, hp))
+                written1.append((g, P, inplace))
+                continue
+            G, own = g.grads()
             pre_p = None
             if g.n_pre:
                 pre_p, pre_in = self._view("pre", g, pre_bufs, g.n_pre)
-            if g.kernels is not None and g.kernels.phase1 is not None:
-                hp = hps[g.members[0].param_group].base(g.base.name)
-                compiled1.append((g, G, P, hp))
-                written1.append((g, P, inplace))
-                continue
             if g.kernels is not None and g.kernels.partials is not None:
                 G = g.kernels.partials(g, G, P)  # (no tangent projection: no pre_p)
             else:

@@ -102,3 +102,40 @@ def strided_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     if d < L or any(b - a != d for a, b in zip(offs, offs[1:])):
         return None
     return t0.as_strided((len(tensors), L), (d, 1))
+
+
+def regular_pieces(offsets: list[int], L: int) -> tuple[tuple[int, ...], ...]:
+    """Members of ``L`` elements at storage ``offsets`` (in member order) cut into few regular
+    grids (greedy, one member of look-ahead): each piece ``(b0, n1, r, s1, s0, at)`` is members
+    ``b0 .. b0 + n1·r - 1``, member ``b0 + i·r + j`` at ``at + i·s1 + j·s0``, so that ONE
+    (n1, r, L) view (strides s1, s0, 1) covers it. Same-shape weights of an MoE model lie so in
+    megatron's buffers: the experts of a layer evenly spaced, the layers evenly spaced, but
+    not the one run ``strided_rows`` takes (a dense first layer; expert-parallel size 1, where
+    the experts share the buffer with the attention's weights). Members that overlap or
+    descend are a piece each."""
+    out, i, B = [], 0, len(offsets)
+    while i < B:
+        n1, r, s1, s0 = _grid_at(offsets, i, L)
+        if i + 1 < B and n1 * r > 1 and math.prod(_grid_at(offsets, i + 1, L)[:2]) > n1 * r:
+            n1, r, s1, s0 = 1, 1, L, L  # alone: the grid from the next member covers more
+        out.append((i, n1, r, s1, s0, offsets[i]))
+        i += n1 * r
+    return tuple(out)
+
+
+def _grid_at(offsets: list[int], i: int, L: int) -> tuple[int, int, int, int]:
+    """(n1, r, s1, s0) of the largest grid ``regular_pieces`` finds from member ``i``: its run
+    (evenly spaced, ascending), then runs like it after it, evenly spaced."""
+    B, at, r, d = len(offsets), offsets[i], 1, L
+    if i + 1 < B and offsets[i + 1] - at >= L:
+        d, r = offsets[i + 1] - at, 2
+        while i + r < B and offsets[i + r] - offsets[i + r - 1] == d:
+            r += 1
+    n1, s1 = 1, r * d
+    if r > 1 and i + r < B and offsets[i + r] - at >= (r - 1) * d + L:
+        s1 = offsets[i + r] - at
+        while i + (n1 + 1) * r <= B and all(
+            offsets[i + n1 * r + j] == at + n1 * s1 + j * d for j in range(r)
+        ):
+            n1 += 1
+    return n1, r, s1, d

@@ -23,6 +23,7 @@ from megatron.md.engine.geometry import (
     one_storage,
     qkv_slices,
     radius_shape,
+    regular_pieces,
     row_to_block,
     strided_rows,
 )
@@ -78,7 +79,8 @@ class Group:
         self.pending = None  # a rescale of Ŵ left for the fuse (compiled path)
         self.kernels = None  # compiled kernels (engine.compiled) or None
         self._rows: dict[str, tuple] = {}  # kind -> (addresses, their (B, L) view or None)
-        self._whole: tuple | None = None  # (storage key, a tensor over the storage): ``whole``
+        #: kind -> (storage key, a tensor over the storage): ``whole``
+        self._whole: dict[str, tuple] = {}
         self.bind()
 
     # ---- the tensors: own storage, or views of each member's ----
@@ -270,30 +272,41 @@ class Group:
         return self.placed(kind, tensors)[0]
 
     def placed(self, kind: str, tensors: list[torch.Tensor]) -> tuple:
-        """(``rows``' view or None, the storage offsets of ``tensors`` where they lie in one
-        storage, each contiguous, but are no strided view of it — two roles of one shape,
-        their rows interleaved in megatron's buffer — or None), cached as ``rows``."""
+        """(``rows``' view or None, where ``tensors`` lie in one storage, each contiguous, but
+        are no strided view of it — an MoE model's layers and experts, two roles of one shape
+        whose rows interleave — the regular grids that cover them, ``geometry.regular_pieces``,
+        or None), cached as ``rows``."""
         key = tuple(t.data_ptr() for t in tensors)
         hit = self._rows.get(kind)
         if hit is None or hit[0] != key:
             view = strided_rows(tensors)
-            offsets = None
+            pieces = None
             if view is None and one_storage(tensors):
-                offsets = tuple(t.storage_offset() for t in tensors)
-            hit = self._rows[kind] = (key, view, offsets)
+                pieces = regular_pieces([t.storage_offset() for t in tensors], self.L)
+            hit = self._rows[kind] = (key, view, pieces)
         return hit[1:]
 
-    def whole(self, view: torch.Tensor) -> torch.Tensor:
-        """A 1-D tensor over the whole storage ``view`` lies in (megatron's param buffer:
-        ``view``'s ``_base`` may be one parameter of it), made again only when the storage
-        changes."""
+    def whole(self, view: torch.Tensor, kind: str = "out") -> torch.Tensor:
+        """A 1-D tensor over the whole storage ``view`` lies in (megatron's param or gradient
+        buffer, ``kind``: ``view``'s ``_base`` may be one parameter of it), made again only
+        when the storage changes."""
         st = view.untyped_storage()
         key = (st.data_ptr(), st.nbytes(), view.dtype)
-        if self._whole is None or self._whole[0] != key:
+        hit = self._whole.get(kind)
+        if hit is None or hit[0] != key:
             buf = torch.empty(0, dtype=view.dtype, device=view.device)
             buf.set_(st, 0, (st.nbytes() // view.element_size(),), (1,))
-            self._whole = (key, buf)
-        return self._whole[1]
+            hit = self._whole[kind] = (key, buf)
+        return hit[1]
+
+    def grad_pieces(self) -> tuple[torch.Tensor, tuple] | None:
+        """Where the members' gradients lie in one storage but are no strided view of it (an
+        MoE model's experts: ``placed``), megatron's gradient buffer whole and the regular
+        pieces they are, for a compiled call to read them in place (``grads`` stacks them: a
+        copy of every gradient of the group a step); None otherwise."""
+        grads = [m.main.grad for m in self.members]
+        view, pieces = self.placed("grad", grads)
+        return None if pieces is None else (self.whole(grads[0], "grad"), pieces)
 
     def grads(self) -> tuple[torch.Tensor, bool]:
         """The members' gradients G as (B, L) in Ŵ's dtype, and whether that is a copy of the
