@@ -749,9 +749,9 @@ def fuse_groups(items: list) -> None:
     one buffer, the groups of a buffer together in one compiled call up to ``MERGE_ELEMENTS``
     (``_fuse_many``), a group's destinations one window of it where they are one strided view,
     one window a regular piece otherwise (``geometry.regular_pieces``: an MoE model's experts,
-    layer by layer, where a window a member made a kernel a member on a GPU — 83 of a 69-matrix
-    MoE's 117 fuse kernels, ``tools/triton_kernels.py``, 2026-12-05); elsewhere one group a
-    call (``_fuse_group``)."""
+    one (layers, experts) grid, where a window a member made a Triton kernel a member on a
+    GPU: 83 fuse kernels of a 69-matrix MoE at expert-parallel size 1, 19 by piece,
+    ``tools/triton_kernels.py``, 2026-12-05); elsewhere one group a call (``_fuse_group``)."""
     batches: dict[int, tuple[torch.Tensor, list]] = {}
     for g, targets in items:
         view, pieces = g.placed("out", targets) if _stacks(g) else (None, None)
