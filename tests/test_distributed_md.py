@@ -89,7 +89,7 @@ md_check = Batches(
         ],
         *[(2, "--vs", "megatron", *args) for args in MD_OFF.values()],
         *[(n, "--dist", "zero1", "--fused-step", *a) for n, a in FUSED.items()],
-        (2, *FUSED_STACKED),
+        *[(2, *FUSED_STACKED, "--experts", e) for e in (0, 4)],
         (2, *MUON_LW, "--fused-step"),
         *[(n, "--cp", "2", *a) for n, *a in CP.values()],
         *[(4, *a) for a in INSTANCES.values()],
