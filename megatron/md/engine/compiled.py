@@ -217,7 +217,8 @@ def _phase1_many(n_parts: int, *args):
     partials start in its storage, n_partial, n_gain (the norms' partials follow the gains')
     and G's pieces (``geometry.regular_pieces``) where G is megatron's gradient buffer whole:
     read in place, inductor fusing the gather into the kernels that read G (the same five
-    Triton kernels as from a (B, M, N) G, a toy group in two pieces, torch 2.15.0,
+    Triton kernels as from a (B, M, N) G for a toy group in 1 to 4 pieces; from 5 pieces one
+    kernel more, inductor's copy of them into one buffer, as the stack was; torch 2.15.0,
     ``tools/triton_kernels.py``, 2026-12-05)."""
     parts, flat = args[:n_parts], args[n_parts:]
     for i in range(0, len(flat), ITEM1):
