@@ -359,6 +359,8 @@ def verdict(step: Step, rc: int, output: str, out: Path) -> tuple[bool, list[str
                 nums += f", graph_replays {res.get('graph_replays')}"
             if "--fused-step" in job:  # which compiled variants the layouts took
                 nums += f", kernels {' '.join(res.get('kernels', []))}"
+                # groups read by regular pieces of megatron's buffer (an MoE layout)
+                nums += f", piece_groups {res.get('piece_groups')}"
             lines.append(f"{'ok ' if good else 'BAD'} {' '.join(job)}: {nums}")
     elif step.resumes:
         a, b = (_losses(out / f"{step.resumes}-{k}.jsonl") for k in ("a", "b"))
