@@ -475,6 +475,31 @@ def test_a_miscompiled_kernel_stops_the_run_at_its_first_call(capsys):
         del compiled.WRITES[eager]
 
 
+def test_the_first_call_check_takes_non_finite_numbers_the_formula_makes_too():
+    """A first call whose arguments hold NaN and ±inf (a step gone wrong with megatron's NaN
+    check off) is no miscompiled kernel where the kernel makes them where the eager formula
+    does (the difference was NaN, which no bound passes); a NaN the formula does not make, or
+    a number off beyond rounding, still stops the run."""
+    from megatron.md.engine import compiled
+
+    def poisoned(*args):  # the formula, then one NaN it does not make
+        compiled._rescale_fuse(*args)
+        args[4].view(-1)[11] = float("nan")
+
+    def off(*args):
+        compiled._rescale_fuse(*args)
+        args[4].view(-1)[11] += 1.0
+
+    x, row, col = torch.randn(2, 4, 5), torch.rand(2, 4, 1) + 0.5, torch.rand(2, 1, 5)
+    x[0, 1, 2], x[1, 3, 0], x[1, 0, 4] = float("nan"), float("inf"), -float("inf")
+    s, out = torch.full((2, 1, 1), 0.5), torch.empty(2, 4, 5)
+    compiled.Checked(compiled._rescale_fuse, compiled._rescale_fuse)(x.clone(), s, row, col, out)
+    assert out.isnan().sum() == 1 and out.isinf().sum() == 2
+    for bad in (poisoned, off):
+        with pytest.raises(compiled.MiscompiledKernel, match="argument 4 by"):
+            compiled.Checked(compiled._rescale_fuse, bad)(x.clone(), s, row, col, out)
+
+
 def test_a_kernel_past_dynamos_recompile_limit_compiles_again():
     """Past dynamo's global recompile limit (here 1) a kernel compiled with ``fullgraph`` (as
     torch.compile takes no limit of its own up to torch 2.13) raises ``FailOnRecompileLimitHit``;

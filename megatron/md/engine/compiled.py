@@ -330,7 +330,8 @@ class MiscompiledKernel(RuntimeError):
 class Checked:
     """A compiled kernel whose first call of each argument layout (shapes, strides, dtypes,
     device: what dynamo compiles a variant for) is checked against its eager formula, run on
-    copies of the arguments it writes. A difference beyond rounding (``CHECK_TOL``) stops the
+    copies of the arguments it writes. A difference beyond rounding (``CHECK_TOL``; NaN and
+    ±inf where the formula makes them too are none) stops the
     run with ``MiscompiledKernel`` (``--md-fused-step on``) or, called with ``fallback``
     (``auto``: the user did not ask for the compiled step), keeps the eager formula's results,
     runs the eager formula for that layout from then on and says so once on stderr. Inductor can
@@ -416,8 +417,12 @@ class Checked:
     def _difference(self, what: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
         """What is wrong with ``got``, or None where it equals ``want`` to rounding."""
         wide = torch.promote_types(want.dtype, torch.float32)  # fp32 stays: no copy of a stack
-        diff = (got.to(wide) - want.to(wide)).abs().max().item()
-        scale = want.abs().max().item()
+        a, b = got.to(wide), want.to(wide)
+        # NaN or ±inf where the formula makes them too is no difference (a first step gone
+        # wrong, megatron's NaN check off); one the formula does not make is (diff NaN)
+        same = (a == b) | (a.isnan() & b.isnan())
+        diff = torch.where(same, 0.0, (a - b).abs()).max().item()
+        scale = torch.where(b.isfinite(), b.abs(), 0.0).max().item()
         if diff <= CHECK_TOL.get(want.dtype, 1e-4) * scale + 1e-30:
             return None
         return (
