@@ -311,13 +311,15 @@ def test_regular_pieces_cover_an_moe_layout():
 
 
 @MISCOMPILED_BY_OLD_TORCH
-def test_compiled_moe_groups_read_and_write_megatrons_buffers_by_piece(monkeypatch):
+@pytest.mark.parametrize("base", ["adam", "muon"])
+def test_compiled_moe_groups_read_and_write_megatrons_buffers_by_piece(monkeypatch, base):
     """An MoE model's experts are no one strided view of megatron's buffers (expert-parallel
     size 1: a layer's experts evenly spaced, then the attention's weights): at a GPU's call
-    pattern the merged phase 1 reads their gradients in place from the gradient buffer (no
-    stack: a copy of every expert gradient a step) and the merged fuse writes their weights
-    one window a regular piece (a window a member was a kernel a member on a GPU), fp64 to
-    1e-12 of the reference; a dense first layer apart makes two pieces."""
+    pattern AdamMD's merged phase 1 and MuonMD's partials read their gradients in place from
+    the gradient buffer (no stack: a copy of every expert gradient a step) and the merged fuse
+    writes their weights one window a regular piece (a window a member was a kernel a member
+    on a GPU): AdamMD fp64 to 1e-12 of the reference, MuonMD fp32 to 1e-6 (as its other
+    compiled tests); a dense first layer apart makes two pieces."""
     from megatron.md.engine import compiled
 
     calls, get = [], compiled._get
@@ -328,42 +330,50 @@ def test_compiled_moe_groups_read_and_write_megatrons_buffers_by_piece(monkeypat
 
     monkeypatch.setattr(compiled, "STACK_ON_CPU", True)
     monkeypatch.setattr(compiled, "_get", spy)
-    spec, shape, L = MatrixSpec("frobenius", "init", "rowcol", "softplus"), (6, 5), 30
+    adam = base == "adam"
+    dtype = torch.float64 if adam else torch.float32
+    scale = {} if adam else {"muon_scale": "sphere_rms"}
+    spec, shape, L = MatrixSpec("frobenius", "init", "rowcol", "softplus", **scale), (6, 5), 30
     # 7 matrices: a first layer's, then 2 layers x 3 experts (35 apart, layers 150 apart)
     offsets = [0] + [40 + 150 * layer + 35 * j for layer in range(2) for j in range(3)]
     size = offsets[-1] + L + 9
     gen = torch.Generator().manual_seed(7)
-    w0 = [torch.randn(shape, generator=gen, dtype=torch.float64) / 5**0.5 for _ in offsets]
+    w0 = [torch.randn(shape, generator=gen, dtype=dtype) / 5**0.5 for _ in offsets]
     steps = 3
-    grads = [[torch.randn(shape, generator=gen, dtype=torch.float64) for _ in offsets]
+    grads = [[torch.randn(shape, generator=gen, dtype=dtype) for _ in offsets]
              for _ in range(steps)]  # fmt: skip
-    hp, ghp = AdamHParams(2e-2), AdamHParams(1e-2)
-    ref = [(w.clone(), reference.init_state(w, spec, "adam")) for w in w0]
+    hp, ghp = (AdamHParams if adam else MuonHParams)(2e-2), AdamHParams(1e-2)
+    ref = [(w.clone(), reference.init_state(w, spec, base)) for w in w0]
     for gs in grads:
         for (w, st), g in zip(ref, gs):
             reference.md_step(w, g, st, spec, hp, ghp)
-    pieces = [[(sliced.SliceMD(shape, 0, L, spec, "adam"), w.reshape(-1), i)
+    pieces = [[(sliced.SliceMD(shape, 0, L, spec, base), w.reshape(-1), i)
                for i, w in enumerate(w0)]]  # fmt: skip
-    ranks = Ranks(pieces, torch.float64, compiled=True)
+    ranks = Ranks(pieces, dtype, compiled=True)
     ranks.init()
-    gbuf = torch.full((size,), float("nan"), dtype=torch.float64)  # read only where laid out
+    gbuf = torch.full((size,), float("nan"), dtype=dtype)  # read only where laid out
     for gs in grads:
         for o, g in zip(offsets, gs):
             gbuf[o : o + L] = g.reshape(-1)
         ranks.step([[gbuf[o : o + L] for o in offsets]], hp, ghp)
-    phase1 = [a for name, a in calls if name == "phase1_many"]
+    if adam:
+        phase1 = [a for name, a in calls if name == "phase1_many"]
+        n_parts = phase1[0][0]
+        item = phase1[0][1 + n_parts : 1 + n_parts + compiled.ITEM1]
+    else:  # (w, the gradient buffer, the gains' factors, G_Ŵ, scratch, need_row, pieces)
+        phase1 = [a for name, a in calls if name == "partials_pieces"]
+        item = phase1[0]
     assert len(phase1) == steps
-    n_parts = phase1[0][0]
-    item = phase1[0][1 + n_parts : 1 + n_parts + compiled.ITEM1]
-    assert item[1] is not None and item[1].numel() == size and len(item[-1]) == 2, item[-1]
-    pbuf = torch.full((size,), 3.0, dtype=torch.float64)
+    assert item[1].numel() == size and len(item[-1]) == 2, item[-1]
+    pbuf = torch.full((size,), 3.0, dtype=dtype)
     targets = [pbuf[o : o + L] for o in offsets]
     calls.clear()
     ranks.fuse([targets])
     (name, args), = calls  # fmt: skip
     assert name == "fuse_many" and args[0] is not None and len(args[compiled.ITEMF]) == 2
+    tol = {"rtol": 1e-12, "atol": 1e-13} if adam else {"rtol": 1e-6, "atol": 1e-7}
     for got, (want, _) in zip(targets, ref):
-        torch.testing.assert_close(got.view(shape), want, rtol=1e-12, atol=1e-13)
+        torch.testing.assert_close(got.view(shape), want, **tol)
     laid = torch.zeros(size, dtype=torch.bool)
     for o in offsets:
         laid[o : o + L] = True

@@ -136,6 +136,12 @@ def _partials(w, g, row, col, out, scratch, need_row: bool):
     return gr
 
 
+def _partials_pieces(w, buf, row, col, out, scratch, need_row: bool, pieces: tuple):
+    """``_partials`` of a group whose gradients are ``pieces`` of megatron's gradient buffer
+    ``buf`` (``geometry.regular_pieces``), read in place (``_gathered``)."""
+    return _partials(w, _gathered(buf, pieces, *w.shape[1:]), row, col, out, scratch, need_row)
+
+
 def _fuse(x, row, col, out):
     out.copy_(x * row * col)
 
@@ -273,7 +279,8 @@ def _get(name: str, fn, fallback: bool = False):
 
 #: the arguments each kernel writes (by position): the first call of a layout runs the eager
 #: formula on copies of them (``COPIES``: a kernel that makes its own)
-WRITES = {**dict.fromkeys(_PHASE1.values(), (0, 2, 3, 7)), _partials: (4, 5), _fuse: (3,),
+WRITES = {**dict.fromkeys(_PHASE1.values(), (0, 2, 3, 7)), _partials: (4, 5),
+          _partials_pieces: (4, 5), _fuse: (3,),
           _rescale_fuse: (0, 4),
           # the merged call: by the groups it takes
           _phase1_many: lambda a: [*range(1, 1 + a[0]), *(
@@ -668,27 +675,37 @@ def _phase1_call(batch: list) -> None:
         _phase1_finish(g, P, prep)  # (no scratch here: the eager norms where the kernel took none)
 
 
-def _partials_group(g, G: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
+def _partials_group(g, P: torch.Tensor) -> torch.Tensor:
     """MuonMD's lines 1-6 of the whole group, compiled: the gains' partials into ``P``; returns
     G_Ŵ = Γ ⊙ G, a new tensor (megatron's gradients stay as they are; the base step writes
-    G_Ŵ)."""
+    G_Ŵ). Where the call takes the whole stack (a GPU) and the gradients are no strided view
+    of megatron's buffer, read in place by their regular pieces (``_partials_pieces``), not
+    stacked."""
     g.settle()  # a rescale no fuse took since the last step
     B, (M, N) = g.B, g.full
     phi = g.phi()
     row, col = _row_col(g, phi)
     need_row, need_col = "gain_row" in phi, "gain_col" in phi
+    src = g.grad_pieces() if _stacks(g) else None
     # a new tensor even where G is the step's own stack: the same bytes written, and written
     # over G inductor's CPU loops fail (torch 2.15: KeyError 'buf1' in loop_body.py with the
     # row reduction reading G)
-    out = torch.empty_like(G)
-    w3, g3, o3 = g.W.view(B, M, N), G.view(B, M, N), out.view(B, M, N)
+    out = torch.empty(B, g.L, dtype=g.W.dtype, device=g.W.device)
+    w3, o3 = g.W.view(B, M, N), out.view(B, M, N)
     scratch = _scratch(w3) if need_col else None
-    kernel = _get("partials", _partials, g.kernels.fallback)
-    for one in _pieces(g, stackable=True):
-        gr = kernel(_at(w3, one), _at(g3, one), _at(row, one), _at(col, one), _at(o3, one),
-                    _at(scratch, one), need_row)  # fmt: skip
+    if src is not None:
+        kernel = _get("partials_pieces", _partials_pieces, g.kernels.fallback)
+        gr = kernel(w3, src[0], row, col, o3, scratch, need_row, src[1])
         if need_row:
-            _at(P, one)[:, :M].add_(gr)
+            P[:, :M].add_(gr)
+    else:
+        g3 = g.grads()[0].view(B, M, N)
+        kernel = _get("partials", _partials, g.kernels.fallback)
+        for one in _pieces(g, stackable=True):
+            gr = kernel(_at(w3, one), _at(g3, one), _at(row, one), _at(col, one),
+                        _at(o3, one), _at(scratch, one), need_row)  # fmt: skip
+            if need_row:
+                _at(P, one)[:, :M].add_(gr)
     if need_col:
         _add_col_partials(P, row, scratch, M if need_row else 0)
     return out

@@ -325,13 +325,13 @@ class Engine:
                 compiled1.append((g, P, hp))
                 written1.append((g, P, inplace))
                 continue
-            G, own = g.grads()
             pre_p = None
             if g.n_pre:
                 pre_p, pre_in = self._view("pre", g, pre_bufs, g.n_pre)
             if g.kernels is not None and g.kernels.partials is not None:
-                G = g.kernels.partials(g, G, P)  # (no tangent projection: no pre_p)
+                G = g.kernels.partials(g, P)  # G read there (no tangent projection: no pre_p)
             else:
+                G, own = g.grads()
                 G = g.gain_partials(G, P, pre_p, own, private=bool(g.n_pre) or g.base.writes_grads)
             if g.n_pre:
                 self._write("pre", g, pre_bufs, pre_p, pre_in)
