@@ -371,7 +371,8 @@ def measure(args) -> dict:
                 got["time_ratio"] = statistics.median(ratios)
             del opts
         lo, hi = args.num_layers[0], args.num_layers[-1]
-        added = matrices[hi] - matrices[lo]  # QKV, proj, fc1, fc2 a dense layer
+        # the matrices the added layers hold (a dense layer's: QKV, proj, fc1, fc2)
+        added = matrices[hi] - matrices[lo]
         extra = lambda n: got[n][md][0] - got[n][base][0]  # noqa: E731
         base_flops = sum(got[lo][base][4].values())
         out[key] = {
