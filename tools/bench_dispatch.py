@@ -306,39 +306,14 @@ def moe_model(width: int, layers: int, experts: int, vocab: int):
     """megatron-core's GPT with the MoE ladder's layout (``megatron/md/train/presets.py``: a
     dense first layer, then DeepSeekMoE layers of ``experts`` experts of 2/3 the width, top-2
     sigmoid router, one shared expert of half that; head dimension a quarter of the width,
-    dense MLP 5/2 of it) at ``width``, expert-parallel size 1 (the sweep's default): the
-    experts share megatron's buffers with the attention's weights, layer by layer. Returns
-    (the model, its TransformerConfig)."""
-    import torch.nn.functional as F
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
+    dense MLP 5/2 of it) at ``width`` (``testing.tiny_gpt``), expert-parallel size 1 (the
+    sweep's default): the experts share megatron's buffers with the attention's weights, layer
+    by layer. Returns (the model, its TransformerConfig)."""
+    from megatron.md import testing
 
-    torch.manual_seed(0)
-    model_parallel_cuda_manual_seed(0)
-    ffe = 2 * width // 3
-    cfg = TransformerConfig(
-        num_layers=layers, hidden_size=width, ffn_hidden_size=5 * width // 2,
-        num_attention_heads=4, num_query_groups=2, kv_channels=width // 4,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        normalization="RMSNorm", qk_layernorm=True, init_method_std=width**-0.5,
-        use_cpu_initialization=True, num_moe_experts=experts,
-        moe_layer_freq=[0] + [1] * (layers - 1), moe_ffn_hidden_size=ffe,
-        moe_shared_expert_intermediate_size=ffe // 2, moe_router_topk=2,
-        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-        moe_router_dtype="fp32", moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
-    )  # fmt: skip
-    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
-    model = GPTModel(
-        cfg,
-        spec,
-        vocab_size=vocab,
-        max_sequence_length=16,
-        position_embedding_type="rope",
-        share_embeddings_and_output_weights=False,
-    )
-    return model.to(bench.DEV), cfg
+    model = testing.tiny_gpt(0, width, layers, 16, experts, ffn=5 * width // 2,
+                             expert_ffn=2 * width // 3, vocab=vocab)  # fmt: skip
+    return model.to(bench.DEV), model.config
 
 
 def timed(opt) -> float:

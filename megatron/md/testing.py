@@ -27,10 +27,12 @@ def one_process_group() -> None:
         ps.initialize_model_parallel(1, 1)
 
 
-def tiny_gpt(seed: int, hidden: int, layers: int, seq: int, experts: int = 0):
+def tiny_gpt(seed: int, hidden: int, layers: int, seq: int, experts: int = 0, *,
+             ffn: int | None = None, expert_ffn: int | None = None, vocab: int = 256):  # fmt: skip
     """Paper-style GPT on the local spec (4 heads, 2 query groups, SwiGLU, RMSNorm, QK-norm,
-    RoPE, byte vocabulary, init std 1/sqrt(d)); ``experts > 0``: DeepSeekMoE-style layers
-    after the first (top-2 sigmoid router with expert bias, one shared expert at half width).
+    RoPE, a byte vocabulary or ``vocab``, init std 1/sqrt(d), MLP ``ffn`` or 4 d);
+    ``experts > 0``: DeepSeekMoE-style layers after the first (top-2 sigmoid router with
+    expert bias, experts of ``expert_ffn`` or d, one shared expert at half that).
     Starts a one-process gloo group and megatron's model parallelism when none is set up;
     experts are split over megatron's expert-TP and expert-parallel groups (initialized by the
     caller)."""
@@ -51,8 +53,8 @@ def tiny_gpt(seed: int, hidden: int, layers: int, seq: int, experts: int = 0):
         moe = dict(
             num_moe_experts=experts,
             moe_layer_freq=[0] + [1] * (layers - 1),
-            moe_ffn_hidden_size=hidden,
-            moe_shared_expert_intermediate_size=hidden // 2,
+            moe_ffn_hidden_size=expert_ffn or hidden,
+            moe_shared_expert_intermediate_size=(expert_ffn or hidden) // 2,
             moe_router_topk=2,
             moe_router_score_function="sigmoid",
             moe_router_enable_expert_bias=True,
@@ -69,7 +71,7 @@ def tiny_gpt(seed: int, hidden: int, layers: int, seq: int, experts: int = 0):
     cfg = TransformerConfig(
         num_layers=layers,
         hidden_size=hidden,
-        ffn_hidden_size=4 * hidden,
+        ffn_hidden_size=ffn or 4 * hidden,
         num_attention_heads=4,
         num_query_groups=2,
         gated_linear_unit=True,
@@ -95,7 +97,7 @@ def tiny_gpt(seed: int, hidden: int, layers: int, seq: int, experts: int = 0):
     return GPTModel(
         cfg,
         spec,
-        vocab_size=256,
+        vocab_size=vocab,
         max_sequence_length=seq,
         position_embedding_type="rope",
         rotary_base=500000,

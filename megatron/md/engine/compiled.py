@@ -569,12 +569,12 @@ class _Phase1:
     scratch: torch.Tensor | None
     g_pieces: tuple | None = None
     """Where ``args``' G is megatron's gradient buffer whole: the regular pieces the group's
-    gradients are in it (``Group.grad_pieces``), read in place by ``_phase1_many``."""
+    gradients are in it (``Group.grads(pieces=True)``), read in place by ``_phase1_many``."""
 
 
 def _phase1_prep(g, G, step, hp: AdamHParams, merged: bool = False):
     """A group's phase-1 arguments; ``merged``: for ``_phase1_many`` (no scratch: the column
-    partials are summed inside the call; ``G`` may then be ``Group.grad_pieces``')."""
+    partials are summed inside the call; ``G`` may then be ``Group.grads(pieces=True)``')."""
     g.settle()  # a rescale no fuse took since the last step
     B, (M, N) = g.B, g.full
     phi = g.phi()
@@ -639,7 +639,7 @@ def phase1_groups(items: list, step) -> None:
     its whole stack (a GPU; ``STACK_ON_CPU``), groups together in one compiled call up to
     ``MERGE_ELEMENTS`` (``_phase1_many``: one call's host cost for all, where each group's
     call cost its own, and the partials written inside it; gradients that are no strided view
-    of megatron's buffer read in place there, ``Group.grad_pieces``, where a stack copied
+    of megatron's buffer read in place there, ``Group.grads(pieces=True)``, where a stack copied
     them); elsewhere one group a call (``_phase1_group``: on a CPU one matrix a call, into the
     one kept scratch)."""
     batch, size = [], 0
@@ -647,7 +647,7 @@ def phase1_groups(items: list, step) -> None:
         if not _stacks(g):
             _phase1_group(g, g.grads()[0], P, step, hp)
             continue
-        G = g.grad_pieces() or g.grads()[0]
+        G = g.grads(pieces=True)[0]
         batch.append((g, P, _phase1_prep(g, G, step, hp, merged=True)))
         size += g.B * g.L
         if size >= MERGE_ELEMENTS:
@@ -686,20 +686,20 @@ def _partials_group(g, P: torch.Tensor) -> torch.Tensor:
     phi = g.phi()
     row, col = _row_col(g, phi)
     need_row, need_col = "gain_row" in phi, "gain_col" in phi
-    src = g.grad_pieces() if _stacks(g) else None
+    G = g.grads(pieces=_stacks(g))[0]
     # a new tensor even where G is the step's own stack: the same bytes written, and written
     # over G inductor's CPU loops fail (torch 2.15: KeyError 'buf1' in loop_body.py with the
     # row reduction reading G)
     out = torch.empty(B, g.L, dtype=g.W.dtype, device=g.W.device)
     w3, o3 = g.W.view(B, M, N), out.view(B, M, N)
     scratch = _scratch(w3) if need_col else None
-    if src is not None:
+    if isinstance(G, tuple):  # megatron's gradient buffer and the pieces of it to read
         kernel = _get("partials_pieces", _partials_pieces, g.kernels.fallback)
-        gr = kernel(w3, src[0], row, col, o3, scratch, need_row, src[1])
+        gr = kernel(w3, G[0], row, col, o3, scratch, need_row, G[1])
         if need_row:
             P[:, :M].add_(gr)
     else:
-        g3 = g.grads()[0].view(B, M, N)
+        g3 = G.view(B, M, N)
         kernel = _get("partials", _partials, g.kernels.fallback)
         for one in _pieces(g, stackable=True):
             gr = kernel(_at(w3, one), _at(g3, one), _at(row, one), _at(col, one),

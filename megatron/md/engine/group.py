@@ -302,19 +302,24 @@ class Group:
     def grad_pieces(self) -> tuple[torch.Tensor, tuple] | None:
         """Where the members' gradients lie in one storage but are no strided view of it (an
         MoE model's experts: ``placed``), megatron's gradient buffer whole and the regular
-        pieces they are, for a compiled call to read them in place (``grads`` stacks them: a
-        copy of every gradient of the group a step); None otherwise."""
+        pieces they are, for a compiled call to read them in place (``grads(pieces=True)``
+        gives them so); None otherwise."""
         grads = [m.main.grad for m in self.members]
-        view, pieces = self.placed("grad", grads)
+        _, pieces = self.placed("grad", grads)
         return None if pieces is None else (self.whole(grads[0], "grad"), pieces)
 
-    def grads(self) -> tuple[torch.Tensor, bool]:
+    def grads(self, pieces: bool = False) -> tuple:
         """The members' gradients G as (B, L) in Ŵ's dtype, and whether that is a copy of the
-        step's own (a stack) rather than a view of megatron's gradient buffer (only read)."""
+        step's own (a stack) rather than a view of megatron's gradient buffer (only read).
+        ``pieces``: for a compiled call that reads them in place, G is (megatron's gradient
+        buffer whole, its regular pieces) where they are no strided view of it (``placed``;
+        a stack copied every gradient of the group a step)."""
         grads = [m.main.grad for m in self.members]
-        view = self.rows("grad", grads)
+        view, grid = self.placed("grad", grads)
         if view is not None and view.dtype == self.W.dtype:
             return view, False
+        if pieces and grid is not None:
+            return (self.whole(grads[0], "grad"), grid), False
         return torch.stack(grads).view(self.B, self.L).to(self.W.dtype), True
 
     def gain_partials(
