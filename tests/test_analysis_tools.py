@@ -706,9 +706,9 @@ def _phase1_many_args() -> tuple:
     parts = torch.zeros(2 * 25 + 3 * 8)
     one = torch.ones(())
     g1 = [rand(2, 8, 16), rand(2, 8, 16), rand(2, 8, 16), rand(2, 8, 16), rand(2, 8, 1),
-          rand(2, 1, 16), hp, True, True, "frobenius", 0, 0, 25, 24, None]  # fmt: skip
+          rand(2, 1, 16), hp, True, True, "frobenius", 0, 0, 25, 24, None, None, None]  # fmt: skip
     g2 = [rand(3, 4, 8), rand(3, 4, 8), rand(3, 4, 8), rand(3, 4, 8), rand(3, 4, 1), one, hp,
-          True, False, "row", 0, 50, 8, 4, None]  # fmt: skip
+          True, False, "row", 0, 50, 8, 4, None, None, None]  # fmt: skip
     assert len(g1) == len(g2) == compiled.ITEM1
     return (1, parts, *g1, *g2)
 

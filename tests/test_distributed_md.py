@@ -199,11 +199,14 @@ def test_md_off_is_megatron_bit_for_bit(args):
 @pytest.mark.parametrize("nproc", FUSED)
 def test_adam_md_zero1_fused_kernels(nproc):
     """AdamMD's compiled kernels (engine/compiled.py) inside ZeRO-1 against the eager reference: the
-    same tolerances as the eager path, one all-reduce of the same payload."""
+    same tolerances as the eager path, one all-reduce of the same payload; the slices cut inside
+    a matrix compiled too."""
     args = FUSED[nproc]
     res = md_check(nproc, "--dist", "zero1", "--fused-step", *args)
     check(res, nproc, "bf16" if "bf16" in args else "fp32")
     assert res["compiled_groups"] > 0
+    # the ranks' slices cut inside a matrix in the merged calls too (Kernels.cut)
+    assert res["compiled_cut_groups"] == res["cut_groups"] > 0, res["cut_groups"]
     # the LM head's row sphere with both gains: its norms in phase 1's own variant
     assert {"frobenius", "row_norm", "rescale_fuse"} <= set(res["kernels"])
     assert res["cut_inside_row"] or nproc == 2
@@ -225,6 +228,8 @@ def test_adam_md_zero1_stacked_kernels(experts):
     assert res["compiled_groups"] > 0
     assert {"phase1_many", "fuse_many"} <= set(res["kernels"])  # (this job's alone)
     assert (res["piece_groups"] > 0) == bool(experts), res["piece_groups"]
+    # (the dense job's two shards meet between matrices; the MoE job's inside one)
+    assert res["compiled_cut_groups"] == res["cut_groups"] == (2 if experts else 0)
 
 
 def test_muon_md_layerwise_fused_kernels():

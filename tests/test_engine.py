@@ -280,11 +280,12 @@ def test_the_merged_fuse_check_copies_its_windows_not_the_buffer():
     x1, x2 = torch.rand(2, 3, 4, dtype=torch.float64), torch.rand(1, 5, 2, dtype=torch.float64)
     one = torch.ones((), dtype=torch.float64)
     s2 = torch.full((1, 1, 1), 2.0, dtype=torch.float64)
-    args = (buf, x1, None, one, one, (2, 3, 4), (100, 4, 1), 7,
-            x2, s2, one, one, (1, 5, 2), (10, 2, 1), 500)  # fmt: skip
+    args = (buf, x1, None, one, one, (2, 3, 4), (100, 4, 1), 7, None, None,
+            x2, s2, one, one, (1, 5, 2), (10, 2, 1), 500, None, None)  # fmt: skip
     x2_0 = x2.clone()
     mine, written = compiled._fuse_many_copies(args)
-    assert mine[0].numel() == 2 * 3 * 4 + 5 * 2 and mine[1] is x1 and mine[8] is not x2
+    assert mine[0].numel() == 2 * 3 * 4 + 5 * 2 and mine[1] is x1
+    assert mine[1 + compiled.ITEMF] is not x2
     compiled._fuse_many(*mine)
     compiled._fuse_many(*args)
     assert [w[0] for w in written] == ["group 0's weights", "group 1's weights", "group 1's Ŵ"]
@@ -363,14 +364,15 @@ def test_compiled_moe_groups_read_and_write_megatrons_buffers_by_piece(monkeypat
     else:  # (w, the gradient buffer, the gains' factors, G_Ŵ, scratch, need_row, pieces)
         phase1 = [a for name, a in calls if name == "partials_pieces"]
         item = phase1[0]
+    pieces = item[14] if adam else item[-1]  # (phase 1's item ends with the cut: None here)
     assert len(phase1) == steps
-    assert item[1].numel() == size and len(item[-1]) == 2, item[-1]
+    assert item[1].numel() == size and len(pieces) == 2, pieces
     pbuf = torch.full((size,), 3.0, dtype=dtype)
     targets = [pbuf[o : o + L] for o in offsets]
     calls.clear()
     ranks.fuse([targets])
     (name, args), = calls  # fmt: skip
-    assert name == "fuse_many" and args[0] is not None and len(args[compiled.ITEMF]) == 2
+    assert name == "fuse_many" and args[0] is not None and len(args[7]) == 2  # its pieces
     tol = {"rtol": 1e-12, "atol": 1e-13} if adam else {"rtol": 1e-6, "atol": 1e-7}
     for got, (want, _) in zip(targets, ref):
         torch.testing.assert_close(got.view(shape), want, **tol)
@@ -686,6 +688,93 @@ def test_adam_qkv_split_on_slices(n_slices, sphere):
         for st in st_ref:
             got = reference.norms(st["direction"], "frobenius", ids)
             torch.testing.assert_close(got, torch.full((3,), 11**0.5, dtype=got.dtype))
+
+
+@MISCOMPILED_BY_OLD_TORCH
+@pytest.mark.parametrize("sphere,blocks", [("frobenius", ()), ("row", ()), ("frobenius", (4, 2, 2)),
+                                           ("col", (4, 2, 2))])  # fmt: skip
+def test_compiled_cut_slices_of_a_rank_share_one_call(monkeypatch, sphere, blocks):
+    """ZeRO-1 slices cut inside rows (two matrices on five ranks, every slice cut) take the
+    compiled kernels too, all of a rank's in one merged phase-1 call and one fuse call a step
+    (each slice's eager step took ~30 operations: up to two slices a bucket a rank, so a
+    cluster's step grew with its buckets), on a CPU too: fp64 to 1e-12 of the reference; the
+    row sphere's squared row norms variant, the Q/K/V blocks' Frobenius norms in the call
+    (their windows widened to whole query groups) and the column sphere's eager norms with its
+    rescale per block and column in the fuse."""
+    from megatron.md.engine import compiled
+
+    calls, get = [], compiled._get
+
+    def spy(name, fn, fallback=False):
+        kernel = get(name, fn, fallback)
+        return lambda *a: calls.append(name) or kernel(*a)
+
+    monkeypatch.setattr(compiled, "_get", spy)
+    shape = (16, 128) if blocks else (9, 128)
+    spec = MatrixSpec(sphere, "shape" if blocks else "init", "rowcol", "softplus",
+                      row_blocks=blocks)  # fmt: skip
+    # slices that start and end inside a row, and that start a row and end inside one (the
+    # case torch 2.15.0's inductor split wrong without the lead rows: compiled._window)
+    cuts = [60, 384, 1000, 1100]
+    w, w_ref, ranks, st_ref = _run(spec, cuts, shape=shape, compiled=True, one_buffer=True)
+    cut = [g for e in ranks.engines for g in e.groups]
+    assert len(cut) == 10 and all(g.kernels.cut is not None for g in cut)
+    assert {g.kernels.cut[2] % 128 == 0 for g in cut} == {True, False}  # (pre: _at_slice)
+    for a, b in zip(w, w_ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    _same_gains(ranks, st_ref, ["gain_row", "gain_col"], rtol=1e-12, atol=1e-13)
+    steps = 5  # _run's
+    assert calls.count("phase1_many") == 5 * steps and calls.count("fuse_many") == 5, calls
+
+
+@MISCOMPILED_BY_OLD_TORCH
+def test_a_cut_slice_that_starts_a_row_compiles_right():
+    """A slice that starts a row and ends inside one, 1000 elements of 128 columns: written
+    with its offset a number, the row index (e + 0) // 128 of its elements torch 2.15.0's
+    inductor split into 7 whole rows on a CPU, the 8th row's elements read the wrong scale or
+    left unwritten (the first-call check stopped a 4-rank run, 2026-12-05). The compiled fuse
+    (row sphere, no gains: that run's layout) and phase 1 (row gains and sphere) equal their
+    eager formulas (``Checked`` raises otherwise) and the arithmetic by hand."""
+    from megatron.md.engine import compiled
+
+    gen = torch.Generator().manual_seed(5)
+    L, M, N = 1000, 16, 128
+    cut = compiled.cut_layout((M, N), 0, L, "row", ())
+    assert cut == (0, 8, 0, 24, 128, "row", ())
+    at = torch.tensor(0)
+    rows = torch.arange(L) // N  # each element's row
+    x, s = torch.randn(1, L, generator=gen), torch.rand(1, M, generator=gen) + 0.5
+    one, x0 = torch.ones(()), x.clone()
+    buf = torch.zeros(L + 100)
+    compiled._get("fuse_many", compiled._fuse_many)(buf, x, s, one, one, (1, L), (L, 1), 50,
+                                                    cut, at)  # fmt: skip
+    torch.testing.assert_close(x[0], x0[0] * s[0, rows])
+    torch.testing.assert_close(buf[50 : 50 + L], x0[0] * s[0, rows])
+    assert buf[:50].eq(0).all() and buf[50 + L :].eq(0).all()
+    w, g, m = (torch.randn(1, L, generator=gen) for _ in range(3))
+    v = torch.rand(1, L, generator=gen)
+    row = torch.rand(1, M, 1, generator=gen) + 0.5
+    hp = torch.tensor([1e-2, 1.0, 0.1, 0.999, 1e-3, 1e-8])
+    P = torch.zeros(M + M)
+    w0, m0 = w.clone(), m.clone()
+    item = (w, g, m, v, row, one, hp, True, False, "row", 0, 0, 2 * M, M, None, cut, at)
+    compiled._get("phase1_many", compiled._phase1_many)(1, P, *item)
+    sums = lambda t: torch.zeros(M).index_add_(0, rows, t)  # noqa: E731
+    torch.testing.assert_close(P[:M], sums(w0[0] * g[0]))  # the row gains' partials
+    torch.testing.assert_close(P[M:], sums(w[0] * w[0]))  # the updated rows' squared norms
+    torch.testing.assert_close(m[0], m0[0] + 0.1 * (g[0] * row[0, rows, 0] - m0[0]))
+
+
+def test_a_cut_window_is_whole_rows_and_query_groups():
+    """``geometry.cut_window``: a slice's whole rows, widened to whole query groups where the
+    matrix is split, and the elements around the slice in them."""
+    from megatron.md.engine.geometry import cut_window
+
+    assert cut_window((9, 11), 5, 61) == (0, 6, 5, 5, 11)
+    assert cut_window((9, 11), 61, 99) == (5, 9, 6, 0, 11)
+    assert cut_window((9, 11), 22, 33) == (2, 3, 0, 0, 11)
+    assert cut_window((16, 11), 61, 99, (4, 2, 2)) == (0, 16, 61, 77, 11)
+    assert cut_window((16, 11), 100, 130, (4, 2, 2)) == (8, 16, 12, 46, 11)
 
 
 @MISCOMPILED_BY_OLD_TORCH

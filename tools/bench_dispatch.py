@@ -42,9 +42,16 @@ layer, then layers of E experts, a shared expert and a router; expert-parallel s
 megatron lays the experts out among the attention's weights) at ``--num-layers``: its
 same-shape matrices are no one strided view of megatron's buffers, but a few regular pieces.
 
+With ``--nproc N`` the optimizers are ZeRO-1 over N data-parallel ranks (gloo on a CPU; the
+table is rank 0's, a line more gives every rank's launches: the slowest sets the pace), and
+with ``--bucket-size`` megatron's gradient buckets are about that many elements, with
+``--overlap-grad-reduce``, as on a cluster: ZeRO-1 shards each bucket, so a rank holds the
+matrices its shard cuts, up to two a bucket.
+
     python tools/bench_dispatch.py [--hidden-size 128] [--num-layers 12 24] [--rounds 30]
         [--fused-step on [--gpu-launches]] [--model 181M --vocab-size 131072]
         [--experts 64 --num-layers 4 8]
+        [--nproc 2 --bucket-size 200000]
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -277,7 +285,7 @@ def _kernels_as_one_op():
 
 
 def build(width: int, layers: int, run: str, vocab: int, fused: str = "auto",
-          model: str | None = None, experts: int = 0):  # fmt: skip
+          model: str | None = None, experts: int = 0, bucket: int | None = None):  # fmt: skip
     """megatron's optimizer of the shape model (``bench_md_step.shape_model``): one head and
     query group of 128, an MLP of 4 ``width``, or ``model``'s shapes (a ``bench_md_step`` size)
     at ``layers``, or with ``experts`` an MoE model (``moe_model``); the base Adam
@@ -293,7 +301,7 @@ def build(width: int, layers: int, run: str, vocab: int, fused: str = "auto",
     dtype = "bf16" if bench.DEV == "cuda" else "fp32"
     module = moe_model(width, layers, experts, vocab) if experts else None
     dmodel, opt = bench.build("dispatch", opt_name, md_on, dtype, vocab, fused=fused,
-                              module=module)  # fmt: skip
+                              module=module, bucket=bucket)  # fmt: skip
     for o in leaf_optimizers(opt):
         for g in o.optimizer.param_groups:
             g["foreach"] = True
@@ -334,7 +342,7 @@ def measure(args) -> dict:
             for run in (base, md):
                 opts[run], matrices[layers] = build(
                     args.hidden_size, layers, run, args.vocab_size, args.fused_step, args.model,
-                    args.experts,
+                    args.experts, args.bucket_size,
                 )  # fmt: skip
             got[layers] = {run: count(o.step, host_counters(o), args.gpu_launches)
                            for run, o in opts.items()}  # fmt: skip
@@ -394,6 +402,14 @@ def main(argv=None) -> None:
                     help="an MoE model of this many experts (the MoE ladder's layout at "
                          "--hidden-size, expert-parallel size 1: moe_model) instead of a dense "
                          "one")  # fmt: skip
+    ap.add_argument("--nproc", type=int, default=1,
+                    help="data-parallel ranks (gloo on a CPU): ZeRO-1's shards, where a rank's "
+                         "first and last matrices of a bucket are cut slices; the table is rank "
+                         "0's, the launches line every rank's")  # fmt: skip
+    ap.add_argument("--bucket-size", type=int,
+                    help="megatron's gradient buckets of about this many elements, with "
+                         "--overlap-grad-reduce (a cluster's run: ZeRO-1 shards each bucket, "
+                         "up to two cut matrices a bucket a rank); default one bucket")  # fmt: skip
     ap.add_argument("--gpu-launches", action="store_true",
                     help="count launches as a GPU makes them: a multi-tensor op's "
                          "multi_tensor_apply launches (its chunking), a compiled call's Triton "
@@ -407,6 +423,11 @@ def main(argv=None) -> None:
         ap.error("--experts builds the MoE ladder's layout at --hidden-size: leave out --model")
     if args.experts and min(args.num_layers) < 2:
         ap.error("--experts: at least 2 layers (a dense first layer, then MoE layers)")
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        from megatron.md.launch import local_ranks
+
+        cmd = local_ranks(__file__, args.nproc, argv if argv is not None else sys.argv[1:])
+        sys.exit(subprocess.run(cmd).returncode)
     if args.fused_step == "on":
         from megatron.md.engine import compiled
 
@@ -416,10 +437,11 @@ def main(argv=None) -> None:
 
     warnings.filterwarnings("ignore")
     logging.getLogger("megatron").setLevel(logging.ERROR)
-    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    from megatron.md.launch import free_port
+    if "LOCAL_RANK" not in os.environ:  # one process: its own one-rank group
+        from megatron.md.launch import free_port
 
-    os.environ["MASTER_PORT"] = str(free_port())
+        os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                          MASTER_PORT=str(free_port()))  # fmt: skip
     if bench.DEV == "cuda":
         torch.cuda.set_device(0)
     torch.distributed.init_process_group("nccl" if bench.DEV == "cuda" else "gloo")
@@ -427,9 +449,16 @@ def main(argv=None) -> None:
 
     ps.initialize_model_parallel(1, 1)
     res = measure(args)
+    ranks = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(ranks, res)
+    if torch.distributed.get_rank():
+        torch.distributed.destroy_process_group()
+        return
     where = torch.cuda.get_device_name() if bench.DEV == "cuda" else "CPU"
     lo = args.num_layers[0]
     shape = f"{args.model} shapes" if args.model else f"width {args.hidden_size}"
+    if len(ranks) > 1:
+        shape += f", rank 0 of {len(ranks)} data-parallel ranks"
     if args.experts:
         shape += f", MoE of {args.experts} experts (a dense first layer, expert-parallel size 1)"
     launches = ("launches as a GPU's (multi-tensor chunks, Triton kernels)" if args.gpu_launches
@@ -460,6 +489,12 @@ def main(argv=None) -> None:
                   f"{r['byte_ratio'] if first else '':>11.4} "
                   f"{_mflops(fl[n][base]):>8}/{_mflops(fl[n][md]):<9} "
                   f"{fr if first else '':>10}")  # fmt: skip
+    world = len(ranks)
+    for key in res if world > 1 else ():  # the slowest rank sets the step's pace
+        for n in args.num_layers:
+            per = ", ".join(f"{r[key]['launches'][n][b]}/{r[key]['launches'][n][m]}"
+                            for r in ranks for b, m in [PAIRS[key]])  # fmt: skip
+            print(f"{key}: launches base/MD by rank at {n} layers: {per}")
     for key, r in res.items():
         if args.fused_step == "on":
             print(
@@ -469,7 +504,8 @@ def main(argv=None) -> None:
     summary = {"device": where, "torch": torch.__version__, "width": args.hidden_size,
                "model": args.model, "experts": args.experts, "vocab": args.vocab_size,
                "fused_step": args.fused_step,
-               "gpu_launches": args.gpu_launches, "results": res}  # fmt: skip
+               "gpu_launches": args.gpu_launches, "ranks": world, "results": res,
+               "launches_by_rank": [{k: r[k]["launches"] for k in r} for r in ranks]}  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))

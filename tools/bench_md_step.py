@@ -120,10 +120,13 @@ def build(
     tp: int = 1,
     graph: bool = False,
     module=None,
+    bucket: int | None = None,
 ):
     """megatron's DDP model and optimizer of ``name``'s shape model (``shape_model``), or of
     ``module`` (a (model, TransformerConfig) pair: ``bench_dispatch.py --experts``' MoE
-    model), with MD enabled where ``md_on``; random gradients in its buffers."""
+    model), with MD enabled where ``md_on``; ``bucket``: megatron's gradient buckets of about
+    that many elements (``testing.megatron_optimizer``' ``bucket_size``); random gradients in
+    its buffers."""
     from megatron.core.transformer import TransformerConfig
 
     from megatron.md.config import MDConfig
@@ -146,7 +149,7 @@ def build(
     layer_wise = optimizer in ("muon", "adam_lw")  # adam_lw: --md-adam-layer-wise
     dmodel, opt = megatron_optimizer(
         module, cfg, "layerwise" if layer_wise else "zero1",
-        torch.distributed.get_world_size() // tp, optimizer,
+        torch.distributed.get_world_size() // tp, optimizer, bucket_size=bucket,
         lr=1e-3, weight_decay=0.0, clip_grad=1.0,
         # under TP, Muon and MuonMD orthogonalize full matrices (MD's recipe; tensor_parallel.py)
         muon_tp_mode="duplicated" if tp > 1 else "blockwise",

@@ -106,16 +106,19 @@ def tiny_gpt(seed: int, hidden: int, layers: int, seq: int, experts: int = 0, *,
 
 
 def megatron_optimizer(
-    module, config, dist: str, world: int, optimizer: str, instances: int = 1, **opt_kwargs
-):
+    module, config, dist: str, world: int, optimizer: str, instances: int = 1,
+    bucket_size: int | None = None, **opt_kwargs,
+):  # fmt: skip
     """megatron's DDP around ``module`` and megatron's optimizer for it, as megatron.training
     builds them (not yet MD): ``dist`` zero1 (DistributedOptimizer), layerwise
     (LayerWiseDistributedOptimizer: megatron builds it for Muon only, so layer-wise AdamMD is
     built as Muon and swapped by ``enable_md``) or replicated; ``world``: the data-parallel
     size; ``instances``: megatron's ``num_distributed_optimizer_instances`` (ZeRO-1 within each
     of that many slices of the data-parallel ranks; its groups made by
-    ``initialize_model_parallel``). ``opt_kwargs`` go to megatron's OptimizerConfig (lr, betas,
-    muon_* ...).
+    ``initialize_model_parallel``); ``bucket_size``: megatron's gradient buckets of about this
+    many elements, with ``--overlap-grad-reduce`` as on a cluster (None: one bucket, no
+    overlap; ZeRO-1 shards each bucket, so a rank's cut matrices grow with the buckets).
+    ``opt_kwargs`` go to megatron's OptimizerConfig (lr, betas, muon_* ...).
     Returns (the DDP model, the optimizer)."""
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -130,7 +133,8 @@ def megatron_optimizer(
     ddpc = DistributedDataParallelConfig(
         use_distributed_optimizer=dist != "replicated",
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=bucket_size is not None,
+        bucket_size=bucket_size,
         num_distributed_optimizer_instances=instances,
     )
     from megatron.core.transformer.module import Float16Module

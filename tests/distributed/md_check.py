@@ -411,6 +411,14 @@ def check(args) -> dict:
     cut = any(b.nc < s.md.shape[1] for i in inners for s in i.slots.values() for b in s.md.blocks)
     cut = torch.tensor(float(cut), device=DEV)
     dist.all_reduce(cut)
+    # every rank's groups of a ZeRO-1 slice cut inside its matrix, and those of them compiled
+    # (Kernels.cut: the merged calls)
+    cuts = [(not g.own, not g.own and g.kernels is not None)
+            for i in inners if i.engine is not None for g in i.engine.groups]  # fmt: skip
+    cut_groups = torch.tensor(
+        [float(sum(c[0] for c in cuts)), float(sum(c[1] for c in cuts))], device=DEV
+    )
+    dist.all_reduce(cut_groups)
 
     data = torch.tensor(list(cpu_demo.TEXT.encode()), dtype=torch.long)
     sphere_err = 0.0
@@ -560,6 +568,8 @@ def check(args) -> dict:
         "worst_dir_rel": worst_dir,
         "sphere_err": sphere_err,
         "cut_inside_row": bool(cut),
+        "cut_groups": int(cut_groups[0]),
+        "compiled_cut_groups": int(cut_groups[1]),
         "collectives_per_step": n_coll / args.steps,
         "payload": sum(i.last_payload for i in inners if i.layout is not None),
         "expected_payload": expected,

@@ -28,6 +28,8 @@ milliseconds of a matrix. On a GPU, where a call's launches are the cost, once o
 (``phase1_groups``, the partials written into the step's buffer inside it), and the fuse of
 the groups whose destinations lie in one buffer (``fuse_groups``: the buffer passed whole, the
 destinations' windows static; AOT autograd refuses mutated inputs that alias, torch 2.15.0).
+A ZeRO-1 slice cut inside its matrix (AdamMD) joins those merged calls, on a CPU too
+(``Kernels.cut``: its window of whole rows, ``_phase1_cut``, ``_fuse_cut``).
 On a GPU both AdamMD's and MuonMD's are the default at scale (``MDConfig.use_fused``), after
 ``tools/gpu_check.py`` checked them against the reference and measured them faster than the
 eager group there (H200, 2026-11-26, docs/benchmarks.md).
@@ -48,21 +50,28 @@ import torch
 
 from megatron.md import cpu_mode
 from megatron.md.base_steps import AdamHParams
+from megatron.md.engine.geometry import cut_window
 
-#: gains and spheres the compiled kernels cover (others, the tangent projection, TP pieces and
-#: cut slices: the eager group)
+#: gains and spheres the compiled kernels cover (others, the tangent projection and TP pieces:
+#: the eager group)
 GAINS = ("none", "row", "col", "rowcol")
 SPHERES = ("frobenius", "row", "col", "none")
 #: compiled variants allowed per function (dynamo's default, 8, is global): ``Checked._compiled``
 RECOMPILE_LIMIT = 64
 
 
-def _adam(w, g, m, v, hp):
+def _adam_values(w, g, m, v, hp):
     """torch AdamW's arithmetic (lerp with weight < 0.5, addcmul, sqrt/bc2 + eps, addcdiv);
-    hp = [step_size, sqrt(bias_correction2), 1 - beta1, beta2, 1 - beta2, eps]."""
+    hp = [step_size, sqrt(bias_correction2), 1 - beta1, beta2, 1 - beta2, eps]: the new
+    (Ŵ, m, v)."""
     m2 = m + hp[2] * (g - m)
     v2 = v * hp[3] + hp[4] * g * g
-    w2 = w - hp[0] * (m2 / (v2.sqrt() / hp[1] + hp[5]))
+    return w - hp[0] * (m2 / (v2.sqrt() / hp[1] + hp[5])), m2, v2
+
+
+def _adam(w, g, m, v, hp):
+    """``_adam_values`` written into Ŵ and the moments; returns the new Ŵ."""
+    w2, m2, v2 = _adam_values(w, g, m, v, hp)
     m.copy_(m2)
     v.copy_(v2)
     w.copy_(w2)
@@ -101,9 +110,7 @@ def _sq_norms(w2, sphere):
         blocks = sphere[1]
         B, M, _ = w2.shape
         rows = (w2 * w2).sum(2).view(B, M // sum(blocks), sum(blocks), 1)
-        at = torch.arange(sum(blocks), device=w2.device)
-        # each place's block (iota arithmetic: no constant tensor in the graph)
-        block = sum((at >= sum(blocks[:b]) for b in range(1, len(blocks))), torch.zeros_like(at))
+        block = _period_blocks(blocks, sum(blocks), w2.device)
         inside = block.view(-1, 1) == torch.arange(len(blocks), device=w2.device)
         return (rows * inside).sum((1, 2))
     if sphere == "frobenius":
@@ -114,6 +121,90 @@ def _sq_norms(w2, sphere):
     if sphere == "row_norm":  # the row sphere next to both gains' partials (kernel_sphere)
         return torch.linalg.vector_norm(w2, dim=2).square()
     return w2.new_zeros(())
+
+
+def _period_blocks(blocks: tuple, rows: int, device) -> torch.Tensor:
+    """The Q/K/V block of each of ``rows`` rows from a query group's start (iota arithmetic:
+    no constant tensor in the graph)."""
+    at = torch.arange(rows, device=device) % sum(blocks)
+    return sum((at >= sum(blocks[:b]) for b in range(1, len(blocks))), torch.zeros_like(at))
+
+
+def _window(x: torch.Tensor, cut: tuple) -> torch.Tensor:
+    """A cut slice ``x`` (1, L) as the (1, b - a, N) whole rows that cover it, zeros around it
+    (``cut``: ``Kernels.cut``): inductor reads it by a masked load, no copy."""
+    a, b, pre, post, N = cut[:5]
+    return torch.nn.functional.pad(x.reshape(-1), (pre, post)).view(1, b - a, N)
+
+
+def _rows(f: torch.Tensor, cut: tuple) -> torch.Tensor:
+    """A per-row factor of the full matrix (1, M, k) at the window's rows; a 0-d or
+    per-column one as it is."""
+    return f if f.ndim == 0 or f.shape[1] == 1 else f[:, cut[0] : cut[1]]
+
+
+def _at_slice(factor: torch.Tensor, cut: tuple, at: torch.Tensor) -> torch.Tensor:
+    """A factor broadcast against a cut slice's window, read at the slice's own elements
+    (1, L): element e at window row (e + pre) // N, column (e + pre) % N, ``pre`` given as
+    the 0-d tensor ``at`` (``Kernels.cut_at``). Written with ``pre`` a number, torch 2.15.0's
+    inductor split the L elements into L // N whole rows where ``pre`` is a multiple of N and
+    dropped the last partial one (its elements read the wrong factor or left unwritten, a CPU,
+    2026-12-05; ``Checked`` stopped a 4-rank run on it); a tensor it cannot fold."""
+    a, b, _, post, N = cut[:5]
+    e = torch.arange((b - a) * N - post - cut[2], device=factor.device) + at
+    return factor.expand(1, b - a, N)[0, e // N, e % N].view(1, -1)
+
+
+def _cut_scale(s: torch.Tensor, cut: tuple) -> torch.Tensor:
+    """A cut slice's pending rescale ``s`` (1, n_norm) broadcast against its window: the
+    eager group's ``axis_bcast``, its Q/K/V blocks by the rows' place in their query group (the
+    window starts at one, ``geometry.cut_window``)."""
+    a, b, _, _, N, sphere, blocks = cut
+    if blocks and sphere != "row":
+        return s.view(1, len(blocks), -1)[:, _period_blocks(blocks, b - a, s.device)]
+    if sphere == "frobenius":
+        return s.view(1, 1, 1)
+    if sphere == "row":
+        return s[:, a:b].unsqueeze(2)
+    return s.view(1, 1, N)
+
+
+def _phase1_cut(P, w, g, m, v, row, col, hp, need_row: bool, need_col: bool, sphere, n_gain,
+                cut: tuple, at: torch.Tensor):  # fmt: skip
+    """``_phase1_many``'s work for a ZeRO-1 slice cut inside its matrix (B = 1; Ŵ, G and the
+    moments its own (1, L) elements): the gains' partials on its window of whole rows
+    (``_window``) into the full matrix's rows and columns of ``P`` (1, n_partial), Adam on its
+    own elements (no window-sized temporary: a cut LM head's is hundreds of MB), the norms'
+    partials. Five Triton kernels on a GPU (``tools/triton_kernels.py``, torch 2.15.0,
+    2026-12-05: on the window and copied back, six)."""
+    a, b, N = cut[0], cut[1], cut[4]
+    wp, gp = _window(w, cut), _window(g, cut).to(w.dtype)
+    rw = _rows(row, cut)
+    p = wp * gp
+    if need_col:  # from Ŵ before Adam
+        c0 = row.shape[1] if need_row else 0
+        P[:, c0 : c0 + N].add_((p * rw).sum(1))
+    if need_row:
+        P[:, a:b].add_((p * col).sum(2))
+    # Adam on the slice's own elements, the gains read at their rows and columns: written in
+    # place (on the window, three more kernels copied it back)
+    w2 = _adam(w, g.to(w.dtype) * _at_slice(rw * col, cut, at), m, v, hp)
+    if sphere == "frobenius":
+        P[:, n_gain:].add_((w2 * w2).sum(1, keepdim=True))
+    elif isinstance(sphere, tuple):  # Q/K/V blocks: the window's whole query groups
+        P[:, n_gain:].add_(_sq_norms(_window(w2, cut), sphere))
+    elif sphere != "none":
+        P[:, n_gain + a : n_gain + b].add_(_sq_norms(_window(w2, cut), sphere))
+
+
+def _fuse_cut(out, x, s, row, col, cut: tuple, at: torch.Tensor) -> None:
+    """``_rescale_fuse`` / ``_fuse`` of a cut slice into ``out`` (1, L), its range of
+    megatron's param buffer: on the slice's own elements, the rescale and the gains read at
+    their rows and columns (``_at_slice``)."""
+    x2 = x if s is None else x * _at_slice(_cut_scale(s, cut), cut, at)
+    if s is not None:
+        x.copy_(x2)
+    out.copy_(x2 * _at_slice(_rows(row, cut) * col, cut, at))
 
 
 def _phase1_frobenius(w, g, m, v, row, col, hp, scratch, need_row: bool):
@@ -168,8 +259,10 @@ def _fuse_windows(buf, flat: tuple, rescale_fuse: Callable) -> None:
     pieces (``geometry.regular_pieces``: members ``b0 ..``, an (n1, r) grid of strides s1, s0
     at ``at``), one (n1, r, M, N) window a piece (``fuse_groups``)."""
     for i in range(0, len(flat), ITEMF):
-        x, s, row, col, shape, stride, offset = flat[i : i + ITEMF]
-        if isinstance(offset, tuple):
+        x, s, row, col, shape, stride, offset, cut, at = flat[i : i + ITEMF]
+        if cut is not None:  # a cut slice: its range of the buffer (``_fuse_cut``)
+            _fuse_cut(buf.as_strided(shape, stride, offset), x, s, row, col, cut, at)
+        elif isinstance(offset, tuple):
             M, N = shape[-2:]
             for b0, n1, r, s1, s0, at in offset:
                 one = slice(b0, b0 + n1 * r)
@@ -197,9 +290,9 @@ def _fuse_window(out, x, s, row, col, rescale_fuse: Callable) -> None:
 
 
 #: arguments of one group in ``_phase1_many`` (after the partial buffers)
-ITEM1 = 15
+ITEM1 = 17
 #: arguments of one group in ``_fuse_many`` (after the destination buffer)
-ITEMF = 7
+ITEMF = 9
 
 
 def _gathered(buf: torch.Tensor, pieces: tuple, M: int, N: int) -> torch.Tensor:
@@ -221,15 +314,20 @@ def _phase1_many(n_parts: int, *args):
     Ŵ, G, the moments, the gains' factors, the Adam scalars (as ``_phase1``'s), ``need_row``,
     ``need_col``, the sphere (``_sq_norms``'), its buffer's index, where its (B, n_partial)
     partials start in its storage, n_partial, n_gain (the norms' partials follow the gains')
-    and G's pieces (``geometry.regular_pieces``) where G is megatron's gradient buffer whole:
+    G's pieces (``geometry.regular_pieces``) where G is megatron's gradient buffer whole:
     read in place, inductor fusing the gather into the kernels that read G (the same five
     Triton kernels as from a (B, M, N) G for a toy group in 1 to 4 pieces; from 5 pieces one
     kernel more, inductor's copy of them into one buffer, as the stack was; torch 2.15.0,
-    ``tools/triton_kernels.py``, 2026-12-05)."""
+    ``tools/triton_kernels.py``, 2026-12-05), and the window of a ZeRO-1 slice cut inside its
+    matrix (``_phase1_cut``; None for whole matrices)."""
     parts, flat = args[:n_parts], args[n_parts:]
     for i in range(0, len(flat), ITEM1):
-        w, g, m, v, row, col, hp, need_row, need_col, sphere, k, start, n, n_gain, pieces = flat[
-            i : i + ITEM1]  # fmt: skip
+        (w, g, m, v, row, col, hp, need_row, need_col, sphere, k, start, n, n_gain, pieces, cut,
+         at) = flat[i : i + ITEM1]  # fmt: skip
+        if cut is not None:  # a ZeRO-1 slice cut inside its matrix
+            P = parts[k].as_strided((1, n), (n, 1), start)
+            _phase1_cut(P, w, g, m, v, row, col, hp, need_row, need_col, sphere, n_gain, cut, at)
+            continue
         B, M, N = w.shape
         if pieces is not None:
             g = _gathered(g, pieces, M, N)
@@ -298,13 +396,13 @@ def _fuse_many_copies(args: tuple) -> tuple[list, list]:
     n_all = sum(item[0].numel() for item in items)  # a window of each group's Ŵ's size
     compact = torch.empty(n_all, dtype=buf.dtype, device=buf.device)
     mine, pairs, at = [compact], [], 0
-    for k, (x, s, row, col, shape, stride, offset) in enumerate(items):
+    for k, (x, s, row, col, shape, stride, offset, cut, pre) in enumerate(items):
         mine_x = x if s is None else x.clone()
         if isinstance(offset, tuple):  # pieces: laid out one after another, as the members
             (M, N), name = shape[-2:], f"group {k}'s weights, members"
             mine_pieces = tuple((b0, n1, r, r * M * N, M * N, at + b0 * M * N)
                                 for b0, n1, r, _, _, _ in offset)  # fmt: skip
-            mine += [mine_x, s, row, col, shape, stride, mine_pieces]
+            mine += [mine_x, s, row, col, shape, stride, mine_pieces, cut, pre]
             for (b0, n1, r, s1, s0, o), (*_, m) in zip(offset, mine_pieces):
                 grid = (n1, r, M, N)
                 pairs.append((f"{name} {b0}-{b0 + n1 * r - 1}",
@@ -312,7 +410,7 @@ def _fuse_many_copies(args: tuple) -> tuple[list, list]:
                               compact.as_strided(grid, (r * M * N, M * N, N, 1), m)))  # fmt: skip
         else:
             dense = tuple(math.prod(shape[j + 1 :]) for j in range(len(shape)))  # contiguous
-            mine += [mine_x, s, row, col, shape, dense, at]
+            mine += [mine_x, s, row, col, shape, dense, at, cut, pre]
             pairs.append((f"group {k}'s weights", buf.as_strided(shape, stride, offset),
                           compact.as_strided(shape, dense, at)))  # fmt: skip
         if s is not None:
@@ -507,23 +605,43 @@ class Kernels:
     fallback: bool = False
     """A layout found miscompiled at its first call runs eager, said on stderr (``fused_step``
     auto), instead of stopping the run (on): ``Checked``."""
+    cut: tuple | None = None
+    """A ZeRO-1 slice cut inside its matrix: its window of whole rows
+    (``geometry.cut_window``: a, b, pre, post, N), its sphere and Q/K/V blocks
+    (``_cut_scale``). Its
+    phase 1 and fuse join the step's merged calls on a CPU too (one call for all the cut slices
+    a rank holds, up to two a bucket, where each slice's eager step took ~30 operations)."""
+    cut_at: torch.Tensor | None = None
+    """The cut's ``pre`` as a 0-d tensor on the device (``_at_slice``)."""
 
 
 def kernels_for(g, fallback: bool = False) -> Kernels | None:
     """The compiled kernels of group ``g``, where they apply: AdamMD or MuonMD on whole
-    matrices held whole (no TP piece, no ZeRO-1 cut; Q/K/V spheres included), gains
-    none/row/col/rowcol, no tangent projection, Ŵ projected back (not Muown), not both off (MD
-    off stays eager: bit for bit megatron). ``fallback``: ``Kernels.fallback``."""
+    matrices held whole (no TP piece; Q/K/V spheres included), or AdamMD on a ZeRO-1 slice
+    cut inside its matrix (no TP piece: ``Kernels.cut``), gains none/row/col/rowcol, no
+    tangent projection, Ŵ projected back (not Muown), not both off (MD off stays eager: bit for
+    bit megatron). ``fallback``: ``Kernels.fallback``."""
     spec = g.spec
     fits = (
-        g.own and g.whole_block and spec.gains in GAINS and spec.sphere in SPHERES
-        and not spec.tangent_grad and spec.project and (spec.gains, spec.sphere) != ("none", "none")
+        spec.gains in GAINS and spec.sphere in SPHERES and not spec.tangent_grad
+        and spec.project and (spec.gains, spec.sphere) != ("none", "none")
     )  # fmt: skip
+    if fits and not g.own and g.md0.tp is None and g.base.name == "adam":
+        cut = cut_layout(g.full, g.md0.start, g.md0.end, spec.sphere, spec.row_blocks)
+        at = torch.tensor(cut[2], device=g.W.device)  # once: a copy to the device
+        return Kernels(_phase1_group, _fuse_group, fallback=fallback, cut=cut, cut_at=at)
+    fits = fits and g.own and g.whole_block
     if fits and g.base.name == "adam":
         return Kernels(_phase1_group, _fuse_group, fallback=fallback)
     if fits and g.base.name == "muon" and not spec.tangent_update and not spec.weight_norm:
         return Kernels(None, _fuse_group, _partials_group, fallback=fallback)
     return None
+
+
+def cut_layout(shape: tuple[int, int], start: int, end: int, sphere: str, row_blocks) -> tuple:
+    """``Kernels.cut`` of the slice ``[start, end)`` of a ``shape`` matrix: its window
+    (``geometry.cut_window``), the sphere and the Q/K/V blocks."""
+    return (*cut_window(shape, start, end, row_blocks), sphere, tuple(row_blocks))
 
 
 _ONES: dict[tuple, torch.Tensor] = {}
@@ -585,12 +703,13 @@ def _phase1_prep(g, G, step, hp: AdamHParams, merged: bool = False):
         # except a merged call's Frobenius ones (four eager operations a step after it)
         sphere = ("blocks", g.spec.row_blocks) if merged and sphere == "frobenius" else "none"
     g_pieces = None
+    shape = (B, M, N) if g.kernels.cut is None else (1, g.L)  # a cut slice: its own elements
     if isinstance(G, tuple):  # megatron's gradient buffer and the pieces of it to read
         g3, g_pieces = G
     else:
-        g3 = G.view(B, M, N)
-    w3 = g.W.view(B, M, N)
-    m3, v3 = g.state["exp_avg"].view(B, M, N), g.state["exp_avg_sq"].view(B, M, N)
+        g3 = G.view(shape)
+    w3 = g.W.view(shape)
+    m3, v3 = g.state["exp_avg"].view(shape), g.state["exp_avg_sq"].view(shape)
     scratch = _scratch(w3) if need_col and not merged else None
     # a group whose norms the eager group takes still runs the Frobenius variant, its partial
     # dropped: without a norm reduction inductor's CPU loops write Ŵ and the moments to
@@ -641,10 +760,10 @@ def phase1_groups(items: list, step) -> None:
     call cost its own, and the partials written inside it; gradients that are no strided view
     of megatron's buffer read in place there, ``Group.grads(pieces=True)``, where a stack copied
     them); elsewhere one group a call (``_phase1_group``: on a CPU one matrix a call, into the
-    one kept scratch)."""
+    one kept scratch), but the cut slices merged there too (``Kernels.cut``)."""
     batch, size = [], 0
     for g, P, hp in items:
-        if not _stacks(g):
+        if not _stacks(g) and g.kernels.cut is None:
             _phase1_group(g, g.grads()[0], P, step, hp)
             continue
         G = g.grads(pieces=True)[0]
@@ -669,7 +788,8 @@ def _phase1_call(batch: list) -> None:
             parts.append(root)
         w, grad, m, v, row, col, hp_t, _, need_row = prep.args
         flat += [w, grad, m, v, row, col, hp_t, need_row, prep.need_col, prep.sphere, k,
-                 P.storage_offset(), P.shape[1], g.n_gain, prep.g_pieces]  # fmt: skip
+                 P.storage_offset(), P.shape[1], g.n_gain, prep.g_pieces,
+                 g.kernels.cut, g.kernels.cut_at]  # fmt: skip
     _get("phase1_many", _phase1_many, batch[0][0].kernels.fallback)(len(parts), *parts, *flat)
     for g, P, prep in batch:
         _phase1_finish(g, P, prep)  # (no scratch here: the eager norms where the kernel took none)
@@ -777,6 +897,10 @@ def fuse_groups(items: list) -> None:
     ``tools/triton_kernels.py``, 2026-12-05); elsewhere one group a call (``_fuse_group``)."""
     batches: dict[int, tuple[torch.Tensor, list]] = {}
     for g, targets in items:
+        if g.kernels.cut is not None:  # its range of the buffer, merged on a CPU too
+            buf = g.whole(targets[0])
+            batches.setdefault(buf.data_ptr(), (buf, []))[1].append((g, targets[0], "cut"))
+            continue
         view, pieces = g.placed("out", targets) if _stacks(g) else (None, None)
         if view is None and pieces is None:
             _fuse_group(g, targets)
@@ -786,12 +910,18 @@ def fuse_groups(items: list) -> None:
     for buf, groups in batches.values():
         flat, size = [], 0
         for k, (g, view, pieces) in enumerate(groups):
-            w3, s, row, col, o3 = _fuse_operands(g, view)
-            if o3 is None:  # a window a regular piece
-                M, N = g.full
-                flat += [w3, s, row, col, (M, N), None, pieces]
+            if pieces == "cut":
+                row, col = _row_col(g, g.phi())
+                s, g.pending = g.pending, None  # (1, n_norm): broadcast in the call
+                flat += [g.W, s, row, col, (1, g.L), (g.L, 1), view.storage_offset(),
+                         g.kernels.cut, g.kernels.cut_at]  # fmt: skip
             else:
-                flat += [w3, s, row, col, tuple(o3.shape), o3.stride(), o3.storage_offset()]
+                w3, s, row, col, o3 = _fuse_operands(g, view)
+                if o3 is None:  # a window a regular piece
+                    flat += [w3, s, row, col, g.full, None, pieces, None, None]
+                else:
+                    flat += [w3, s, row, col, tuple(o3.shape), o3.stride(),
+                             o3.storage_offset(), None, None]  # fmt: skip
             size += g.B * g.L
             if size >= MERGE_ELEMENTS or k == len(groups) - 1:
                 _get("fuse_many", _fuse_many, g.kernels.fallback)(buf, *flat)

@@ -139,3 +139,18 @@ def _grid_at(offsets: list[int], i: int, L: int) -> tuple[int, int, int, int]:
         ):
             n1 += 1
     return n1, r, s1, d
+
+
+def cut_window(shape: tuple[int, int], start: int, end: int, row_blocks: tuple[int, ...] = ()):
+    """The whole rows ``[a, b)`` of a row-major ``shape`` matrix that cover its flat range
+    ``[start, end)`` (a ZeRO-1 rank's slice cut inside rows), widened to whole query groups
+    of ``row_blocks`` where the matrix is split, and the elements before and after the range
+    in them: ``(a, b, pre, post, N)``. A compiled call reads the slice padded with
+    ``pre``/``post`` zeros as a ``(1, b - a, N)`` matrix: a zero of Ŵ and G adds nothing to a
+    partial or norm, and Adam leaves it zero."""
+    M, N = shape
+    a, b = start // N, -(-end // N)
+    if row_blocks:
+        S = sum(row_blocks)
+        a, b = a // S * S, min(M, -(-b // S) * S)
+    return a, b, start - a * N, b * N - end, N
