@@ -586,7 +586,7 @@ def test_bench_dispatch_moe_layout_is_regular_pieces():
     layer of 4 experts), built in megatron's DDP and optimizer: its expert groups are no one
     strided view of megatron's gradient buffer but one regular (layers, experts) grid, its
     attention's matrices two pieces (the dense first layer apart); and --experts refuses
-    --model."""
+    --model. ``--bucket-size`` builds megatron's buckets of that size; ``--nproc 0`` refused."""
     import bench_dispatch
 
     from megatron.md import testing
@@ -608,6 +608,12 @@ def test_bench_dispatch_moe_layout_is_regular_pieces():
     assert all(len(p) == 2 for p in pieces.values()), pieces
     out = run_tool("bench_dispatch.py", "--experts", "4", "--model", "181M", timeout=120)
     assert out.returncode == 2 and "leave out --model" in out.stderr
+    # --bucket-size: megatron's buckets of about that many elements, overlapped (a cluster's)
+    opt, _ = bench_dispatch.build(48, 3, "adam", 128, "off", None, 0, bucket=20000)
+    (leaf,) = leaf_optimizers(opt)
+    assert sum(len(b.buckets) for b in leaf.buffers) > 3 and leaf.config is not None
+    out = run_tool("bench_dispatch.py", "--nproc", "0", timeout=120)
+    assert out.returncode == 2 and "at least one rank" in out.stderr
 
 
 def test_the_merged_run_raises_the_merge_limit_while_its_pair_steps():

@@ -421,6 +421,10 @@ def main(argv=None) -> None:
                  "(the step a GPU runs at scale)")  # fmt: skip
     if args.experts and args.model:
         ap.error("--experts builds the MoE ladder's layout at --hidden-size: leave out --model")
+    if args.nproc < 1:
+        ap.error(f"--nproc {args.nproc}: at least one rank")
+    if args.bucket_size is not None and args.bucket_size < 1:
+        ap.error(f"--bucket-size {args.bucket_size}: a bucket holds at least one element")
     if args.experts and min(args.num_layers) < 2:
         ap.error("--experts: at least 2 layers (a dense first layer, then MoE layers)")
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
@@ -443,7 +447,7 @@ def main(argv=None) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                           MASTER_PORT=str(free_port()))  # fmt: skip
     if bench.DEV == "cuda":
-        torch.cuda.set_device(0)
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     torch.distributed.init_process_group("nccl" if bench.DEV == "cuda" else "gloo")
     from megatron.core import parallel_state as ps
 

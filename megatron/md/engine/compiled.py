@@ -608,9 +608,9 @@ class Kernels:
     cut: tuple | None = None
     """A ZeRO-1 slice cut inside its matrix: its window of whole rows
     (``geometry.cut_window``: a, b, pre, post, N), its sphere and Q/K/V blocks
-    (``_cut_scale``). Its
-    phase 1 and fuse join the step's merged calls on a CPU too (one call for all the cut slices
-    a rank holds, up to two a bucket, where each slice's eager step took ~30 operations)."""
+    (``_cut_scale``). Its phase 1 and fuse join the step's merged calls on a CPU too (one call
+    for all the cut slices a rank holds, up to two a bucket, where each slice's eager step took
+    ~30 operations)."""
     cut_at: torch.Tensor | None = None
     """The cut's ``pre`` as a 0-d tensor on the device (``_at_slice``)."""
 
