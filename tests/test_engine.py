@@ -694,7 +694,7 @@ def test_adam_qkv_split_on_slices(n_slices, sphere):
 @pytest.mark.parametrize("sphere,blocks", [("frobenius", ()), ("row", ()), ("frobenius", (4, 2, 2)),
                                            ("col", (4, 2, 2))])  # fmt: skip
 def test_compiled_cut_slices_of_a_rank_share_one_call(monkeypatch, sphere, blocks):
-    """ZeRO-1 slices cut inside rows (two matrices on five ranks, every slice cut) take the
+    """ZeRO-1 slices cut inside rows (two matrices on three ranks, every slice cut) take the
     compiled kernels too, all of a rank's in one merged phase-1 call and one fuse call a step
     (each slice's eager step took ~30 operations: up to two slices a bucket a rank, so a
     cluster's step grew with its buckets), on a CPU too: fp64 to 1e-12 of the reference; the
@@ -713,18 +713,19 @@ def test_compiled_cut_slices_of_a_rank_share_one_call(monkeypatch, sphere, block
     shape = (16, 128) if blocks else (9, 128)
     spec = MatrixSpec(sphere, "shape" if blocks else "init", "rowcol", "softplus",
                       row_blocks=blocks)  # fmt: skip
-    # slices that start and end inside a row, and that start a row and end inside one (the
-    # case torch 2.15.0's inductor split wrong without the lead rows: compiled._window)
-    cuts = [60, 384, 1000, 1100]
+    # a slice that starts a row and ends inside one (the case torch 2.15.0's inductor split
+    # wrong with its offset a number: compiled._at_slice), one inside rows at both ends, one
+    # that ends a row
+    cuts = [1000, 1100]
     w, w_ref, ranks, st_ref = _run(spec, cuts, shape=shape, compiled=True, one_buffer=True)
     cut = [g for e in ranks.engines for g in e.groups]
-    assert len(cut) == 10 and all(g.kernels.cut is not None for g in cut)
+    assert len(cut) == 6 and all(g.kernels.cut is not None for g in cut)
     assert {g.kernels.cut[2] % 128 == 0 for g in cut} == {True, False}  # (pre: _at_slice)
     for a, b in zip(w, w_ref):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
     _same_gains(ranks, st_ref, ["gain_row", "gain_col"], rtol=1e-12, atol=1e-13)
     steps = 5  # _run's
-    assert calls.count("phase1_many") == 5 * steps and calls.count("fuse_many") == 5, calls
+    assert calls.count("phase1_many") == 3 * steps and calls.count("fuse_many") == 3, calls
 
 
 @MISCOMPILED_BY_OLD_TORCH
