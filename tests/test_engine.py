@@ -730,10 +730,11 @@ def test_compiled_cut_slices_of_a_rank_share_one_call(monkeypatch, sphere, block
 
 @MISCOMPILED_BY_OLD_TORCH
 def test_a_cut_slice_that_starts_a_row_compiles_right():
-    """A slice that starts a row and ends inside one, 1000 elements of 128 columns: written
-    with its offset a number, the row index (e + 0) // 128 of its elements torch 2.15.0's
-    inductor split into 7 whole rows on a CPU, the 8th row's elements read the wrong scale or
-    left unwritten (the first-call check stopped a 4-rank run, 2026-12-05). The compiled fuse
+    """A slice that starts a row and ends inside one, 1000 elements of 128 columns: as
+    ``_at_slice`` was first written (the factor's window flattened and sliced, the offset a
+    number), torch 2.15.0's inductor split its elements' row index e // 128 into 7 whole rows
+    on a CPU, the 8th row's elements read the wrong scale or left unwritten (the first-call
+    check stopped a 4-rank run, 2026-12-05; that form fails here). The compiled fuse
     (row sphere, no gains: that run's layout) and phase 1 (row gains and sphere) equal their
     eager formulas (``Checked`` raises otherwise) and the arithmetic by hand."""
     from megatron.md.engine import compiled
