@@ -431,7 +431,7 @@ def main(argv=None) -> None:
         from megatron.md.launch import local_ranks
 
         cmd = local_ranks(__file__, args.nproc, argv if argv is not None else sys.argv[1:])
-        sys.exit(subprocess.run(cmd).returncode)
+        sys.exit(subprocess.run(cmd, env=bench.rank_env(args.nproc)).returncode)
     if args.fused_step == "on":
         from megatron.md.engine import compiled
 

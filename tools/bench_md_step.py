@@ -564,6 +564,16 @@ def measure(name: str, dtype: str, args, rank: int) -> dict:
     return row
 
 
+def rank_env(world: int) -> dict:
+    """The environment of ``world`` local benchmark ranks: the cores shared out, and on a CPU
+    huge pages for torch's large buffers (docs/benchmarks.md: without them page faults
+    dominate at 457M)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world))}
+    if DEV == "cpu":
+        env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    return env
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", nargs="+", default=["181M", "457M"], choices=list(SHAPES))
@@ -603,10 +613,7 @@ def main(argv=None) -> None:
                                  f"query groups do not divide over --tp {args.tp}")  # fmt: skip
         own = [a for a in (argv if argv is not None else sys.argv[1:])]
         cmd = local_ranks(__file__, world, own)
-        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world))}
-        if DEV == "cpu":  # huge pages for torch's large CPU buffers (docs/benchmarks.md: without
-            env.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # them page faults dominate at 457M)
-        out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+        out = subprocess.run(cmd, env=rank_env(world), stdout=subprocess.PIPE, text=True)
         for line in out.stdout.splitlines():
             if line.startswith(JSON_TAG):
                 ladder.append(json.loads(line[len(JSON_TAG) :]))
