@@ -9,6 +9,7 @@
         [--device-scalars] [--lr-decay]  (the step count and LRs on the device; a moving LR)
         [--cuda-graph]    (with --device cuda: the step replayed from a CUDA graph)
         [--cp 2]          (megatron's context-parallel groups: DP × CP = W)
+        [--bucket-size N] (megatron's gradient buckets of ~N elements, --overlap-grad-reduce)
 
 Every rank feeds the same batch, so the data-parallel mean gradient equals each rank's local
 gradient; the check isolates the optimizer. With ``--cp`` each rank feeds its context-parallel
@@ -21,6 +22,9 @@ attention of a real CP run); the optimizer, which is what is checked, gets megat
 
 --vs reference: the oracle is the single-process ``MDOptimizer`` (reference MD step) fed the
     gradient megatron computed (captured before the DP reduction), clipped like megatron.
+    With ``--bucket-size`` the reduction starts inside the backward pass (megatron's
+    ``--overlap-grad-reduce``), so the gradient is read from a twin: the same model with one
+    bucket and no overlap, given the checked model's weights before each step.
 --optimizer adam --dist layerwise: AdamMD on whole matrices owned layer-wise (built as megatron's
     layer-wise Muon, base step swapped for Adam: MDConfig.adam_layer_wise).
 --vs megatron: MD switched off (no sphere, no gains, no row norms) must reproduce megatron's
@@ -95,6 +99,14 @@ def parse(argv=None):
         "--instances", type=int, default=1, help="--num-distributed-optimizer-instances (ZeRO-1)"
     )
     ap.add_argument(
+        "--bucket-size",
+        type=int,
+        default=None,
+        help="megatron's gradient buckets of about this many elements, reduced with "
+        "--overlap-grad-reduce as on a cluster (ZeRO-1 shards each bucket: a rank holds slices "
+        "cut inside matrices bucket after bucket); default one bucket, no overlap",
+    )
+    ap.add_argument(
         "--no-split-qkv", dest="split_qkv", action="store_false", help="--muon-no-split-qkv"
     )
     ap.add_argument(
@@ -111,6 +123,11 @@ def parse(argv=None):
         ap.error("megatron-core has no layer-wise Adam to compare with")
     if args.cuda_graph and args.device != "cuda":
         ap.error("--cuda-graph needs --device cuda")
+    if args.bucket_size is not None and args.vs == "megatron":
+        # (its per-step check of the two models' local gradients reads them mid-reduction)
+        ap.error("--bucket-size is checked against the reference only")
+    if args.bucket_size is not None and args.bucket_size < 1:
+        ap.error(f"--bucket-size {args.bucket_size}: a bucket holds at least one element")
     return args
 
 
@@ -169,6 +186,7 @@ def build(args, world, seed: int = 11):
     dmodel, opt = testing.megatron_optimizer(
         inner, model.config, args.dist, world, args.optimizer,
         instances=getattr(args, "instances", 1),  # (md_tp_check.py's jobs have none)
+        bucket_size=getattr(args, "bucket_size", None),
         lr=LR, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99, adam_eps=1e-8,
         clip_grad=getattr(args, "clip", CLIP),
         # LayerWise needs bf16=True even for fp32 params (layer_wise_optimizer.py,
@@ -260,6 +278,15 @@ def step(dmodel, opt, x, y, calls: list | None = None, grad_of=None, after_backw
     if calls is not None:
         calls[:] = got
     return local
+
+
+def local_grads(dmodel, x, y) -> list[torch.Tensor]:
+    """``step``'s capture without a step: each parameter's gradient of one forward-backward,
+    not reduced (a model with one bucket and no overlap reduces nothing before
+    ``finish_grad_sync``)."""
+    dmodel.zero_grad_buffer()
+    cpu_demo.lm_loss(dmodel, x, y).backward()
+    return [p.main_grad.detach().clone() for p in dmodel.module.parameters()]
 
 
 def bf16_excess(p: torch.Tensor, q: torch.Tensor) -> float:
@@ -404,6 +431,11 @@ def check(args) -> dict:
         model2.load_state_dict(model.state_dict())
     else:
         named, copies, ref = oracle_for(model, md, args.optimizer)
+    twin = None  # --bucket-size: the model whose local gradient the oracle gets
+    if args.bucket_size is not None:
+        twin_model, twin, _ = build(
+            argparse.Namespace(**{**vars(args), "bucket_size": None}), world
+        )
     inners = [o.optimizer for o in leaf_optimizers(opt) if hasattr(o.optimizer, "slots")]
     if args.device_scalars:
         for inner in inners:
@@ -430,7 +462,12 @@ def check(args) -> dict:
                 for g in o.param_groups:
                     g["lr"] = LR * (1 - k / (2 * args.steps))
         x, y = cp_share(x.to(DEV), y.to(DEV))
-        grads = step(dmodel, opt, x, y, md_calls)
+        if twin is not None:  # the checked model's own capture would read reduced buckets
+            twin_model.load_state_dict(model.state_dict())
+            grads = local_grads(twin, x, y)
+            step(dmodel, opt, x, y, md_calls)
+        else:
+            grads = step(dmodel, opt, x, y, md_calls)
         differ = grads_differ(grads)
         if args.cp > 1:  # what DDP averages over DP × CP (here every rank)
             for g in grads:
@@ -568,6 +605,8 @@ def check(args) -> dict:
         "worst_dir_rel": worst_dir,
         "sphere_err": sphere_err,
         "cut_inside_row": bool(cut),
+        # megatron's gradient buckets (dense and expert buffers; --bucket-size)
+        "buckets": sum(len(b.buckets) for b in dmodel.buffers + dmodel.expert_parallel_buffers),
         "cut_groups": int(cut_groups[0]),
         "compiled_cut_groups": int(cut_groups[1]),
         "collectives_per_step": n_coll / args.steps,
