@@ -33,11 +33,27 @@ CUTS = {
 }
 
 
+def _scattered(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``parts`` in one buffer at uneven gaps (megatron's buckets: a rank's slices of
+    same-shape matrices in one buffer, not evenly spaced)."""
+    offs, at = [], 0
+    for i, p in enumerate(parts):
+        offs.append(at)
+        at += p.numel() + 3 + 5 * i
+    buf = torch.zeros(at, dtype=parts[0].dtype)
+    out = [buf[o : o + p.numel()] for o, p in zip(offs, parts)]
+    for o, p in zip(out, parts):
+        o.copy_(p)
+    return out
+
+
 def _run(spec, cuts, base="adam", steps=5, shape=(9, 11), dtype=torch.float64, n=2,
-         compiled=False, one_buffer=False, device=False, fallback=False):  # fmt: skip
+         compiled=False, one_buffer=False, device=False, fallback=False,
+         scattered=False):  # fmt: skip
     """``n`` matrices stepped by the reference and by the engine on ``len(cuts) + 1`` ranks,
     each owning one slice of every matrix (``one_buffer``: the fused weights are rows of one
-    buffer, as megatron's are; ``device``: the engine's step count and LRs read from the
+    buffer, as megatron's are; ``scattered``: a rank's gradients and fused weights each in one
+    buffer at uneven gaps; ``device``: the engine's step count and LRs read from the
     device, the LRs decaying step by step). Returns (the engine's fused W per matrix, the
     reference's, the ranks, the reference's states)."""
     gen = torch.Generator().manual_seed(3)
@@ -60,14 +76,20 @@ def _run(spec, cuts, base="adam", steps=5, shape=(9, 11), dtype=torch.float64, n
                for i, w in enumerate(w0)] for lo, hi in zip(bounds[:-1], bounds[1:])]  # fmt: skip
     ranks = Ranks(pieces, dtype, compiled, fallback=fallback)
     ranks.init()
+    spread = _scattered if scattered else lambda parts: parts
     for gs, hp, ghp in zip(grads, hps, ghps):
-        ranks.step([[g.reshape(-1)[lo:hi] for g in gs] for lo, hi in zip(bounds[:-1], bounds[1:])],
-                   hp, ghp, device=device)  # fmt: skip
+        parts = [spread([g.reshape(-1)[lo:hi] for g in gs])
+                 for lo, hi in zip(bounds[:-1], bounds[1:])]  # fmt: skip
+        ranks.step(parts, hp, ghp, device=device)
     if one_buffer:
         out = list(torch.empty(n, numel, dtype=dtype))
     else:
         out = [torch.empty(numel, dtype=dtype) for _ in range(n)]
-    ranks.fuse([[o[lo:hi] for o in out] for lo, hi in zip(bounds[:-1], bounds[1:])])
+    dests = [spread([o[lo:hi] for o in out]) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    ranks.fuse(dests)
+    for (lo, hi), ds in zip(zip(bounds[:-1], bounds[1:]), dests):
+        for o, d in zip(out, ds):
+            o[lo:hi] = d
     if cuts:  # a cut inside a row: a partial-row block
         assert any(b.nr == 1 and b.nc < shape[1] for rank in pieces for md, _, _ in rank
                    for b in md.blocks)  # fmt: skip
@@ -719,13 +741,42 @@ def test_compiled_cut_slices_of_a_rank_share_one_call(monkeypatch, sphere, block
     cuts = [1000, 1100]
     w, w_ref, ranks, st_ref = _run(spec, cuts, shape=shape, compiled=True, one_buffer=True)
     cut = [g for e in ranks.engines for g in e.groups]
-    assert len(cut) == 6 and all(g.kernels.cut is not None for g in cut)
+    # a rank's slices of the two matrices cut at one place: one group of two
+    assert len(cut) == 3 and all(g.kernels.cut is not None and g.B == 2 for g in cut)
     assert {g.kernels.cut[2] % 128 == 0 for g in cut} == {True, False}  # (pre: _at_slice)
     for a, b in zip(w, w_ref):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
     _same_gains(ranks, st_ref, ["gain_row", "gain_col"], rtol=1e-12, atol=1e-13)
     steps = 5  # _run's
     assert calls.count("phase1_many") == 3 * steps and calls.count("fuse_many") == 3, calls
+
+
+@MISCOMPILED_BY_OLD_TORCH
+@pytest.mark.parametrize("sphere,blocks", [("row", ()), ("frobenius", (4, 2, 2))])
+def test_compiled_cut_slices_read_and_written_by_pieces(monkeypatch, sphere, blocks):
+    """Slices cut at one place of three matrices, their gradients and fused weights in one
+    buffer at uneven gaps (a rank's shards of megatron's buckets need not be evenly spaced): one
+    group, read and written by regular pieces inside the merged calls (``regular_pieces``;
+    never the eager fuse), fp64 to 1e-12 of the reference."""
+    from megatron.md.engine import compiled
+
+    def refused(g, targets):
+        raise AssertionError("the eager fuse of a compiled cut group")
+
+    monkeypatch.setattr(compiled, "_fuse_eager", refused)
+    shape = (16, 128) if blocks else (9, 128)
+    spec = MatrixSpec(sphere, "shape" if blocks else "init", "rowcol", "softplus",
+                      row_blocks=blocks)  # fmt: skip
+    w, w_ref, ranks, st_ref = _run(spec, [1000, 1100], shape=shape, n=3, compiled=True,
+                                   scattered=True)  # fmt: skip
+    for e in ranks.engines:
+        (g,) = e.groups
+        assert g.B == 3 and g.kernels.cut is not None
+        view, pieces = g.placed("grad", [m.main.grad for m in g.members])
+        assert view is None and len(pieces) > 1, pieces
+    for a, b in zip(w, w_ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    _same_gains(ranks, st_ref, ["gain_row", "gain_col"], rtol=1e-12, atol=1e-13)
 
 
 @MISCOMPILED_BY_OLD_TORCH

@@ -443,12 +443,13 @@ def check(args) -> dict:
     cut = any(b.nc < s.md.shape[1] for i in inners for s in i.slots.values() for b in s.md.blocks)
     cut = torch.tensor(float(cut), device=DEV)
     dist.all_reduce(cut)
-    # every rank's groups of a ZeRO-1 slice cut inside its matrix, and those of them compiled
-    # (Kernels.cut: the merged calls)
-    cuts = [(not g.own, not g.own and g.kernels is not None)
-            for i in inners if i.engine is not None for g in i.engine.groups]  # fmt: skip
+    # every rank's groups of ZeRO-1 slices cut inside their matrices (at one place of each),
+    # those of them compiled (Kernels.cut: the merged calls), and the slices they hold
+    cuts = [(g.B, g.kernels is not None) for i in inners if i.engine is not None
+            for g in i.engine.groups if not g.md0.whole]  # fmt: skip
     cut_groups = torch.tensor(
-        [float(sum(c[0] for c in cuts)), float(sum(c[1] for c in cuts))], device=DEV
+        [float(len(cuts)), float(sum(c[1] for c in cuts)), float(sum(c[0] for c in cuts))],
+        device=DEV,
     )
     dist.all_reduce(cut_groups)
 
@@ -609,6 +610,7 @@ def check(args) -> dict:
         "buckets": sum(len(b.buckets) for b in dmodel.buffers + dmodel.expert_parallel_buffers),
         "cut_groups": int(cut_groups[0]),
         "compiled_cut_groups": int(cut_groups[1]),
+        "cut_slices": int(cut_groups[2]),
         "collectives_per_step": n_coll / args.steps,
         "payload": sum(i.last_payload for i in inners if i.layout is not None),
         "expected_payload": expected,

@@ -131,52 +131,58 @@ def _period_blocks(blocks: tuple, rows: int, device) -> torch.Tensor:
 
 
 def _window(x: torch.Tensor, cut: tuple) -> torch.Tensor:
-    """A cut slice ``x`` (1, L) as the (1, b - a, N) whole rows that cover it, zeros around it
-    (``cut``: ``Kernels.cut``): inductor reads it by a masked load, no copy."""
-    a, b, pre, post, N = cut[:5]
-    return torch.nn.functional.pad(x.reshape(-1), (pre, post)).view(1, b - a, N)
+    """Cut slices ``x`` (B, L) as the (B, b - a, N) whole rows that cover them, zeros around
+    them (``cut``: ``Kernels.cut``): inductor reads them by a masked load, no copy. (As
+    ``F.pad`` of the (B, L) stack, inductor wrote each padded window to a buffer first: three
+    Triton kernels more a group, ``tools/triton_kernels.py``, torch 2.15.0, 2026-12-05.)"""
+    a, b, pre, _, N = cut[:5]
+    B, L = x.shape
+    e = torch.arange((b - a) * N, device=x.device) - pre  # each window element's in the slice
+    inside = (e >= 0) & (e < L)
+    return torch.where(inside, x[:, e.clamp(0, L - 1)], 0).view(B, b - a, N)
 
 
 def _rows(f: torch.Tensor, cut: tuple) -> torch.Tensor:
-    """A per-row factor of the full matrix (1, M, k) at the window's rows; a 0-d or
+    """A per-row factor of the full matrices (B, M, k) at the window's rows; a 0-d or
     per-column one as it is."""
     return f if f.ndim == 0 or f.shape[1] == 1 else f[:, cut[0] : cut[1]]
 
 
-def _at_slice(factor: torch.Tensor, cut: tuple, at: torch.Tensor) -> torch.Tensor:
-    """A factor broadcast against a cut slice's window, read at the slice's own elements
-    (1, L): element e at window row (e + pre) // N, column (e + pre) % N, ``pre`` given as
+def _at_slice(factor: torch.Tensor, cut: tuple, at: torch.Tensor, B: int) -> torch.Tensor:
+    """A factor broadcast against B cut slices' windows, read at the slices' own elements
+    (B, L): element e at window row (e + pre) // N, column (e + pre) % N, ``pre`` given as
     the 0-d tensor ``at`` (``Kernels.cut_at``). Written with ``pre`` a number, torch 2.15.0's
     inductor split the L elements into L // N whole rows where ``pre`` is a multiple of N and
     dropped the last partial one (its elements read the wrong factor or left unwritten, a CPU,
     2026-12-05; ``Checked`` stopped a 4-rank run on it); a tensor it cannot fold."""
     a, b, _, post, N = cut[:5]
     e = torch.arange((b - a) * N - post - cut[2], device=factor.device) + at
-    return factor.expand(1, b - a, N)[0, e // N, e % N].view(1, -1)
+    return factor.expand(B, b - a, N)[:, e // N, e % N]
 
 
 def _cut_scale(s: torch.Tensor, cut: tuple) -> torch.Tensor:
-    """A cut slice's pending rescale ``s`` (1, n_norm) broadcast against its window: the
+    """Cut slices' pending rescale ``s`` (B, n_norm) broadcast against their windows: the
     eager group's ``axis_bcast``, its Q/K/V blocks by the rows' place in their query group (the
     window starts at one, ``geometry.cut_window``)."""
     a, b, _, _, N, sphere, blocks = cut
+    B = s.shape[0]
     if blocks and sphere != "row":
-        return s.view(1, len(blocks), -1)[:, _period_blocks(blocks, b - a, s.device)]
+        return s.view(B, len(blocks), -1)[:, _period_blocks(blocks, b - a, s.device)]
     if sphere == "frobenius":
-        return s.view(1, 1, 1)
+        return s.view(B, 1, 1)
     if sphere == "row":
         return s[:, a:b].unsqueeze(2)
-    return s.view(1, 1, N)
+    return s.view(B, 1, N)
 
 
 def _phase1_cut(P, w, g, m, v, row, col, hp, need_row: bool, need_col: bool, sphere, n_gain,
                 cut: tuple, at: torch.Tensor):  # fmt: skip
-    """``_phase1_many``'s work for a ZeRO-1 slice cut inside its matrix (B = 1; Ŵ, G and the
-    moments its own (1, L) elements): the gains' partials on its window of whole rows
-    (``_window``) into the full matrix's rows and columns of ``P`` (1, n_partial), Adam on its
-    own elements (no window-sized temporary: a cut LM head's is hundreds of MB), the norms'
-    partials. Five Triton kernels on a GPU (``tools/triton_kernels.py``, torch 2.15.0,
-    2026-12-05: on the window and copied back, six)."""
+    """``_phase1_many``'s work for ZeRO-1 slices cut at one place of B matrices (Ŵ, G and the
+    moments their own (B, L) elements): the gains' partials on their windows of whole rows
+    (``_window``) into the full matrices' rows and columns of ``P`` (B, n_partial), Adam on
+    their own elements (no window-sized temporary: a cut LM head's is hundreds of MB), the
+    norms' partials. Four or five Triton kernels on a GPU whatever B (``tools/triton_kernels.py``,
+    torch 2.15.0, 2026-12-05: on the window and copied back, six)."""
     a, b, N = cut[0], cut[1], cut[4]
     wp, gp = _window(w, cut), _window(g, cut).to(w.dtype)
     rw = _rows(row, cut)
@@ -188,7 +194,7 @@ def _phase1_cut(P, w, g, m, v, row, col, hp, need_row: bool, need_col: bool, sph
         P[:, a:b].add_((p * col).sum(2))
     # Adam on the slice's own elements, the gains read at their rows and columns: written in
     # place (on the window, three more kernels copied it back)
-    w2 = _adam(w, g.to(w.dtype) * _at_slice(rw * col, cut, at), m, v, hp)
+    w2 = _adam(w, g.to(w.dtype) * _at_slice(rw * col, cut, at, w.shape[0]), m, v, hp)
     if sphere == "frobenius":
         P[:, n_gain:].add_((w2 * w2).sum(1, keepdim=True))
     elif isinstance(sphere, tuple):  # Q/K/V blocks: the window's whole query groups
@@ -198,13 +204,22 @@ def _phase1_cut(P, w, g, m, v, row, col, hp, need_row: bool, need_col: bool, sph
 
 
 def _fuse_cut(out, x, s, row, col, cut: tuple, at: torch.Tensor) -> None:
-    """``_rescale_fuse`` / ``_fuse`` of a cut slice into ``out`` (1, L), its range of
-    megatron's param buffer: on the slice's own elements, the rescale and the gains read at
-    their rows and columns (``_at_slice``)."""
-    x2 = x if s is None else x * _at_slice(_cut_scale(s, cut), cut, at)
+    """``_rescale_fuse`` / ``_fuse`` of B cut slices ``x`` (B, L) into ``out``, their ranges of
+    megatron's param buffer: one (B, L) window of it, or (the buffer, the regular pieces the
+    ranges form, ``geometry.regular_pieces``); on the slices' own elements, the rescale and
+    the gains read at their rows and columns (``_at_slice``)."""
+    B, L = x.shape
+    x2 = x if s is None else x * _at_slice(_cut_scale(s, cut), cut, at, B)
     if s is not None:
         x.copy_(x2)
-    out.copy_(x2 * _at_slice(_rows(row, cut) * col, cut, at))
+    val = x2 * _at_slice(_rows(row, cut) * col, cut, at, B)
+    if not isinstance(out, tuple):
+        out.copy_(val)
+        return
+    buf, pieces = out
+    for b0, n1, r, s1, s0, o in pieces:
+        piece = buf.as_strided((n1, r, L), (s1, s0, 1), o)
+        piece.copy_(val[b0 : b0 + n1 * r].unflatten(0, (n1, r)))
 
 
 def _phase1_frobenius(w, g, m, v, row, col, hp, scratch, need_row: bool):
@@ -260,8 +275,13 @@ def _fuse_windows(buf, flat: tuple, rescale_fuse: Callable) -> None:
     at ``at``), one (n1, r, M, N) window a piece (``fuse_groups``)."""
     for i in range(0, len(flat), ITEMF):
         x, s, row, col, shape, stride, offset, cut, at = flat[i : i + ITEMF]
-        if cut is not None:  # a cut slice: its range of the buffer (``_fuse_cut``)
-            _fuse_cut(buf.as_strided(shape, stride, offset), x, s, row, col, cut, at)
+        if cut is not None:  # cut slices: their ranges of the buffer (``_fuse_cut``)
+            out = (
+                (buf, offset)
+                if isinstance(offset, tuple)
+                else buf.as_strided(shape, stride, offset)
+            )
+            _fuse_cut(out, x, s, row, col, cut, at)
         elif isinstance(offset, tuple):
             M, N = shape[-2:]
             for b0, n1, r, s1, s0, at in offset:
@@ -324,8 +344,11 @@ def _phase1_many(n_parts: int, *args):
     for i in range(0, len(flat), ITEM1):
         (w, g, m, v, row, col, hp, need_row, need_col, sphere, k, start, n, n_gain, pieces, cut,
          at) = flat[i : i + ITEM1]  # fmt: skip
-        if cut is not None:  # a ZeRO-1 slice cut inside its matrix
-            P = parts[k].as_strided((1, n), (n, 1), start)
+        if cut is not None:  # ZeRO-1 slices cut at one place of their matrices
+            B, L = w.shape
+            if pieces is not None:
+                g = _gathered(g, pieces, 1, L).view(B, L)
+            P = parts[k].as_strided((B, n), (n, 1), start)
             _phase1_cut(P, w, g, m, v, row, col, hp, need_row, need_col, sphere, n_gain, cut, at)
             continue
         B, M, N = w.shape
@@ -399,15 +422,20 @@ def _fuse_many_copies(args: tuple) -> tuple[list, list]:
     for k, (x, s, row, col, shape, stride, offset, cut, pre) in enumerate(items):
         mine_x = x if s is None else x.clone()
         if isinstance(offset, tuple):  # pieces: laid out one after another, as the members
-            (M, N), name = shape[-2:], f"group {k}'s weights, members"
-            mine_pieces = tuple((b0, n1, r, r * M * N, M * N, at + b0 * M * N)
+            # a member: an (M, N) matrix, or a cut slice's L elements (``shape`` (B, L))
+            one, name = (
+                shape[1:] if cut is not None else shape[-2:],
+                f"group {k}'s weights, members",
+            )
+            n, inner = math.prod(one), (1,) if len(one) == 1 else (one[1], 1)  # its strides
+            mine_pieces = tuple((b0, n1, r, r * n, n, at + b0 * n)
                                 for b0, n1, r, _, _, _ in offset)  # fmt: skip
             mine += [mine_x, s, row, col, shape, stride, mine_pieces, cut, pre]
             for (b0, n1, r, s1, s0, o), (*_, m) in zip(offset, mine_pieces):
-                grid = (n1, r, M, N)
+                grid = (n1, r, *one)
                 pairs.append((f"{name} {b0}-{b0 + n1 * r - 1}",
-                              buf.as_strided(grid, (s1, s0, N, 1), o),
-                              compact.as_strided(grid, (r * M * N, M * N, N, 1), m)))  # fmt: skip
+                              buf.as_strided(grid, (s1, s0, *inner), o),
+                              compact.as_strided(grid, (r * n, n, *inner), m)))  # fmt: skip
         else:
             dense = tuple(math.prod(shape[j + 1 :]) for j in range(len(shape)))  # contiguous
             mine += [mine_x, s, row, col, shape, dense, at, cut, pre]
@@ -626,11 +654,11 @@ def kernels_for(g, fallback: bool = False) -> Kernels | None:
         spec.gains in GAINS and spec.sphere in SPHERES and not spec.tangent_grad
         and spec.project and (spec.gains, spec.sphere) != ("none", "none")
     )  # fmt: skip
-    if fits and not g.own and g.md0.tp is None and g.base.name == "adam":
+    if fits and not g.md0.whole and g.md0.tp is None and g.base.name == "adam":
         cut = cut_layout(g.full, g.md0.start, g.md0.end, spec.sphere, spec.row_blocks)
         at = torch.tensor(cut[2], device=g.W.device)  # once: a copy to the device
         return Kernels(_phase1_group, _fuse_group, fallback=fallback, cut=cut, cut_at=at)
-    fits = fits and g.own and g.whole_block
+    fits = fits and g.md0.whole and g.whole_block
     if fits and g.base.name == "adam":
         return Kernels(_phase1_group, _fuse_group, fallback=fallback)
     if fits and g.base.name == "muon" and not spec.tangent_update and not spec.weight_norm:
@@ -703,7 +731,7 @@ def _phase1_prep(g, G, step, hp: AdamHParams, merged: bool = False):
         # except a merged call's Frobenius ones (four eager operations a step after it)
         sphere = ("blocks", g.spec.row_blocks) if merged and sphere == "frobenius" else "none"
     g_pieces = None
-    shape = (B, M, N) if g.kernels.cut is None else (1, g.L)  # a cut slice: its own elements
+    shape = (B, M, N) if g.kernels.cut is None else (B, g.L)  # cut slices: their own elements
     if isinstance(G, tuple):  # megatron's gradient buffer and the pieces of it to read
         g3, g_pieces = G
     else:
@@ -897,9 +925,14 @@ def fuse_groups(items: list) -> None:
     ``tools/triton_kernels.py``, 2026-12-05); elsewhere one group a call (``_fuse_group``)."""
     batches: dict[int, tuple[torch.Tensor, list]] = {}
     for g, targets in items:
-        if g.kernels.cut is not None:  # its range of the buffer, merged on a CPU too
+        if g.kernels.cut is not None:  # their ranges of the buffer, merged on a CPU too
+            view, pieces = g.placed("out", targets)
+            if view is None and pieces is None:  # (not in one buffer)
+                _fuse_eager(g, targets)
+                continue
             buf = g.whole(targets[0])
-            batches.setdefault(buf.data_ptr(), (buf, []))[1].append((g, targets[0], "cut"))
+            item = (g, view, ("cut", pieces))
+            batches.setdefault(buf.data_ptr(), (buf, []))[1].append(item)
             continue
         view, pieces = g.placed("out", targets) if _stacks(g) else (None, None)
         if view is None and pieces is None:
@@ -910,11 +943,14 @@ def fuse_groups(items: list) -> None:
     for buf, groups in batches.values():
         flat, size = [], 0
         for k, (g, view, pieces) in enumerate(groups):
-            if pieces == "cut":
+            if isinstance(pieces, tuple) and pieces[0] == "cut":
                 row, col = _row_col(g, g.phi())
-                s, g.pending = g.pending, None  # (1, n_norm): broadcast in the call
-                flat += [g.W, s, row, col, (1, g.L), (g.L, 1), view.storage_offset(),
-                         g.kernels.cut, g.kernels.cut_at]  # fmt: skip
+                s, g.pending = g.pending, None  # (B, n_norm): broadcast in the call
+                where = (
+                    (None, pieces[1]) if view is None else (view.stride(), view.storage_offset())
+                )
+                flat += [g.W, s, row, col, (g.B, g.L), *where, g.kernels.cut,
+                         g.kernels.cut_at]  # fmt: skip
             else:
                 w3, s, row, col, o3 = _fuse_operands(g, view)
                 if o3 is None:  # a window a regular piece
@@ -926,6 +962,14 @@ def fuse_groups(items: list) -> None:
             if size >= MERGE_ELEMENTS or k == len(groups) - 1:
                 _get("fuse_many", _fuse_many, g.kernels.fallback)(buf, *flat)
                 flat, size = [], 0
+
+
+def _fuse_eager(g, targets: list[torch.Tensor]) -> None:
+    """The eager fuse of a group whose destinations are no view nor regular pieces of one
+    buffer (the engine's own fallback: a stack, then one multi-tensor copy)."""
+    tmp = torch.empty(g.B, g.L, dtype=targets[0].dtype, device=g.W.device)
+    g.fuse(tmp)
+    torch._foreach_copy_(targets, [t.view(x.shape) for t, x in zip(tmp.unbind(0), targets)])
 
 
 def _fuse_group(g, targets: list[torch.Tensor]) -> None:

@@ -1,13 +1,13 @@
 """The MD step of every matrix one optimizer holds, as a fixed number of batched operations.
 
 Matrices are grouped once (``Group``: the same block geometry — whole matrices of one shape, or
-the blocks of one ZeRO-1 slice cut inside a matrix —, treatment, base, precision, parameter
-group and reduction domain); a whole matrix's direction, base-optimizer state, gains and
-radius live in its group's stacked storage, which the optimizer's and the checkpoint's dicts
-view. A step is then, per group, a handful of batched operations (a gradient stack, the gains'
-partials, G_Ŵ = Γ ⊙ G, the norms, the projection, the fused weight), the base step batched over
-groups (one multi-tensor Adam; one Newton–Schulz call per group and Q/K/V block), the gains'
-Adam once for all groups, and ONE reduction of all partials per reduction domain: how many
+ZeRO-1 slices cut at one place of such matrices —, treatment, base, precision, parameter
+group and reduction domain); their direction, base-optimizer state, gains and radius live in
+the group's stacked storage, which the optimizer's and the checkpoint's dicts view. A step is
+then, per group, a handful of batched operations (a gradient stack, the gains' partials,
+G_Ŵ = Γ ⊙ G, the norms, the projection, the fused weight), the base step batched over groups
+(one multi-tensor Adam; one Newton–Schulz call per group and Q/K/V block), the gains' Adam
+once for all groups, and ONE reduction of all partials per reduction domain: how many
 operations does not grow with the number of layers. Nothing is read back to the host: step
 counts and hyper-parameters are Python numbers held here, layouts and index tensors are made
 once.
@@ -580,17 +580,21 @@ def _key(hp) -> tuple:
 
 
 def _make_groups(members: list[Member]) -> list[Group]:
-    """Whole matrices of one kind stacked together; every cut slice a group of its own."""
+    """Whole matrices of one kind stacked together, and so ZeRO-1 slices cut at the same place
+    of same-kind matrices (megatron's buckets hold whole parameters: where a layer fills a
+    bucket, its shards cut each layer's matrices alike, and each cut slice a group cost a
+    step its own kernels, ~6 on a GPU); a slice cut inside a TP piece a group of its own."""
     groups: dict[tuple, list[Member]] = {}
     singles = []
     for m in members:
         md = m.md
-        if not md.whole:
+        if not md.whole and md.tp is not None:
             singles.append([m])
             continue
         key = (
             tuple(md.blocks), md.local_shape, md.shape, md.spec, md.base, md.tp, md.counts,
             m.fp32_mode, m.main.dtype, str(m.main.device), m.param_group, m.domain,
+            None if md.whole else (md.start, md.end),
         )  # fmt: skip
         groups.setdefault(key, []).append(m)
     for ms in groups.values():

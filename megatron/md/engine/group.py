@@ -1,9 +1,9 @@
 """A group of matrices the engine steps together: the same block geometry, treatment, base,
 precision and parameter group. Its B matrices' directions, base-optimizer state, gains and
 radii are stacked — ``(B, L)`` for L elements each — in storage the group owns when its
-matrices are whole on this rank (``own``), so each phase of the MD step is a few batched
-operations for the whole group; a ZeRO-1 slice cut inside a matrix is a group of its own
-(B = 1) over views of its existing tensors.
+matrices are whole on this rank, or ZeRO-1 slices cut at one place of each (``own``), so each
+phase of the MD step is a few batched operations for the whole group; a slice cut inside a TP
+piece is a group of its own (B = 1) over views of its existing tensors.
 
 Per matrix the arithmetic is ``reference.md_step``'s (Algorithm 2), split around the caller's
 reductions: ``gain_partials`` (lines 1-6: the gains' gradient sums, G_Ŵ = Γ ⊙ G in place),
