@@ -780,6 +780,22 @@ def test_compiled_cut_slices_read_and_written_by_pieces(monkeypatch, sphere, blo
 
 
 @MISCOMPILED_BY_OLD_TORCH
+def test_compiled_cut_slices_in_two_buffers_fuse_eagerly(monkeypatch):
+    """Slices cut at one place of two matrices whose fused weights lie in two buffers (no view,
+    no pieces of one): phase 1 in the merged call, the fuse the eager group's
+    (``compiled._fuse_eager``, the pending rescale applied there), fp64 to 1e-12."""
+    from megatron.md.engine import compiled
+
+    called, real = [], compiled._fuse_eager
+    monkeypatch.setattr(compiled, "_fuse_eager", lambda g, t: called.append(g.B) or real(g, t))
+    spec = MatrixSpec("frobenius", "init", "rowcol", "softplus")
+    w, w_ref, ranks, st_ref = _run(spec, [1000, 1100], shape=(9, 128), compiled=True)
+    assert called == [2, 2, 2], called  # each rank's group, once (the fuse after the steps)
+    for a, b in zip(w, w_ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+
+
+@MISCOMPILED_BY_OLD_TORCH
 def test_a_cut_slice_that_starts_a_row_compiles_right():
     """A slice that starts a row and ends inside one, 1000 elements of 128 columns: as
     ``_at_slice`` was first written (the factor's window flattened and sliced, the offset a
