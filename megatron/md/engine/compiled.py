@@ -965,11 +965,9 @@ def fuse_groups(items: list) -> None:
 
 
 def _fuse_eager(g, targets: list[torch.Tensor]) -> None:
-    """The eager fuse of a group whose destinations are no view nor regular pieces of one
-    buffer (the engine's own fallback: a stack, then one multi-tensor copy)."""
-    tmp = torch.empty(g.B, g.L, dtype=targets[0].dtype, device=g.W.device)
-    g.fuse(tmp)
-    torch._foreach_copy_(targets, [t.view(x.shape) for t, x in zip(tmp.unbind(0), targets)])
+    """The eager fuse of a cut group whose destinations are no view nor regular pieces of one
+    buffer (the engine's own: ``Group.fuse_to``)."""
+    g.fuse_to(targets)
 
 
 def _fuse_group(g, targets: list[torch.Tensor]) -> None:

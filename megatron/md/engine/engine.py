@@ -439,13 +439,7 @@ class Engine:
             if g.kernels is not None and g.kernels.fuse is not None:
                 compiled.append((g, targets))
                 continue
-            view = g.rows("out", targets)
-            if view is not None:  # same-shape weights evenly spaced in megatron's param buffer
-                g.fuse(view)
-                continue
-            tmp = torch.empty(g.B, *targets[0].shape, dtype=targets[0].dtype, device=g.W.device)
-            g.fuse(tmp.view(g.B, g.L))
-            torch._foreach_copy_(targets, list(tmp.unbind(0)))
+            g.fuse_to(targets)
         if compiled:
             from megatron.md.engine import compiled as ck
 

@@ -468,6 +468,18 @@ class Group:
                 torch.mul(t, factors[-1], out=o)
         self.pending = None
 
+    def fuse_to(self, targets: list[torch.Tensor]) -> None:
+        """``fuse`` into each member's destination (``targets``, in order): into their one
+        strided view of megatron's param buffer where they are one (``rows``), else into a
+        stack of the group's own and out by one multi-tensor copy."""
+        view = self.rows("out", targets)
+        if view is not None:
+            self.fuse(view)
+            return
+        tmp = torch.empty(self.B, self.L, dtype=targets[0].dtype, device=self.W.device)
+        self.fuse(tmp)
+        torch._foreach_copy_(targets, [t.view(x.shape) for t, x in zip(tmp.unbind(0), targets)])
+
     # ---- state made once ----
     def init_state(self, like_gain_one: float) -> None:
         """Gains at 1 (lowrank: A random, B = 0), zero moments and base state."""
