@@ -640,12 +640,12 @@ def test_dispatch_count_takes_a_compiled_call_as_one_op():
     import bench_dispatch
     import torch
 
-    from megatron.md.engine import compiled
+    from megatron.md.engine import compiled, formulas
 
     real = compiled._get
     x, row, col = torch.full((2, 3), 2.0), torch.full((2, 1), 3.0), torch.ones(1, 3)
     out = torch.empty(2, 3)
-    got = bench_dispatch.count(lambda: compiled._get("fuse", compiled._fuse)(x, row, col, out))
+    got = bench_dispatch.count(lambda: compiled._get("fuse", formulas._fuse)(x, row, col, out))
     assert got[0] == 1 and torch.equal(out, torch.full((2, 3), 6.0))
     assert got[3] == 4 * (6 + 2 + 3) + 2 * 4 * 6
     assert compiled._get is real
@@ -677,7 +677,7 @@ def test_launch_count_leaves_out_views_host_reads_and_step_counters():
     import bench_dispatch
     import torch
 
-    from megatron.md.engine import compiled
+    from megatron.md.engine import compiled, formulas
 
     x, step = torch.zeros(10), torch.zeros(())
     launches = lambda f, host=frozenset(): bench_dispatch.count(f, host)[5]  # noqa: E731
@@ -692,16 +692,16 @@ def test_launch_count_leaves_out_views_host_reads_and_step_counters():
     # Python numbers as where's branches: made on the host, the where itself launched
     assert launches(lambda: torch.where(x.isnan().all(), 0.0, float("nan"))) >= 2
     x3, row, col = torch.ones(2, 3), torch.ones(2, 1), torch.ones(1, 3)
-    assert launches(lambda: compiled._get("fuse", compiled._fuse)(x3, row, col, x3)) == 1
+    assert launches(lambda: compiled._get("fuse", formulas._fuse)(x3, row, col, x3)) == 1
 
 
 def _phase1_many_args() -> tuple:
-    """``compiled._phase1_many``'s arguments for two small groups: column and row gains with a
+    """``formulas._phase1_many``'s arguments for two small groups: column and row gains with a
     Frobenius sphere (2 × 8 × 16), row gains with a row sphere (3 × 4 × 8), one partial
     buffer."""
     import torch
 
-    from megatron.md.engine import compiled
+    from megatron.md.engine import formulas
 
     gen = torch.Generator().manual_seed(0)
 
@@ -715,7 +715,7 @@ def _phase1_many_args() -> tuple:
           rand(2, 1, 16), hp, True, True, "frobenius", 0, 0, 25, 24, None, None, None]  # fmt: skip
     g2 = [rand(3, 4, 8), rand(3, 4, 8), rand(3, 4, 8), rand(3, 4, 8), rand(3, 4, 1), one, hp,
           True, False, "row", 0, 50, 8, 4, None, None, None]  # fmt: skip
-    assert len(g1) == len(g2) == compiled.ITEM1
+    assert len(g1) == len(g2) == formulas.ITEM1
     return (1, parts, *g1, *g2)
 
 
@@ -750,10 +750,10 @@ def test_gpu_launches_of_a_multi_tensor_op_follow_multi_tensor_apply():
     assert launches(lambda: torch._foreach_mul_(mixed, 2.0)) == 2
     assert launches(lambda: torch._foreach_norm(xs)) == 2
     # a compiled MD call: its Triton kernels (one launch without --gpu-launches)
-    from megatron.md.engine import compiled
+    from megatron.md.engine import compiled, formulas
 
     args = _phase1_many_args()
-    call = lambda: compiled._get("phase1_many", compiled._phase1_many)(*args)  # noqa: E731
+    call = lambda: compiled._get("phase1_many", formulas._phase1_many)(*args)  # noqa: E731
     assert launches(call) == 5 and bench_dispatch.count(call)[5] == 1
     with pytest.raises(SystemExit):  # the compiled step's kernels only: --fused-step on
         bench_dispatch.main(["--gpu-launches"])
@@ -775,14 +775,14 @@ def test_triton_kernels_match_the_cpu_compile():
     import triton_kernels
     from torch._inductor.graph import GraphLowering
 
-    from megatron.md.engine import compiled
+    from megatron.md.engine import formulas
 
     before = [getattr(o, a) for o, a, _ in triton_kernels._seams()]
     inherited = [a for o, a, _ in triton_kernels._seams() if a not in vars(o)]
     args = _phase1_many_args()
 
     def phase1(*a):  # a code object of its own: dynamo compiles it here, whatever ran before
-        return compiled._phase1_many(*a)
+        return formulas._phase1_many(*a)
 
     seen = []
     saved = GraphLowering.save_output_code
@@ -796,7 +796,7 @@ def test_triton_kernels_match_the_cpu_compile():
             torch.compile(phase1, dynamic=False, fullgraph=True)(*args)
     finally:
         GraphLowering.save_output_code = saved
-    mine = triton_kernels.wrapper_code(compiled._phase1_many, args, "cpu")
+    mine = triton_kernels.wrapper_code(formulas._phase1_many, args, "cpu")
 
     def kernels(code):  # the C++ source, the names of buffers, arguments and kernels aside
         code = code[code.index("cpp_fused") : code.index("async_compile.wait")]
@@ -804,7 +804,7 @@ def test_triton_kernels_match_the_cpu_compile():
 
     assert seen and kernels(mine) == kernels(seen[-1])
     assert len(triton_kernels.launches(mine)) == 1  # a CPU: one C++ function of loops
-    got = triton_kernels.kernels_of(compiled._phase1_many, args)
+    got = triton_kernels.kernels_of(formulas._phase1_many, args)
     assert len(got) == 5 and all(k.startswith("triton_") for k in got), got
     x, row, col, out = (
         torch.ones(2, 8, 16),
@@ -812,14 +812,14 @@ def test_triton_kernels_match_the_cpu_compile():
         torch.ones(2, 1, 16),
         torch.empty(2, 8, 16),
     )
-    fuse = triton_kernels.kernels_of(compiled._fuse, (x, row, col, out))
+    fuse = triton_kernels.kernels_of(formulas._fuse, (x, row, col, out))
     assert len(fuse) == 1 and fuse[0].startswith("triton_poi_"), fuse
     # a constant made in the graph (no row gains: the row partials a 0-d zero) is folded on the
     # CPU, the generated code's still CUDA's: one kernel (Adam, the norms' row partials), one
     # to sum them per matrix, one to fill the zero the call returns
     hp = args[8]
     one_group = (x, x.clone(), x.clone(), x.clone(), torch.ones(()), col, hp, None, False)
-    got = triton_kernels.kernels_of(compiled._phase1_frobenius, one_group)
+    got = triton_kernels.kernels_of(formulas._phase1_frobenius, one_group)
     assert len(got) == 3 and got[2].startswith("triton_poi_fused_new_zeros"), got
     # every seam restored, an inherited attribute deleted again (not left set on the class)
     assert [getattr(o, a) for o, a, _ in triton_kernels._seams()] == before

@@ -74,11 +74,11 @@ class _GatherLike(torch.autograd.Function):
 def test_cpu_mode_runs_megatrons_compiled_functions_eagerly_and_compiles_md_kernels():
     """CPU mode (on in this process: conftest) runs megatron's ``jit_fuser`` functions
     (torch.compile) eagerly: no frame traced by dynamo; MD's compiled step still compiles its
-    kernels (``compiled.Checked`` asks for the default stance)."""
+    kernels (``checked.Checked`` asks for the default stance)."""
     from megatron.core.fusions.fused_bias_swiglu import swiglu
     from torch._dynamo.utils import counters
 
-    from megatron.md.engine import compiled
+    from megatron.md.engine import checked
 
     assert cpu_mode.is_active() and hasattr(swiglu, "_torchdynamo_orig_callable")
     before = counters["stats"]["unique_graphs"]
@@ -89,10 +89,53 @@ def test_cpu_mode_runs_megatrons_compiled_functions_eagerly_and_compiles_md_kern
     def triple(x, out):  # its own code object: a graph of its own
         out.copy_(x * 3)
 
-    kernel = compiled.Checked(triple, torch.compile(triple, dynamic=False, fullgraph=True))
+    kernel = checked.Checked(triple, torch.compile(triple, dynamic=False, fullgraph=True))
     out = torch.empty(3, 8)
     kernel(x, out)
     assert torch.equal(out, x * 3) and counters["stats"]["unique_graphs"] == before + 1
+
+
+def test_compiled_calls_on_two_threads_leave_cpu_modes_stance():
+    """Two threads inside compiled MD calls at once (the tests' ranks), the first in leaving
+    first: dynamo's stance is CPU mode's ``force_eager`` again after both (each saving and
+    restoring the global stance itself, the last out restored the ``default`` it had saved:
+    megatron's ``torch.compile``'d functions traced in every later test)."""
+    import threading
+
+    import torch._dynamo.eval_frame as eval_frame
+
+    from megatron.md.engine import checked
+
+    assert eval_frame._stance.stance == "force_eager"
+    a_in, a_out, both_in = threading.Event(), threading.Event(), threading.Barrier(2)
+    seen = []
+
+    def call(first: bool):
+        def compiled(x, out):  # stands for the compiled kernel: where the threads meet
+            seen.append(eval_frame._stance.stance)
+            if first:
+                a_in.set()
+            both_in.wait(timeout=30)
+            if not first:
+                a_out.wait(timeout=30)  # the first one out before this one leaves
+            out.copy_(x * 3)
+
+        kernel = checked.Checked(lambda x, out: out.copy_(x * 3), compiled)
+        x, out = torch.randn(2, 3), torch.empty(2, 3)
+        kernel(x, out)
+        assert torch.equal(out, x * 3)
+        if first:
+            a_out.set()
+
+    first = threading.Thread(target=call, args=(True,))
+    first.start()
+    assert a_in.wait(timeout=30)
+    second = threading.Thread(target=call, args=(False,))
+    second.start()
+    first.join(30)
+    second.join(30)
+    assert seen == ["default", "default"]  # each compiled call under dynamo's default
+    assert eval_frame._stance.stance == "force_eager"
 
 
 @pytest.mark.distributed

@@ -13,7 +13,7 @@ from megatron.md import reference, sliced
 from megatron.md.base_steps import AdamHParams, MuonHParams, hyperball_
 from megatron.md.blocks import slice_blocks
 from megatron.md.config import MatrixSpec
-from megatron.md.engine.compiled import MiscompiledKernel
+from megatron.md.engine.checked import MiscompiledKernel
 
 #: inductor miscompiled MD's kernels on a CPU with torch 2.9.1, 2.10.0 and 2.11.0 (2026-12-03,
 #: docs/internals.md): there the kernels' first-call check stops these tests, as it must; any
@@ -229,7 +229,7 @@ def test_compiled_groups_of_a_step_share_one_phase1_call(monkeypatch, own_partia
     the buffer; the fuse of both groups one call where their destinations share a buffer
     (megatron's param buffer), a group's members apart in it or not, one call per buffer
     otherwise."""
-    from megatron.md.engine import compiled
+    from megatron.md.engine import compiled, formulas
     from megatron.md.engine.engine import Engine
 
     if own_partials:  # the last group's partials its own (B, n) zeros, added in after
@@ -271,7 +271,7 @@ def test_compiled_groups_of_a_step_share_one_phase1_call(monkeypatch, own_partia
     phase1 = [c for c in calls if c[0] == "phase1_many"]
     # both groups' partials in one buffer (the step's, passed whole), written inside the call
     parts = 1 + own_partials
-    assert len(phase1) == steps and all(n == 1 + parts + 2 * compiled.ITEM1 and k == parts
+    assert len(phase1) == steps and all(n == 1 + parts + 2 * formulas.ITEM1 and k == parts
                                         for _, n, k in phase1), calls  # fmt: skip
     for layout in ("one buffer", "apart", "two buffers"):
         buf = torch.full((2 * 99 + 2 * 30 + 7,), 3.0, dtype=torch.float64)
@@ -284,7 +284,7 @@ def test_compiled_groups_of_a_step_share_one_phase1_call(monkeypatch, own_partia
         calls.clear()
         ranks.fuse([targets])
         assert [c[:2] for c in calls] == [
-            ("fuse_many", 1 + (1 if layout == "two buffers" else 2) * compiled.ITEMF)
+            ("fuse_many", 1 + (1 if layout == "two buffers" else 2) * formulas.ITEMF)
         ] * (2 if layout == "two buffers" else 1), calls
         for got, (want, _) in zip(targets, ref):
             torch.testing.assert_close(got.view(want.shape), want, rtol=1e-12, atol=1e-13)
@@ -296,7 +296,7 @@ def test_the_merged_fuse_check_copies_its_windows_not_the_buffer():
     windows it writes (a copy of megatron's whole param buffer would cost its size again at
     the first step): here 2 x 3 x 4 + 5 x 2 elements of a 1000-element buffer, each window's
     copy its window's values once the eager formula ran, a pending rescale's Ŵ copied."""
-    from megatron.md.engine import compiled
+    from megatron.md.engine import checked, formulas
 
     buf = torch.zeros(1000, dtype=torch.float64)
     x1, x2 = torch.rand(2, 3, 4, dtype=torch.float64), torch.rand(1, 5, 2, dtype=torch.float64)
@@ -305,11 +305,11 @@ def test_the_merged_fuse_check_copies_its_windows_not_the_buffer():
     args = (buf, x1, None, one, one, (2, 3, 4), (100, 4, 1), 7, None, None,
             x2, s2, one, one, (1, 5, 2), (10, 2, 1), 500, None, None)  # fmt: skip
     x2_0 = x2.clone()
-    mine, written = compiled._fuse_many_copies(args)
+    mine, written = checked._fuse_many_copies(args)
     assert mine[0].numel() == 2 * 3 * 4 + 5 * 2 and mine[1] is x1
-    assert mine[1 + compiled.ITEMF] is not x2
-    compiled._fuse_many(*mine)
-    compiled._fuse_many(*args)
+    assert mine[1 + formulas.ITEMF] is not x2
+    formulas._fuse_many(*mine)
+    formulas._fuse_many(*args)
     assert [w[0] for w in written] == ["group 0's weights", "group 1's weights", "group 1's Ŵ"]
     for _, got, want in written:
         assert torch.equal(got, want)
@@ -343,7 +343,7 @@ def test_compiled_moe_groups_read_and_write_megatrons_buffers_by_piece(monkeypat
     writes their weights one window a regular piece (a window a member was a kernel a member
     on a GPU): AdamMD fp64 to 1e-12 of the reference, MuonMD fp32 to 1e-6 (as its other
     compiled tests); a dense first layer apart makes two pieces."""
-    from megatron.md.engine import compiled
+    from megatron.md.engine import compiled, formulas
 
     calls, get = [], compiled._get
 
@@ -382,7 +382,7 @@ def test_compiled_moe_groups_read_and_write_megatrons_buffers_by_piece(monkeypat
     if adam:
         phase1 = [a for name, a in calls if name == "phase1_many"]
         n_parts = phase1[0][0]
-        item = phase1[0][1 + n_parts : 1 + n_parts + compiled.ITEM1]
+        item = phase1[0][1 + n_parts : 1 + n_parts + formulas.ITEM1]
     else:  # (w, the gradient buffer, the gains' factors, G_Ŵ, scratch, need_row, pieces)
         phase1 = [a for name, a in calls if name == "partials_pieces"]
         item = phase1[0]
@@ -429,7 +429,7 @@ def test_compiled_kernels_compile_in_this_process(monkeypatch):
     ``TORCHINDUCTOR_COMPILE_THREADS``. torch.compile is lazy: nothing compiles here."""
     import torch._inductor.config as inductor_config
 
-    from megatron.md.engine import compiled
+    from megatron.md.engine import compiled, formulas
 
     monkeypatch.setattr(compiled, "_compiled", {})
     # restored by hand: monkeypatch's undo deletes the setting from inductor's config module
@@ -438,11 +438,11 @@ def test_compiled_kernels_compile_in_this_process(monkeypatch):
     try:
         inductor_config.compile_threads = 8
         monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
-        compiled._get("probe", compiled._fuse)
+        compiled._get("probe", formulas._fuse)
         assert inductor_config.compile_threads == 1
         inductor_config.compile_threads = 8
         monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "8")
-        compiled._get("probe2", compiled._fuse)
+        compiled._get("probe2", formulas._fuse)
         assert inductor_config.compile_threads == 8
     finally:
         inductor_config.compile_threads = threads
@@ -457,9 +457,9 @@ def _miscompiled_rescale_fuse(x, s, row, col, out):
 
 def _miscompiled_fuse_many(buf, *flat):
     """``_fuse_many`` with the same miscompilation for each group whose rescale is pending."""
-    from megatron.md.engine import compiled
+    from megatron.md.engine import formulas
 
-    compiled._fuse_windows(buf, flat, _miscompiled_rescale_fuse)
+    formulas._fuse_windows(buf, flat, _miscompiled_rescale_fuse)
 
 
 def test_a_miscompiled_kernel_stops_the_run_at_its_first_call(capsys):
@@ -468,22 +468,22 @@ def test_a_miscompiled_kernel_stops_the_run_at_its_first_call(capsys):
     ``--md-fused-step off`` (``on``), or (``fallback``: ``auto``) gives the eager formula's
     numbers, says so once and runs that layout eager from then on. A second call of a checked
     layout runs no eager formula; a new layout is checked again."""
-    from megatron.md.engine import compiled
+    from megatron.md.engine import checked, formulas
 
     evals, bad_calls = [], []
 
     def eager(*args):
         evals.append(args[0].shape)
-        return compiled._rescale_fuse(*args)
+        return formulas._rescale_fuse(*args)
 
     def miscompiled(*args):
         bad_calls.append(args[0].shape)
         return _miscompiled_rescale_fuse(*args)
 
-    compiled.WRITES[eager] = compiled.WRITES[compiled._rescale_fuse]
+    checked.WRITES[eager] = checked.WRITES[formulas._rescale_fuse]
     try:
-        ok = compiled.Checked(eager, compiled._rescale_fuse)
-        bad = compiled.Checked(eager, miscompiled)
+        ok = checked.Checked(eager, formulas._rescale_fuse)
+        bad = checked.Checked(eager, miscompiled)
         x, row, col = torch.randn(3, 9, 11), torch.rand(3, 9, 1) + 0.5, torch.rand(3, 1, 11)
         s, out = torch.full((3, 1, 1), 0.99), torch.empty(3, 9, 11)
         ok(x.clone(), s, row, col, out)
@@ -491,7 +491,7 @@ def test_a_miscompiled_kernel_stops_the_run_at_its_first_call(capsys):
         assert evals == [(3, 9, 11)]  # checked once per layout
         ok(x[:1].clone(), s[:1], row[:1], col[:1], out[:1])
         assert len(evals) == 2
-        with pytest.raises(compiled.MiscompiledKernel, match=r"eager formula in its argument 4 "
+        with pytest.raises(checked.MiscompiledKernel, match=r"eager formula in its argument 4 "
                            r"by .*--md-fused-step off"):  # fmt: skip
             bad(x.clone(), s, row, col, out)
         assert "warning" not in capsys.readouterr().err
@@ -506,7 +506,7 @@ def test_a_miscompiled_kernel_stops_the_run_at_its_first_call(capsys):
         assert err.count("[megatron-md] warning:") == 1
         assert "compiled MD kernel eager (cpu, shape (3, 9, 11))" in err and "argument 4" in err
     finally:
-        del compiled.WRITES[eager]
+        del checked.WRITES[eager]
 
 
 def test_the_first_call_check_takes_non_finite_numbers_the_formula_makes_too():
@@ -514,24 +514,24 @@ def test_the_first_call_check_takes_non_finite_numbers_the_formula_makes_too():
     check off) is no miscompiled kernel where the kernel makes them where the eager formula
     does (the difference was NaN, which no bound passes); a NaN the formula does not make, or
     a number off beyond rounding, still stops the run."""
-    from megatron.md.engine import compiled
+    from megatron.md.engine import checked, formulas
 
     def poisoned(*args):  # the formula, then one NaN it does not make
-        compiled._rescale_fuse(*args)
+        formulas._rescale_fuse(*args)
         args[4].view(-1)[11] = float("nan")
 
     def off(*args):
-        compiled._rescale_fuse(*args)
+        formulas._rescale_fuse(*args)
         args[4].view(-1)[11] += 1.0
 
     x, row, col = torch.randn(2, 4, 5), torch.rand(2, 4, 1) + 0.5, torch.rand(2, 1, 5)
     x[0, 1, 2], x[1, 3, 0], x[1, 0, 4] = float("nan"), float("inf"), -float("inf")
     s, out = torch.full((2, 1, 1), 0.5), torch.empty(2, 4, 5)
-    compiled.Checked(compiled._rescale_fuse, compiled._rescale_fuse)(x.clone(), s, row, col, out)
+    checked.Checked(formulas._rescale_fuse, formulas._rescale_fuse)(x.clone(), s, row, col, out)
     assert out.isnan().sum() == 1 and out.isinf().sum() == 2
     for bad in (poisoned, off):
-        with pytest.raises(compiled.MiscompiledKernel, match="argument 4 by"):
-            compiled.Checked(compiled._rescale_fuse, bad)(x.clone(), s, row, col, out)
+        with pytest.raises(checked.MiscompiledKernel, match="argument 4 by"):
+            checked.Checked(formulas._rescale_fuse, bad)(x.clone(), s, row, col, out)
 
 
 def test_a_kernel_past_dynamos_recompile_limit_compiles_again():
@@ -540,12 +540,12 @@ def test_a_kernel_past_dynamos_recompile_limit_compiles_again():
     ``Checked`` calls it again with the limit raised, for a new layout as for a changed global
     state (the matmul precision: every known layout recompiles). Real dynamo and inductor; the
     numbers are the kernel's."""
-    from megatron.md.engine import compiled
+    from megatron.md.engine import checked
 
     def scale(x, row, col, out):  # its own code object: dynamo's variants are counted per code
         out.copy_(x * row * col)
 
-    kernel = compiled.Checked(scale, torch.compile(scale, dynamic=False, fullgraph=True))
+    kernel = checked.Checked(scale, torch.compile(scale, dynamic=False, fullgraph=True))
     bare = torch.compile(scale, dynamic=False, fullgraph=True)
     precision = torch.get_float32_matmul_precision()
     try:
@@ -576,21 +576,21 @@ def test_a_miscompiled_kernel_under_auto_keeps_the_step_right(monkeypatch, capsy
     ``fallback`` (``--md-fused-step auto``) the step equals the reference as the right kernel's
     does (fp32, 1e-6), warned once; without it the first fuse stops the run. The other kernels
     are their eager formulas standing in for compiled ones (no compile time)."""
-    from megatron.md.engine import compiled
+    from megatron.md.engine import checked, compiled, formulas
 
     monkeypatch.setattr(compiled, "STACK_ON_CPU", True)
     spec = MatrixSpec("frobenius", "init", "rowcol", "softplus", muon_scale="sphere_rms")
     for name, one_buffer in (("rescale_fuse", False), ("fuse_many", True)):
         for fallback in (True, False):
-            kernels = {"partials": compiled.Checked(compiled._partials, compiled._partials),
-                       "fuse": compiled.Checked(compiled._fuse, compiled._fuse),
-                       "rescale_fuse": compiled.Checked(compiled._rescale_fuse,
+            kernels = {"partials": checked.Checked(formulas._partials, formulas._partials),
+                       "fuse": checked.Checked(formulas._fuse, formulas._fuse),
+                       "rescale_fuse": checked.Checked(formulas._rescale_fuse,
                                                         _miscompiled_rescale_fuse),
-                       "fuse_many": compiled.Checked(compiled._fuse_many,
+                       "fuse_many": checked.Checked(formulas._fuse_many,
                                                      _miscompiled_fuse_many)}  # fmt: skip
             monkeypatch.setattr(compiled, "_compiled", kernels)
             if not fallback:
-                with pytest.raises(compiled.MiscompiledKernel, match=f"_{name}"):
+                with pytest.raises(checked.MiscompiledKernel, match=f"_{name}"):
                     _run(spec, [], base="muon", dtype=torch.float32, n=3, compiled=True,
                          one_buffer=one_buffer)  # fmt: skip
                 continue
@@ -736,7 +736,7 @@ def test_compiled_cut_slices_of_a_rank_share_one_call(monkeypatch, sphere, block
     spec = MatrixSpec(sphere, "shape" if blocks else "init", "rowcol", "softplus",
                       row_blocks=blocks)  # fmt: skip
     # a slice that starts a row and ends inside one (the case torch 2.15.0's inductor split
-    # wrong with its offset a number: compiled._at_slice), one inside rows at both ends, one
+    # wrong with its offset a number: formulas._at_slice), one inside rows at both ends, one
     # that ends a row
     cuts = [1000, 1100]
     w, w_ref, ranks, st_ref = _run(spec, cuts, shape=shape, compiled=True, one_buffer=True)
@@ -804,7 +804,7 @@ def test_a_cut_slice_that_starts_a_row_compiles_right():
     check stopped a 4-rank run, 2026-12-05; that form fails here). The compiled fuse
     (row sphere, no gains: that run's layout) and phase 1 (row gains and sphere) equal their
     eager formulas (``Checked`` raises otherwise) and the arithmetic by hand."""
-    from megatron.md.engine import compiled
+    from megatron.md.engine import compiled, formulas
 
     gen = torch.Generator().manual_seed(5)
     L, M, N = 1000, 16, 128
@@ -815,7 +815,7 @@ def test_a_cut_slice_that_starts_a_row_compiles_right():
     x, s = torch.randn(1, L, generator=gen), torch.rand(1, M, generator=gen) + 0.5
     one, x0 = torch.ones(()), x.clone()
     buf = torch.zeros(L + 100)
-    compiled._get("fuse_many", compiled._fuse_many)(buf, x, s, one, one, (1, L), (L, 1), 50,
+    compiled._get("fuse_many", formulas._fuse_many)(buf, x, s, one, one, (1, L), (L, 1), 50,
                                                     cut, at)  # fmt: skip
     torch.testing.assert_close(x[0], x0[0] * s[0, rows])
     torch.testing.assert_close(buf[50 : 50 + L], x0[0] * s[0, rows])
@@ -827,7 +827,7 @@ def test_a_cut_slice_that_starts_a_row_compiles_right():
     P = torch.zeros(M + M)
     w0, m0 = w.clone(), m.clone()
     item = (w, g, m, v, row, one, hp, True, False, "row", 0, 0, 2 * M, M, None, cut, at)
-    compiled._get("phase1_many", compiled._phase1_many)(1, P, *item)
+    compiled._get("phase1_many", formulas._phase1_many)(1, P, *item)
     sums = lambda t: torch.zeros(M).index_add_(0, rows, t)  # noqa: E731
     torch.testing.assert_close(P[:M], sums(w0[0] * g[0]))  # the row gains' partials
     torch.testing.assert_close(P[M:], sums(w[0] * w[0]))  # the updated rows' squared norms

@@ -266,7 +266,7 @@ def _eager_torch_compile() -> None:
     ``torch.compile``, megatron/core/jit.py: the MoE router's, SwiGLU's, bias-dropout-add's)
     are the same arithmetic eager, and each process traced them again with dynamo, ~4 s of a
     tiny MoE rank's 20 iterations on a 2-core VM (2026-12-03, torch 2.15.0: 14.5 s → 10.2 s).
-    MD's compiled step (``--md-fused-step``, megatron/md/engine/compiled.py) asks for the
+    MD's compiled step (``--md-fused-step``, megatron/md/engine/checked.py) asks for the
     default stance around its own calls and still compiles. Megatron's JIT warm-up keeps its
     random draws (train/cpu_warmup.py): the initial weights are those of a compiled warm-up."""
     torch.compiler.set_stance("force_eager")

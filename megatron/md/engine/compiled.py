@@ -1,22 +1,13 @@
 """AdamMD's and MuonMD's phases of a whole group as compiled kernels (``torch.compile``;
-``--md-fused-step``; on by default at scale, AdamMD's only on a CPU: ``MDConfig.use_fused``).
+``--md-fused-step``; on by default at scale, AdamMD's only on a CPU: ``MDConfig.use_fused``):
+which groups they take (``kernels_for``), their arguments, and how a step's groups share
+calls. The formulas themselves are ``formulas.py``; each compiled call's first call of a
+layout is checked against its formula by ``checked.py``.
 
 MuonMD's (``_partials_group`` and the fuse): the gains' partials and G_Ŵ = Γ ⊙ G in one pass
 before the base's batched Newton–Schulz, the norms' partials eager after it, and the deferred
 rescale with W = Γ ⊙ Ŵ in one pass; Q/K/V-split groups included (their spheres are the
 rescale's, their Newton–Schulz blocks the base's).
-
-Eager, an AdamMD group costs ~14 elementwise passes (Ŵ⊙G, two mat-vecs, G_Ŵ in two products,
-Adam's seven, the norm) where torch's AdamW costs seven. Compiled, phase 1 (gain-gradient
-partials, G_Ŵ = Γ ⊙ G, Adam on Ŵ, the sphere's squared-norm partials) is one read of Ŵ, G and
-the moments and one write of Ŵ and the moments (with column gains, where a call takes one
-matrix, plus Ŵ⊙G written once to a scratch buffer for a batched mat-vec; on a whole stack
-the column sums are the call's), for all B matrices of the group; the sphere rescale
-waits for the fuse, so rescale and W = Γ ⊙ Ŵ are one read of Ŵ and one write of Ŵ and of W.
-Same formulas as the eager group (tested against it and the reference); the rounding differs
-by fp32 reassociation only (inductor contracts products and orders sums its own way), so it is
-never used where bit-identity is promised (MD off). One compile per group shape (static
-shapes; the hyper-parameters travel as a small tensor, so a new step does not recompile).
 
 On a CPU the kernels are called once per matrix of a group, on (1, M, N) slices, not once on
 the (B, M, N) stack: inductor's CPU loops over a stack are slower where an argument is a
@@ -29,7 +20,7 @@ milliseconds of a matrix. On a GPU, where a call's launches are the cost, once o
 the groups whose destinations lie in one buffer (``fuse_groups``: the buffer passed whole, the
 destinations' windows static; AOT autograd refuses mutated inputs that alias, torch 2.15.0).
 A ZeRO-1 slice cut inside its matrix (AdamMD) joins those merged calls, on a CPU too
-(``Kernels.cut``: its window of whole rows, ``_phase1_cut``, ``_fuse_cut``).
+(``Kernels.cut``: its window of whole rows, ``formulas._phase1_cut``, ``formulas._fuse_cut``).
 On a GPU both AdamMD's and MuonMD's are the default at scale (``MDConfig.use_fused``), after
 ``tools/gpu_check.py`` checked them against the reference and measured them faster than the
 eager group there (H200, 2026-11-26, docs/benchmarks.md).
@@ -39,333 +30,31 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import os
-import sys
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from megatron.md import cpu_mode
 from megatron.md.base_steps import AdamHParams
+from megatron.md.engine.checked import RECOMPILE_LIMIT, Checked, _capturing
+from megatron.md.engine.formulas import (
+    _PHASE1,
+    _fuse,
+    _fuse_many,
+    _partials,
+    _partials_pieces,
+    _phase1_many,
+    _rescale_fuse,
+)
 from megatron.md.engine.geometry import cut_window
 
 #: gains and spheres the compiled kernels cover (others, the tangent projection and TP pieces:
 #: the eager group)
 GAINS = ("none", "row", "col", "rowcol")
 SPHERES = ("frobenius", "row", "col", "none")
-#: compiled variants allowed per function (dynamo's default, 8, is global): ``Checked._compiled``
-RECOMPILE_LIMIT = 64
 
 
-def _adam_values(w, g, m, v, hp):
-    """torch AdamW's arithmetic (lerp with weight < 0.5, addcmul, sqrt/bc2 + eps, addcdiv);
-    hp = [step_size, sqrt(bias_correction2), 1 - beta1, beta2, 1 - beta2, eps]: the new
-    (Ŵ, m, v)."""
-    m2 = m + hp[2] * (g - m)
-    v2 = v * hp[3] + hp[4] * g * g
-    return w - hp[0] * (m2 / (v2.sqrt() / hp[1] + hp[5])), m2, v2
-
-
-def _adam(w, g, m, v, hp):
-    """``_adam_values`` written into Ŵ and the moments; returns the new Ŵ."""
-    w2, m2, v2 = _adam_values(w, g, m, v, hp)
-    m.copy_(m2)
-    v.copy_(v2)
-    w.copy_(w2)
-    return w2
-
-
-def _gain_terms(w, g, col, scratch, need_row: bool):
-    """G in Ŵ's dtype and the row gains' partials Σ_j Ŵ G g_col (a row reduction, in the
-    caller's loop); Ŵ⊙G into ``scratch`` (if any) for the column sums (a batched mat-vec
-    outside)."""
-    gb = g.to(w.dtype)
-    gr = w.new_zeros(())
-    p = w * gb
-    if need_row:
-        gr = (p * col).sum(2)
-    if scratch is not None:
-        scratch.copy_(p)
-    return gb, gr
-
-
-def _phase1(w, g, m, v, row, col, hp, scratch, need_row: bool, sphere):
-    """(B, M, N) blocks; ``row`` (B, M, 1), ``col`` (B, 1, N) (0-d ones if absent)."""
-    gb, gr = _gain_terms(w, g, col, scratch, need_row)
-    w2 = _adam(w, gb * row * col, m, v, hp)
-    return gr, _sq_norms(w2, sphere)
-
-
-def _sq_norms(w2, sphere):
-    """The squared norms of the updated Ŵ, ``sphere``'s (0-d zero for "none"); ``("blocks",
-    row_blocks)``: the Frobenius norms of a split matrix's Q/K/V blocks, (B, blocks): the rows'
-    sums, then each block's rows in one masked reduction over the query groups and places (on
-    a GPU one kernel with its add into the partials, where a sum a block and their stack took
-    four at 181M: ``tools/triton_kernels.py``, 2026-12-05); the eager group's order
-    (``Group.axis_add``) differs by fp32 reassociation."""
-    if isinstance(sphere, tuple):
-        blocks = sphere[1]
-        B, M, _ = w2.shape
-        rows = (w2 * w2).sum(2).view(B, M // sum(blocks), sum(blocks), 1)
-        block = _period_blocks(blocks, sum(blocks), w2.device)
-        inside = block.view(-1, 1) == torch.arange(len(blocks), device=w2.device)
-        return (rows * inside).sum((1, 2))
-    if sphere == "frobenius":
-        sq = w2 * w2
-        return sq.sum(2).sum(1)  # row sums first: stays in the row loop, no second pass
-    if sphere == "row":
-        return (w2 * w2).sum(2)
-    if sphere == "row_norm":  # the row sphere next to both gains' partials (kernel_sphere)
-        return torch.linalg.vector_norm(w2, dim=2).square()
-    return w2.new_zeros(())
-
-
-def _period_blocks(blocks: tuple, rows: int, device) -> torch.Tensor:
-    """The Q/K/V block of each of ``rows`` rows from a query group's start (iota arithmetic:
-    no constant tensor in the graph)."""
-    at = torch.arange(rows, device=device) % sum(blocks)
-    return sum((at >= sum(blocks[:b]) for b in range(1, len(blocks))), torch.zeros_like(at))
-
-
-def _window(x: torch.Tensor, cut: tuple) -> torch.Tensor:
-    """Cut slices ``x`` (B, L) as the (B, b - a, N) whole rows that cover them, zeros around
-    them (``cut``: ``Kernels.cut``): inductor reads them by a masked load, no copy. (As
-    ``F.pad`` of the (B, L) stack, inductor wrote each padded window to a buffer first: three
-    Triton kernels more a group, ``tools/triton_kernels.py``, torch 2.15.0, 2026-12-05.)"""
-    a, b, pre, _, N = cut[:5]
-    B, L = x.shape
-    e = torch.arange((b - a) * N, device=x.device) - pre  # each window element's in the slice
-    inside = (e >= 0) & (e < L)
-    return torch.where(inside, x[:, e.clamp(0, L - 1)], 0).view(B, b - a, N)
-
-
-def _rows(f: torch.Tensor, cut: tuple) -> torch.Tensor:
-    """A per-row factor of the full matrices (B, M, k) at the window's rows; a 0-d or
-    per-column one as it is."""
-    return f if f.ndim == 0 or f.shape[1] == 1 else f[:, cut[0] : cut[1]]
-
-
-def _at_slice(factor: torch.Tensor, cut: tuple, at: torch.Tensor, B: int) -> torch.Tensor:
-    """A factor broadcast against B cut slices' windows, read at the slices' own elements
-    (B, L): element e at window row (e + pre) // N, column (e + pre) % N, ``pre`` given as
-    the 0-d tensor ``at`` (``Kernels.cut_at``). Written with ``pre`` a number, torch 2.15.0's
-    inductor split the L elements into L // N whole rows where ``pre`` is a multiple of N and
-    dropped the last partial one (its elements read the wrong factor or left unwritten, a CPU,
-    2026-12-05; ``Checked`` stopped a 4-rank run on it); a tensor it cannot fold."""
-    a, b, _, post, N = cut[:5]
-    e = torch.arange((b - a) * N - post - cut[2], device=factor.device) + at
-    return factor.expand(B, b - a, N)[:, e // N, e % N]
-
-
-def _cut_scale(s: torch.Tensor, cut: tuple) -> torch.Tensor:
-    """Cut slices' pending rescale ``s`` (B, n_norm) broadcast against their windows: the
-    eager group's ``axis_bcast``, its Q/K/V blocks by the rows' place in their query group (the
-    window starts at one, ``geometry.cut_window``)."""
-    a, b, _, _, N, sphere, blocks = cut
-    B = s.shape[0]
-    if blocks and sphere != "row":
-        return s.view(B, len(blocks), -1)[:, _period_blocks(blocks, b - a, s.device)]
-    if sphere == "frobenius":
-        return s.view(B, 1, 1)
-    if sphere == "row":
-        return s[:, a:b].unsqueeze(2)
-    return s.view(B, 1, N)
-
-
-def _phase1_cut(P, w, g, m, v, row, col, hp, need_row: bool, need_col: bool, sphere, n_gain,
-                cut: tuple, at: torch.Tensor):  # fmt: skip
-    """``_phase1_many``'s work for ZeRO-1 slices cut at one place of B matrices (Ŵ, G and the
-    moments their own (B, L) elements): the gains' partials on their windows of whole rows
-    (``_window``) into the full matrices' rows and columns of ``P`` (B, n_partial), Adam on
-    their own elements (no window-sized temporary: a cut LM head's is hundreds of MB), the
-    norms' partials. Four or five Triton kernels on a GPU whatever B (``tools/triton_kernels.py``,
-    torch 2.15.0, 2026-12-05: on the window and copied back, six)."""
-    a, b, N = cut[0], cut[1], cut[4]
-    wp, gp = _window(w, cut), _window(g, cut).to(w.dtype)
-    rw = _rows(row, cut)
-    p = wp * gp
-    if need_col:  # from Ŵ before Adam
-        c0 = row.shape[1] if need_row else 0
-        P[:, c0 : c0 + N].add_((p * rw).sum(1))
-    if need_row:
-        P[:, a:b].add_((p * col).sum(2))
-    # Adam on the slice's own elements, the gains read at their rows and columns: written in
-    # place (on the window, three more kernels copied it back)
-    w2 = _adam(w, g.to(w.dtype) * _at_slice(rw * col, cut, at, w.shape[0]), m, v, hp)
-    if sphere == "frobenius":
-        P[:, n_gain:].add_((w2 * w2).sum(1, keepdim=True))
-    elif isinstance(sphere, tuple):  # Q/K/V blocks: the window's whole query groups
-        P[:, n_gain:].add_(_sq_norms(_window(w2, cut), sphere))
-    elif sphere != "none":
-        P[:, n_gain + a : n_gain + b].add_(_sq_norms(_window(w2, cut), sphere))
-
-
-def _fuse_cut(out, x, s, row, col, cut: tuple, at: torch.Tensor) -> None:
-    """``_rescale_fuse`` / ``_fuse`` of B cut slices ``x`` (B, L) into ``out``, their ranges of
-    megatron's param buffer: one (B, L) window of it, or (the buffer, the regular pieces the
-    ranges form, ``geometry.regular_pieces``); on the slices' own elements, the rescale and
-    the gains read at their rows and columns (``_at_slice``)."""
-    B, L = x.shape
-    x2 = x if s is None else x * _at_slice(_cut_scale(s, cut), cut, at, B)
-    if s is not None:
-        x.copy_(x2)
-    val = x2 * _at_slice(_rows(row, cut) * col, cut, at, B)
-    if not isinstance(out, tuple):
-        out.copy_(val)
-        return
-    buf, pieces = out
-    for b0, n1, r, s1, s0, o in pieces:
-        piece = buf.as_strided((n1, r, L), (s1, s0, 1), o)
-        piece.copy_(val[b0 : b0 + n1 * r].unflatten(0, (n1, r)))
-
-
-def _phase1_frobenius(w, g, m, v, row, col, hp, scratch, need_row: bool):
-    return _phase1(w, g, m, v, row, col, hp, scratch, need_row, "frobenius")
-
-
-def _phase1_row(w, g, m, v, row, col, hp, scratch, need_row: bool):
-    return _phase1(w, g, m, v, row, col, hp, scratch, need_row, "row")
-
-
-def _phase1_row_norm(w, g, m, v, row, col, hp, scratch, need_row: bool):
-    return _phase1(w, g, m, v, row, col, hp, scratch, need_row, "row_norm")
-
-
-def _partials(w, g, row, col, out, scratch, need_row: bool):
-    """MuonMD's lines 1-6 on (B, M, N) blocks in one pass: the row partials, Ŵ⊙G into
-    ``scratch`` for the column sums, G_Ŵ = Γ ⊙ G into ``out``."""
-    gb, gr = _gain_terms(w, g, col, scratch, need_row)
-    out.copy_(gb * row * col)  # the eager group's order: (G ⊙ g_row) ⊙ g_col
-    return gr
-
-
-def _partials_pieces(w, buf, row, col, out, scratch, need_row: bool, pieces: tuple):
-    """``_partials`` of a group whose gradients are ``pieces`` of megatron's gradient buffer
-    ``buf`` (``geometry.regular_pieces``), read in place (``_gathered``)."""
-    return _partials(w, _gathered(buf, pieces, *w.shape[1:]), row, col, out, scratch, need_row)
-
-
-def _fuse(x, row, col, out):
-    out.copy_(x * row * col)
-
-
-def _rescale_fuse(x, s, row, col, out):
-    x2 = x * s
-    x.copy_(x2)
-    out.copy_(x2 * row * col)
-
-
-def _fuse_many(buf, *flat):
-    """``_fuse`` / ``_rescale_fuse`` of several groups in one call (``ITEMF`` arguments each:
-    Ŵ, the pending rescale or None, the gains, the destination's shape, stride and storage
-    offset): the destinations are windows of ``buf``, megatron's param buffer passed whole
-    (the groups' views of it as separate inputs AOT autograd refuses to mutate, torch 2.15.0);
-    inductor writes the windows in place (a CPU: 0.05 ms for two windows of a 2^24-element
-    buffer, 13 ms a copy of the buffer)."""
-    _fuse_windows(buf, flat, _rescale_fuse)
-
-
-def _fuse_windows(buf, flat: tuple, rescale_fuse: Callable) -> None:
-    """``_fuse_many``'s loop, each group's pending rescale by ``rescale_fuse``; a group's
-    destination one window of ``buf`` (its members' rows evenly spaced) or, with a tuple of
-    pieces (``geometry.regular_pieces``: members ``b0 ..``, an (n1, r) grid of strides s1, s0
-    at ``at``), one (n1, r, M, N) window a piece (``fuse_groups``)."""
-    for i in range(0, len(flat), ITEMF):
-        x, s, row, col, shape, stride, offset, cut, at = flat[i : i + ITEMF]
-        if cut is not None:  # cut slices: their ranges of the buffer (``_fuse_cut``)
-            out = (
-                (buf, offset)
-                if isinstance(offset, tuple)
-                else buf.as_strided(shape, stride, offset)
-            )
-            _fuse_cut(out, x, s, row, col, cut, at)
-        elif isinstance(offset, tuple):
-            M, N = shape[-2:]
-            for b0, n1, r, s1, s0, at in offset:
-                one = slice(b0, b0 + n1 * r)
-                grid = [_grid(t, one, n1) for t in (x, s, row, col)]
-                _fuse_window(buf.as_strided((n1, r, M, N), (s1, s0, N, 1), at), *grid,
-                             rescale_fuse)  # fmt: skip
-        else:
-            _fuse_window(buf.as_strided(shape, stride, offset), x, s, row, col, rescale_fuse)
-
-
-def _grid(x: torch.Tensor | None, one: slice, n1: int) -> torch.Tensor | None:
-    """Matrices ``one`` of a stacked argument as an (n1, r, ...) grid; a 0-d one (an absent
-    gain) or None as it is."""
-    if x is None or x.ndim == 0:
-        return x
-    return x[one].unflatten(0, (n1, -1))
-
-
-def _fuse_window(out, x, s, row, col, rescale_fuse: Callable) -> None:
-    """W = Γ ⊙ Ŵ into ``out``, after the pending rescale ``s`` where there is one."""
-    if s is None:
-        _fuse(x, row, col, out)
-    else:
-        rescale_fuse(x, s, row, col, out)
-
-
-#: arguments of one group in ``_phase1_many`` (after the partial buffers)
-ITEM1 = 17
-#: arguments of one group in ``_fuse_many`` (after the destination buffer)
-ITEMF = 9
-
-
-def _gathered(buf: torch.Tensor, pieces: tuple, M: int, N: int) -> torch.Tensor:
-    """The (B, M, N) stack of the matrices of ``buf`` that ``pieces`` lay out
-    (``geometry.regular_pieces``)."""
-    grids = [buf.as_strided((n1, r, M, N), (s1, s0, N, 1), at).reshape(n1 * r, M, N)
-             for _, n1, r, s1, s0, at in pieces]  # fmt: skip
-    return grids[0] if len(grids) == 1 else torch.cat(grids)
-
-
-def _phase1_many(n_parts: int, *args):
-    """``_phase1`` of several groups in one call (one compiled call where each group took
-    one, ~70 µs of dynamo's and AOT's host code a call on a 2-core VM, torch 2.15.0,
-    2026-12-04), each group's partials added into the step's partial buffers inside it (where
-    an operation a group and kind added them after: 20 launches of AdamMD's step at the
-    12-layer layout, 2026-12-04), the column gains' as a column sum of Ŵ ⊙ G ⊙ g_row (no
-    scratch of Ŵ's size). ``n_parts`` buffers passed whole (windows of one buffer as separate
-    inputs AOT autograd refuses to mutate: ``_fuse_many``), then ``ITEM1`` arguments a group:
-    Ŵ, G, the moments, the gains' factors, the Adam scalars (as ``_phase1``'s), ``need_row``,
-    ``need_col``, the sphere (``_sq_norms``'), its buffer's index, where its (B, n_partial)
-    partials start in its storage, n_partial, n_gain (the norms' partials follow the gains')
-    G's pieces (``geometry.regular_pieces``) where G is megatron's gradient buffer whole:
-    read in place, inductor fusing the gather into the kernels that read G (the same five
-    Triton kernels as from a (B, M, N) G for a toy group in 1 to 4 pieces; from 5 pieces one
-    kernel more, inductor's copy of them into one buffer, as the stack was; torch 2.15.0,
-    ``tools/triton_kernels.py``, 2026-12-05), and the window of a ZeRO-1 slice cut inside its
-    matrix (``_phase1_cut``; None for whole matrices)."""
-    parts, flat = args[:n_parts], args[n_parts:]
-    for i in range(0, len(flat), ITEM1):
-        (w, g, m, v, row, col, hp, need_row, need_col, sphere, k, start, n, n_gain, pieces, cut,
-         at) = flat[i : i + ITEM1]  # fmt: skip
-        if cut is not None:  # ZeRO-1 slices cut at one place of their matrices
-            B, L = w.shape
-            if pieces is not None:
-                g = _gathered(g, pieces, 1, L).view(B, L)
-            P = parts[k].as_strided((B, n), (n, 1), start)
-            _phase1_cut(P, w, g, m, v, row, col, hp, need_row, need_col, sphere, n_gain, cut, at)
-            continue
-        B, M, N = w.shape
-        if pieces is not None:
-            g = _gathered(g, pieces, M, N)
-        P = parts[k].as_strided((B, n), (n, 1), start)
-        if need_col:  # from Ŵ before ``_phase1``'s Adam writes it
-            c0 = M if need_row else 0
-            P[:, c0 : c0 + N].add_((w * g.to(w.dtype) * row).sum(1))
-        gr, nrm = _phase1(w, g, m, v, row, col, hp, None, need_row, sphere)
-        if need_row:
-            P[:, :M].add_(gr)
-        if sphere != "none":
-            P[:, n_gain:].add_(nrm.view(B, -1))
-
-
-_PHASE1 = {"frobenius": _phase1_frobenius, "row": _phase1_row, "row_norm": _phase1_row_norm}
 _compiled: dict[str, Callable] = {}
 
 
@@ -396,178 +85,6 @@ def _get(name: str, fn, fallback: bool = False):
         limit = {"recompile_limit": RECOMPILE_LIMIT} if _PER_FUNCTION_LIMIT else {}
         _compiled[name] = Checked(fn, torch.compile(fn, dynamic=False, fullgraph=True, **limit))
     return functools.partial(_compiled[name], fallback=True) if fallback else _compiled[name]
-
-
-#: the arguments each kernel writes (by position): the first call of a layout runs the eager
-#: formula on copies of them (``COPIES``: a kernel that makes its own)
-WRITES = {**dict.fromkeys(_PHASE1.values(), (0, 2, 3, 7)), _partials: (4, 5),
-          _partials_pieces: (4, 5), _fuse: (3,),
-          _rescale_fuse: (0, 4),
-          # the merged call: by the groups it takes
-          _phase1_many: lambda a: [*range(1, 1 + a[0]), *(
-              i + k for i in range(1 + a[0], len(a), ITEM1) for k in (0, 2, 3))]}  # fmt: skip
-
-
-def _fuse_many_copies(args: tuple) -> tuple[list, list]:
-    """The first-call check's copies for ``_fuse_many``: the windows it writes (a group's, or
-    each member's) laid out one after another in a new buffer (a copy of megatron's whole
-    param buffer would cost its size again at the first step, its fp32 difference twice
-    that), and each Ŵ whose rescale is pending; (the copies' arguments, (name, written
-    tensor, its copy) of each)."""
-    buf, flat = args[0], args[1:]
-    items = [flat[i : i + ITEMF] for i in range(0, len(flat), ITEMF)]
-    n_all = sum(item[0].numel() for item in items)  # a window of each group's Ŵ's size
-    compact = torch.empty(n_all, dtype=buf.dtype, device=buf.device)
-    mine, pairs, at = [compact], [], 0
-    for k, (x, s, row, col, shape, stride, offset, cut, pre) in enumerate(items):
-        mine_x = x if s is None else x.clone()
-        if isinstance(offset, tuple):  # pieces: laid out one after another, as the members
-            # a member: an (M, N) matrix, or a cut slice's L elements (``shape`` (B, L))
-            one, name = (
-                shape[1:] if cut is not None else shape[-2:],
-                f"group {k}'s weights, members",
-            )
-            n, inner = math.prod(one), (1,) if len(one) == 1 else (one[1], 1)  # its strides
-            mine_pieces = tuple((b0, n1, r, r * n, n, at + b0 * n)
-                                for b0, n1, r, _, _, _ in offset)  # fmt: skip
-            mine += [mine_x, s, row, col, shape, stride, mine_pieces, cut, pre]
-            for (b0, n1, r, s1, s0, o), (*_, m) in zip(offset, mine_pieces):
-                grid = (n1, r, *one)
-                pairs.append((f"{name} {b0}-{b0 + n1 * r - 1}",
-                              buf.as_strided(grid, (s1, s0, *inner), o),
-                              compact.as_strided(grid, (r * n, n, *inner), m)))  # fmt: skip
-        else:
-            dense = tuple(math.prod(shape[j + 1 :]) for j in range(len(shape)))  # contiguous
-            mine += [mine_x, s, row, col, shape, dense, at, cut, pre]
-            pairs.append((f"group {k}'s weights", buf.as_strided(shape, stride, offset),
-                          compact.as_strided(shape, dense, at)))  # fmt: skip
-        if s is not None:
-            pairs.append((f"group {k}'s Ŵ", x, mine_x))
-        at += x.numel()
-    return mine, pairs
-
-
-#: kernels whose check makes its own copies (instead of copying the arguments ``WRITES`` names)
-COPIES = {_fuse_many: _fuse_many_copies}
-
-#: largest difference from the eager formula a compiled kernel may show, relative to the
-#: largest magnitude of the tensor compared (inductor reorders sums and contracts products);
-#: half precision: one rounding of the largest entry
-CHECK_TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 2**-7, torch.float16: 2**-9}
-
-
-class MiscompiledKernel(RuntimeError):
-    """A compiled kernel gave other numbers than its eager formula."""
-
-
-class Checked:
-    """A compiled kernel whose first call of each argument layout (shapes, strides, dtypes,
-    device: what dynamo compiles a variant for) is checked against its eager formula, run on
-    copies of the arguments it writes. A difference beyond rounding (``CHECK_TOL``; NaN and
-    ±inf where the formula makes them too are none) stops the
-    run with ``MiscompiledKernel`` (``--md-fused-step on``) or, called with ``fallback``
-    (``auto``: the user did not ask for the compiled step), keeps the eager formula's results,
-    runs the eager formula for that layout from then on and says so once on stderr. Inductor can
-    write an input before a later loop reads it: torch 2.9.1, 2.10.0 and 2.11.0 on a CPU
-    computed ``_rescale_fuse`` on a stack of matrices from the rescaled Ŵ (W = Γ ⊙ s² Ŵ) and
-    ``_phase1``'s Ŵ ⊙ G from the updated Ŵ (2026-12-03; torch 2.12.0-2.15.0 right; upstream's
-    open reports of the kind: pytorch/pytorch #198131, #198101). The check costs, at the first
-    step, one eager run of the kernel's formula, copies of the arguments it writes (transient
-    memory: a few copies of the stacks a call takes where it takes them whole, as on a GPU)
-    and a host synchronization; none in a CUDA graph's capture (its eager warm-up steps
-    check)."""
-
-    def __init__(self, fn: Callable, compiled: Callable):
-        self.fn, self.compiled = fn, compiled
-        self.checked: set[tuple] = set()
-        self.eager: set[tuple] = set()  # layouts found miscompiled, run eager (``fallback``)
-
-    def __call__(self, *args, fallback: bool = False):
-        key = tuple(
-            (a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a
-            for a in args
-        )
-        if key in self.eager:
-            return self.fn(*args)
-        check = key not in self.checked and not _capturing()
-        if check:
-            if self.fn in COPIES:
-                mine, written = COPIES[self.fn](args)
-            else:
-                writes = WRITES.get(self.fn, ())
-                writes = writes(args) if callable(writes) else writes
-                mine = [a.clone() if i in writes and a is not None else a
-                        for i, a in enumerate(args)]  # fmt: skip
-                written = [(f"argument {i}", args[i], mine[i]) for i in writes]
-            want = self.fn(*mine)
-        got = self._compiled(args)
-        if not check:
-            return got
-        outs = got if isinstance(got, tuple) else (got,)
-        wants = want if isinstance(want, tuple) else (want,)
-        results = [(f"result {i}", a, b) for i, (a, b) in enumerate(zip(outs, wants))]
-        for what, a, b in written + results:
-            if isinstance(a, torch.Tensor) and a.ndim and a.numel():
-                wrong = self._difference(what, a, b)
-                if wrong and not fallback:
-                    raise MiscompiledKernel(f"{wrong}. Run with --md-fused-step off: the eager MD "
-                                            "step, the same results to fp32 rounding")  # fmt: skip
-                if wrong:
-                    return self._keep_eager(key, wrong, written, want)
-        self.checked.add(key)
-        return got
-
-    def _compiled(self, args: tuple):
-        """The compiled call; past dynamo's recompile limit (global, 8 variants of a function
-        unless torch.compile took ``RECOMPILE_LIMIT``; more layouts, or a changed global state
-        such as the matmul precision, make more) again with the limit raised: dynamo refuses
-        before it runs anything. Not raised around every call: its ``config.patch`` cost
-        48-73 us a call, the compiled call 25-30 (torch 2.15.0, 2-core VM, 2026-12-03)."""
-        # dynamo's default stance where CPU mode runs torch.compile'd functions eagerly
-        # (cpu_mode._eager_torch_compile; ~4 us a call): only there, off the GPU step's host path
-        stance = torch.compiler.set_stance("default") if cpu_mode.is_active() else nullcontext()
-        with stance:
-            try:
-                return self.compiled(*args)
-            except torch._dynamo.exc.FailOnRecompileLimitHit:
-                with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                    return self.compiled(*args)
-
-    def _keep_eager(self, key: tuple, wrong: str, written: list, want):
-        """The eager formula's results in place of the compiled kernel's (``written``: (name,
-        what the kernel wrote, the eager formula's copy)), and that layout run eager from now
-        on."""
-        for _, a, b in written:
-            if a is not None:
-                a.copy_(b)
-        self.eager.add(key)
-        print(f"[megatron-md] warning: {wrong}. --md-fused-step auto: this layout of the kernel "
-              "now runs its eager formula (slower, the same results to fp32 rounding); "
-              "--md-fused-step off runs every kernel eager, on stops instead", file=sys.stderr,
-              flush=True)  # fmt: skip
-        return want
-
-    def _difference(self, what: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
-        """What is wrong with ``got``, or None where it equals ``want`` to rounding."""
-        wide = torch.promote_types(want.dtype, torch.float32)  # fp32 stays: no copy of a stack
-        a, b = got.to(wide), want.to(wide)
-        # NaN or ±inf where the formula makes them too is no difference (a first step gone
-        # wrong, megatron's NaN check off); one the formula does not make is (diff NaN)
-        same = (a == b) | (a.isnan() & b.isnan())
-        diff = torch.where(same, 0.0, (a - b).abs()).max().item()
-        scale = torch.where(b.isfinite(), b.abs(), 0.0).max().item()
-        if diff <= CHECK_TOL.get(want.dtype, 1e-4) * scale + 1e-30:
-            return None
-        return (
-            f"torch {torch.__version__}'s compiled MD kernel {self.fn.__name__} ("
-            f"{want.device.type}, shape {tuple(want.shape)}) differs from its eager formula in "
-            f"its {what} by {diff:.3g} (largest entry {scale:.3g}): inductor miscompiled it "
-            "(seen on a CPU with torch 2.9.1-2.11.0; right from 2.12.0)"
-        )
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 _hparams: dict[tuple, torch.Tensor] = {}
