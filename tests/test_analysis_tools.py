@@ -612,6 +612,10 @@ def test_bench_dispatch_moe_layout_is_regular_pieces():
     opt, _ = bench_dispatch.build(48, 3, "adam", 128, "off", None, 0, bucket=20000)
     (leaf,) = leaf_optimizers(opt)
     assert sum(len(b.buckets) for b in leaf.buffers) > 3 and leaf.config is not None
+    # one rank shards nothing: no slice cut inside a matrix, MD or not
+    md, _ = bench_dispatch.build(48, 3, "adam_md", 128, "off", None, 0, bucket=20000)
+    assert bench_dispatch.cut_groups(opt) == bench_dispatch.cut_groups(md) == (0, 0)
+    assert len(leaf_optimizers(md)[0].optimizer.engine.groups) > 0
     out = run_tool("bench_dispatch.py", "--nproc", "0", timeout=120)
     assert out.returncode == 2 and "at least one rank" in out.stderr
 

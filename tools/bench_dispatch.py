@@ -46,7 +46,8 @@ With ``--nproc N`` the optimizers are ZeRO-1 over N data-parallel ranks (gloo on
 table is rank 0's, a line more gives every rank's launches: the slowest sets the pace), and
 with ``--bucket-size`` megatron's gradient buckets are about that many elements, with
 ``--overlap-grad-reduce``, as on a cluster: ZeRO-1 shards each bucket, so a rank holds the
-matrices its shard cuts, up to two a bucket.
+matrices its shard cuts, up to two a bucket (a line gives each rank's slices cut inside
+matrices and the groups they make: ``cut_groups``).
 
     python tools/bench_dispatch.py [--hidden-size 128] [--num-layers 12 24] [--rounds 30]
         [--fused-step on [--gpu-launches]] [--model 181M --vocab-size 131072]
@@ -324,6 +325,17 @@ def moe_model(width: int, layers: int, experts: int, vocab: int):
     return model.to(bench.DEV), model.config
 
 
+def cut_groups(opt) -> tuple[int, int]:
+    """(groups, matrices) of the MD matrices this rank holds as slices cut inside them (ZeRO-1's
+    shards of megatron's buckets): slices cut at one place of same-kind matrices are one group
+    (``engine._make_groups``), each group its own phase-1 kernels; (0, 0) without MD."""
+    from megatron.md.leaves import leaf_optimizers
+
+    groups = [g for o in leaf_optimizers(opt) if getattr(o.optimizer, "engine", None) is not None
+              for g in o.optimizer.engine.groups if not g.md0.whole]  # fmt: skip
+    return len(groups), sum(g.B for g in groups)
+
+
 def timed(opt) -> float:
     bench.sync()
     t0 = time.perf_counter()
@@ -346,6 +358,7 @@ def measure(args) -> dict:
                 )  # fmt: skip
             got[layers] = {run: count(o.step, host_counters(o), args.gpu_launches)
                            for run, o in opts.items()}  # fmt: skip
+            got[layers]["cut"] = cut_groups(opts[md])
             if layers == args.num_layers[0]:
                 ratios = []
                 for _ in range(args.rounds):
@@ -368,6 +381,8 @@ def measure(args) -> dict:
             "launches": {n: {r: got[n][r][5] for r in (base, md)} for n in args.num_layers},
             "launch_ratio": got[lo][md][5] / got[lo][base][5],
             "compiled_calls": {n: got[n][md][6] for n in args.num_layers},
+            # (groups, slices) of matrices cut inside them (``cut_groups``)
+            "cut_groups": {n: got[n]["cut"] for n in args.num_layers},
             "bytes": {n: {r: got[n][r][3] for r in (base, md)} for n in args.num_layers},
             "byte_ratio": got[lo][md][3] / got[lo][base][3],
             "matmul_flops": {n: {r: got[n][r][4] for r in (base, md)} for n in args.num_layers},
@@ -499,6 +514,8 @@ def main(argv=None) -> None:
             per = ", ".join(f"{r[key]['launches'][n][b]}/{r[key]['launches'][n][m]}"
                             for r in ranks for b, m in [PAIRS[key]])  # fmt: skip
             print(f"{key}: launches base/MD by rank at {n} layers: {per}")
+            cuts = ", ".join("{1} in {0}".format(*r[key]["cut_groups"][n]) for r in ranks)
+            print(f"{key}: slices cut inside matrices, in groups, by rank at {n} layers: {cuts}")
     for key, r in res.items():
         if args.fused_step == "on":
             print(
