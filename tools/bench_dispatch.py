@@ -327,12 +327,11 @@ def moe_model(width: int, layers: int, experts: int, vocab: int):
 
 def cut_groups(opt) -> tuple[int, int]:
     """(groups, matrices) of the MD matrices this rank holds as slices cut inside them (ZeRO-1's
-    shards of megatron's buckets): slices cut at one place of same-kind matrices are one group
-    (``engine._make_groups``), each group its own phase-1 kernels; (0, 0) without MD."""
+    shards of megatron's buckets: ``Engine.cut_groups``); (0, 0) without MD."""
     from megatron.md.leaves import leaf_optimizers
 
     groups = [g for o in leaf_optimizers(opt) if getattr(o.optimizer, "engine", None) is not None
-              for g in o.optimizer.engine.groups if not g.md0.whole]  # fmt: skip
+              for g in o.optimizer.engine.cut_groups()]  # fmt: skip
     return len(groups), sum(g.B for g in groups)
 
 

@@ -446,7 +446,7 @@ def check(args) -> dict:
     # every rank's groups of ZeRO-1 slices cut inside their matrices (at one place of each),
     # those of them compiled (Kernels.cut: the merged calls), and the slices they hold
     cuts = [(g.B, g.kernels is not None) for i in inners if i.engine is not None
-            for g in i.engine.groups if not g.md0.whole]  # fmt: skip
+            for g in i.engine.cut_groups()]  # fmt: skip
     cut_groups = torch.tensor(
         [float(len(cuts)), float(sum(c[1] for c in cuts)), float(sum(c[0] for c in cuts))],
         device=DEV,

@@ -442,30 +442,20 @@ def fuse_groups(items: list) -> None:
     ``tools/triton_kernels.py``, 2026-12-05); elsewhere one group a call (``_fuse_group``)."""
     batches: dict[int, tuple[torch.Tensor, list]] = {}
     for g, targets in items:
-        if g.kernels.cut is not None:  # their ranges of the buffer, merged on a CPU too
-            view, pieces = g.placed("out", targets)
-            if view is None and pieces is None:  # (not in one buffer)
-                _fuse_eager(g, targets)
-                continue
-            buf = g.whole(targets[0])
-            item = (g, view, ("cut", pieces))
-            batches.setdefault(buf.data_ptr(), (buf, []))[1].append(item)
-            continue
-        view, pieces = g.placed("out", targets) if _stacks(g) else (None, None)
-        if view is None and pieces is None:
-            _fuse_group(g, targets)
+        cut = g.kernels.cut is not None  # cut slices: their ranges of the buffer, on a CPU too
+        view, pieces = g.placed("out", targets) if cut or _stacks(g) else (None, None)
+        if view is None and pieces is None:  # (not in one buffer; a CPU's whole matrices)
+            (_fuse_eager if cut else _fuse_group)(g, targets)
             continue
         buf = g.whole(targets[0] if view is None else view)
         batches.setdefault(buf.data_ptr(), (buf, []))[1].append((g, view, pieces))
     for buf, groups in batches.values():
         flat, size = [], 0
         for k, (g, view, pieces) in enumerate(groups):
-            if isinstance(pieces, tuple) and pieces[0] == "cut":
+            if g.kernels.cut is not None:
                 row, col = _row_col(g, g.phi())
                 s, g.pending = g.pending, None  # (B, n_norm): broadcast in the call
-                where = (
-                    (None, pieces[1]) if view is None else (view.stride(), view.storage_offset())
-                )
+                where = (None, pieces) if view is None else (view.stride(), view.storage_offset())
                 flat += [g.W, s, row, col, (g.B, g.L), *where, g.kernels.cut,
                          g.kernels.cut_at]  # fmt: skip
             else:

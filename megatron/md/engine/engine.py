@@ -460,6 +460,11 @@ class Engine:
     def group_of(self, member: Member) -> tuple[Group, int]:
         return self.by_member[id(member)]
 
+    def cut_groups(self) -> list[Group]:
+        """The groups of ZeRO-1 slices cut inside their matrices (one place of same-kind
+        matrices a group: ``_make_groups``), each with its own phase-1 kernels."""
+        return [g for g in self.groups if not g.md0.whole]
+
 
 class _GainBatch:
     """The gains' Adam of every group at once, with the plain tensors' the step was given
