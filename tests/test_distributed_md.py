@@ -69,6 +69,8 @@ BUCKETS = {
     "fp32-4": (4, "--dist", "zero1", "--fused-step", "--bucket-size", "2000"),
     "bf16-moe-stacked-4": (4, *FUSED_STACKED, "--experts", "4", "--bucket-size", "2000"),
 }
+# buckets of several layers each: a rank's shards of two buckets hold matrices of one kind
+LAYERED_BUCKETS = (2, "--dist", "zero1", "--fused-step", "--bucket-size", "20000", "--layers", "6")
 # --md-cuda-graph's arithmetic (the step count and LRs read from the device), a decaying LR
 DEVICE = {
     "zero1-bf16": ("--dist", "zero1", "--dtype", "bf16"),
@@ -101,6 +103,7 @@ md_check = Batches(
         *[(n, "--cp", "2", *a) for n, *a in CP.values()],
         *[(4, *a) for a in INSTANCES.values()],
         *BUCKETS.values(),
+        LAYERED_BUCKETS,
         *[(2, *a, "--device-scalars", "--lr-decay") for a in DEVICE.values()],
     ],
 )
@@ -236,6 +239,23 @@ def test_adam_md_zero1_with_a_clusters_buckets(job):
     assert res["buckets"] >= 8, res["buckets"]
     assert res["cut_slices"] >= 4 * nproc, res["cut_slices"]
     assert res["compiled_cut_groups"] == res["cut_groups"] < res["cut_slices"], res["cut_groups"]
+    assert res["collectives_per_step"] == 1.0
+    assert res["payload"] == res["expected_payload"]
+
+
+def test_adam_md_zero1_partials_of_a_group_one_span_across_buckets():
+    """Buckets of several layers each (6 layers, ~20k elements: 5 buckets): each rank's shard
+    of each bucket holds whole matrices of every kind, so a rank's group of one kind has
+    members from two buckets with the other rank's between them in buffer order. The ZeRO-1
+    layout (zero1.py: a kind by where the shards cut its matrices, then by owner) still gives
+    each group one span of the step's partial buffer (no ``index_add_``/``index_select`` and
+    zeroed temporary a group and step; the kind-then-buffer order left 10 such groups here,
+    2026-12-05), against the reference with the eager path's tolerances."""
+    res = md_check(*LAYERED_BUCKETS)
+    check(res, 2)
+    assert res["buckets"] >= 4, res["buckets"]
+    assert res["indexed_groups"] == 0, res["indexed_groups"]
+    assert res["compiled_cut_groups"] == res["cut_groups"] > 0, res["cut_groups"]
     assert res["collectives_per_step"] == 1.0
     assert res["payload"] == res["expected_payload"]
 

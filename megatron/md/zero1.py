@@ -110,13 +110,22 @@ class MDDistributedOptimizer(DistributedOptimizer):
 
 
 def _first_owner(opt, model_param) -> int:
-    """Data-parallel rank owning the first element of ``model_param`` (buckets are split into
-    equal contiguous shards, distrib_optimizer.py:_build_model_gbuf_range)."""
-    gbuf_index, _, bucket_id = opt.model_param_gbuf_map[model_param]
-    buffer = opt.buffers[gbuf_index]
+    """Data-parallel rank owning the first element of ``model_param``."""
+    gbuf_index = opt.model_param_gbuf_map[model_param][0]
+    return _shards(opt, opt.buffers[gbuf_index], model_param)[1]
+
+
+def _shards(opt, buffer, model_param) -> tuple[tuple[int, ...], int]:
+    """(the offsets inside ``model_param`` where ZeRO-1's shards cut it, the data-parallel rank
+    owning its first element), from ``buffer`` (the param's, one of ``opt.buffers``): megatron
+    splits each bucket into equal contiguous shards (distrib_optimizer.py:
+    _build_model_gbuf_range), the same on every rank, whichever ranks the param touches."""
+    start, end, bucket_id = buffer.param_index_map[model_param]
     bucket = buffer.buckets[bucket_id]
-    shard = bucket.grad_data.numel() // opt.data_parallel_group.size()
-    return (buffer.param_index_map[model_param][0] - bucket.offset) // shard
+    dp = opt.data_parallel_group
+    shard = bucket.grad_data.numel() // (dp.size() if dp is not None else 1)
+    first = (start - bucket.offset) // shard
+    return tuple(range(bucket.offset + (first + 1) * shard - start, end - start, shard)), first
 
 
 def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
@@ -142,10 +151,14 @@ def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
     instance = opt.distributed_optimizer_instance_id
     # Every rank lays out partials for ALL MD matrices of the instance in one order, so one
     # all-reduce lines up even though ranks own different slices: matrices of one shape and
-    # treatment together, each kind in param-buffer order — the matrices a rank holds whole
-    # of one kind (an engine group, members by buffer address) are then one contiguous range
-    # of each buffer, read and written as views (in buffer order alone, the 12-layer model's
-    # four layer groups took an index_add_, an index_select and a zeroed temporary each).
+    # treatment together; within a kind by where the shards cut them (whole first), then by
+    # the rank owning their first element, then in param-buffer order — the matrices a rank
+    # holds whole of one kind (an engine group, members by buffer address), and its slices
+    # cut at one place, are then one contiguous range of each buffer, read and written as
+    # views. In buffer order alone, the 12-layer model's four layer groups took an
+    # index_add_, an index_select and a zeroed temporary each; by kind and buffer order, a
+    # rank whose shards of several buckets hold matrices of a kind still did (181M shapes,
+    # 4 ranks, megatron's 40M-element buckets: three groups of rank 1, 15 launches a step).
     index, specs, where = {}, {}, {}
     inner.layout, inner.norm_layout, inner.pre_layout = [], [], []
     for b, buf in enumerate(opt.buffers):
@@ -155,9 +168,9 @@ def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
                 blocks = split_blocks(p, names[p], md.split_qkv)
                 specs[p] = spec_for(roles[p], md, residual_write(names[p]), blocks)
                 kind = (tuple(p.shape), repr(specs[p]), repr(tp))
-                where[p] = (kind, b, buf.param_index_map[p][0], tp)
-    for p in sorted(where, key=lambda p: where[p][:3]):
-        empty = SliceMD(tuple(p.shape), 0, 0, specs[p], "adam", tp=where[p][3])
+                where[p] = (kind, *_shards(opt, buf, p), b, buf.param_index_map[p][0], tp)
+    for p in sorted(where, key=lambda p: where[p][:5]):
+        empty = SliceMD(tuple(p.shape), 0, 0, specs[p], "adam", tp=where[p][5])
         index[p] = len(inner.layout)
         inner.layout.append(empty.n_partials())
         inner.norm_layout.append(empty.n_norm)

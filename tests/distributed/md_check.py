@@ -10,6 +10,7 @@
         [--cuda-graph]    (with --device cuda: the step replayed from a CUDA graph)
         [--cp 2]          (megatron's context-parallel groups: DP × CP = W)
         [--bucket-size N] (megatron's gradient buckets of ~N elements, --overlap-grad-reduce)
+        [--layers 2]      (the tiny GPT's layers: with --bucket-size, buckets of several)
 
 Every rank feeds the same batch, so the data-parallel mean gradient equals each rank's local
 gradient; the check isolates the optimizer. With ``--cp`` each rank feeds its context-parallel
@@ -67,6 +68,7 @@ def parse(argv=None):
     ap.add_argument("--dist", default="zero1", choices=["zero1", "layerwise", "replicated"])
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--experts", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=2, help="the tiny GPT's layers")
     ap.add_argument("--sphere", default="frobenius")
     ap.add_argument("--vs", default="reference", choices=["reference", "megatron"])
     ap.add_argument("--steps", type=int, default=5)
@@ -175,7 +177,8 @@ def build(args, world, seed: int = 11):
         tp = max(
             ps.get_tensor_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
         )
-    model = testing.tiny_gpt(seed, 32, 2, 16, experts=args.experts).to(DEV)
+    model = testing.tiny_gpt(seed, 32, getattr(args, "layers", 2), 16, experts=args.experts)
+    model = model.to(DEV)
     # built with CP 1 (the local attention refuses more), run with megatron's CP groups: RoPE
     # sizes its table from the config's CP size and slices it by the CP group
     model.config.context_parallel_size = ps.get_context_parallel_world_size()
@@ -452,6 +455,12 @@ def check(args) -> dict:
         device=DEV,
     )
     dist.all_reduce(cut_groups)
+    # every rank's groups whose partials are no one span of their domain's step buffer (each
+    # then an index_add_, two index_selects and a zeroed temporary a step: zero1.py's layout)
+    indexed = sum(i.engine._index[("step", id(g))][1] is not None for i in inners
+                  if i.engine is not None for g in i.engine.groups)  # fmt: skip
+    indexed = torch.tensor(float(indexed), device=DEV)
+    dist.all_reduce(indexed)
 
     data = torch.tensor(list(cpu_demo.TEXT.encode()), dtype=torch.long)
     sphere_err = 0.0
@@ -611,6 +620,7 @@ def check(args) -> dict:
         "cut_groups": int(cut_groups[0]),
         "compiled_cut_groups": int(cut_groups[1]),
         "cut_slices": int(cut_groups[2]),
+        "indexed_groups": int(indexed),
         "collectives_per_step": n_coll / args.steps,
         "payload": sum(i.last_payload for i in inners if i.layout is not None),
         "expected_payload": expected,
