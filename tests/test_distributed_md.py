@@ -132,7 +132,7 @@ def test_adam_md_zero1_bf16(nproc):
 
 def test_adam_md_gains_at_their_own_lr_share_the_vectors_adam():
     """The gains at 0.3x the LR of the 1-D parameters, both in one multi-tensor Adam (the LRs
-    per tensor: engine._GainBatch, base_steps.adam_multi_): every weight as the reference's,
+    per tensor: gainstep.GainBatch, base_steps.adam_multi_): every weight as the reference's,
     which steps each parameter group with its own Adam."""
     res = md_check(2, "--dist", "zero1", "--gain-lr-mult", "0.3")
     check(res, 2)

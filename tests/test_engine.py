@@ -964,7 +964,7 @@ def test_one_adam_for_the_gains_and_vectors_of_every_parameter_group():
     each group took one, every tensor bit for bit what its group's own Adam makes; groups of
     other betas, and LRs that are device tensors (a step a CUDA graph replays), an Adam each."""
     from megatron.md.base_steps import adam_multi_
-    from megatron.md.engine.engine import _GainBatch
+    from megatron.md.engine.gainstep import GainBatch
 
     gen = torch.Generator().manual_seed(5)
     numbers = [AdamHParams(1e-2), AdamHParams(3e-3, weight_decay=0.1), AdamHParams(2e-2),
@@ -981,7 +981,7 @@ def test_one_adam_for_the_gains_and_vectors_of_every_parameter_group():
         for k, hp in enumerate(hps):  # each group its own Adam, as the step ran them before
             w = alone[2 * k : 2 * k + 2]
             adam_multi_(*[[x[i] for x in w] for i in range(4)], step, hp)
-        together, batch = work(), _GainBatch()
+        together, batch = work(), GainBatch()
         batch.add_plain(together)
         # numbers: groups 0-2 one Adam, group 3 (other betas) its own; on the device: each its own
         assert _op_names(lambda: batch.run(step)).count("aten._foreach_lerp_.Scalar") == lerps
