@@ -340,9 +340,10 @@ def test_compiled_moe_groups_read_and_write_megatrons_buffers_by_piece(monkeypat
     size 1: a layer's experts evenly spaced, then the attention's weights): at a GPU's call
     pattern AdamMD's merged phase 1 and MuonMD's partials read their gradients in place from
     the gradient buffer (no stack: a copy of every expert gradient a step) and the merged fuse
-    writes their weights one window a regular piece (a window a member was a kernel a member
-    on a GPU): AdamMD fp64 to 1e-12 of the reference, MuonMD fp32 to 1e-6 (as its other
-    compiled tests); a dense first layer apart makes two pieces."""
+    writes their weights by the index their regular pieces compute (a window a member was a
+    kernel a member on a GPU, a window a piece one a piece): AdamMD fp64 to 1e-12 of the
+    reference, MuonMD fp32 to 1e-6 (as its other compiled tests); a dense first layer apart
+    makes two pieces."""
     from megatron.md.engine import compiled, formulas
 
     calls, get = [], compiled._get

@@ -436,10 +436,12 @@ def fuse_groups(items: list) -> None:
     group's kernels take its whole stack (a GPU; ``STACK_ON_CPU``) and its destinations lie in
     one buffer, the groups of a buffer together in one compiled call up to ``MERGE_ELEMENTS``
     (``_fuse_many``), a group's destinations one window of it where they are one strided view,
-    one window a regular piece otherwise (``geometry.regular_pieces``: an MoE model's experts,
-    one (layers, experts) grid, where a window a member made a Triton kernel a member on a
-    GPU: 83 fuse kernels of a 69-matrix MoE at expert-parallel size 1, 19 by piece,
-    ``tools/triton_kernels.py``, 2026-12-05); elsewhere one group a call (``_fuse_group``)."""
+    otherwise written by the index its regular pieces compute (``geometry.regular_pieces``: an
+    MoE model's experts, one (layers, experts) grid; ``formulas._piece_index``), where a window
+    a member made a Triton kernel a member on a GPU and a window a piece one a piece (a
+    69-matrix MoE at expert-parallel size 1: 83 fuse kernels by member, 19 by piece;
+    ``bench_dispatch.py``'s 405-matrix MoE: 19 by piece, 15 by index; ``tools/triton_kernels.py``,
+    2026-12-05); elsewhere one group a call (``_fuse_group``)."""
     batches: dict[int, tuple[torch.Tensor, list]] = {}
     for g, targets in items:
         cut = g.kernels.cut is not None  # cut slices: their ranges of the buffer, on a CPU too

@@ -180,9 +180,7 @@ def _fuse_cut(out, x, s, row, col, cut: tuple, at: torch.Tensor) -> None:
         out.copy_(val)
         return
     buf, pieces = out
-    for b0, n1, r, s1, s0, o in pieces:
-        piece = buf.as_strided((n1, r, L), (s1, s0, 1), o)
-        piece.copy_(val[b0 : b0 + n1 * r].unflatten(0, (n1, r)))
+    buf.index_put_((_piece_index(pieces, B, L, buf),), val.reshape(-1).to(buf.dtype))
 
 
 def _phase1_frobenius(w, g, m, v, row, col, hp, scratch, need_row: bool):
@@ -235,7 +233,8 @@ def _fuse_windows(buf, flat: tuple, rescale_fuse: Callable) -> None:
     """``_fuse_many``'s loop, each group's pending rescale by ``rescale_fuse``; a group's
     destination one window of ``buf`` (its members' rows evenly spaced) or, with a tuple of
     pieces (``geometry.regular_pieces``: members ``b0 ..``, an (n1, r) grid of strides s1, s0
-    at ``at``), one (n1, r, M, N) window a piece (``compiled.fuse_groups``)."""
+    at ``at``), the group's values written by the index they compute (``_piece_index``: one
+    kernel for the group, not one a piece; ``compiled.fuse_groups``)."""
     for i in range(0, len(flat), ITEMF):
         x, s, row, col, shape, stride, offset, cut, at = flat[i : i + ITEMF]
         if cut is not None:  # cut slices: their ranges of the buffer (``_fuse_cut``)
@@ -245,23 +244,29 @@ def _fuse_windows(buf, flat: tuple, rescale_fuse: Callable) -> None:
                 else buf.as_strided(shape, stride, offset)
             )
             _fuse_cut(out, x, s, row, col, cut, at)
-        elif isinstance(offset, tuple):
-            M, N = shape[-2:]
-            for b0, n1, r, s1, s0, at in offset:
-                one = slice(b0, b0 + n1 * r)
-                grid = [_grid(t, one, n1) for t in (x, s, row, col)]
-                _fuse_window(buf.as_strided((n1, r, M, N), (s1, s0, N, 1), at), *grid,
-                             rescale_fuse)  # fmt: skip
+        elif isinstance(offset, tuple):  # the values, then one write by computed index
+            val = torch.empty(x.shape, dtype=buf.dtype, device=buf.device)
+            _fuse_window(val, x, s, row, col, rescale_fuse)
+            buf.index_put_((_piece_index(offset, x.shape[0], x[0].numel(), buf),), val.view(-1))
         else:
             _fuse_window(buf.as_strided(shape, stride, offset), x, s, row, col, rescale_fuse)
 
 
-def _grid(x: torch.Tensor | None, one: slice, n1: int) -> torch.Tensor | None:
-    """Matrices ``one`` of a stacked argument as an (n1, r, ...) grid; a 0-d one (an absent
-    gain) or None as it is."""
-    if x is None or x.ndim == 0:
-        return x
-    return x[one].unflatten(0, (n1, -1))
+def _piece_index(pieces: tuple, B: int, L: int, buf: torch.Tensor) -> torch.Tensor:
+    """Where in ``buf`` the L elements of each of B members lie, laid out by ``pieces``
+    (``geometry.regular_pieces``: members ``b0 ..`` an (n1, r) grid of strides s1, s0 at
+    ``at``), flat, member after member: made of aranges, so that compiled it is the index math
+    of the one kernel that reads or writes them, no index in memory (a window a piece was a
+    Triton kernel a piece, its rescale of Ŵ another: a group of two buckets' matrices four
+    fuse kernels, 181M shapes over 4 ranks with 40M-element buckets, 2026-12-05). int32 where
+    the buffer allows it (eager, at a layout's first call: half the transient index)."""
+    dt = torch.int32 if buf.numel() < 2**31 else torch.int64
+    b = torch.arange(B, dtype=dt, device=buf.device)
+    base = torch.zeros_like(b)
+    for b0, n1, r, s1, s0, at in pieces:
+        k = b - b0
+        base = torch.where((k >= 0) & (k < n1 * r), at + (k // r) * s1 + (k % r) * s0, base)
+    return (base.unsqueeze(1) + torch.arange(L, dtype=dt, device=buf.device)).view(-1)
 
 
 def _fuse_window(out, x, s, row, col, rescale_fuse: Callable) -> None:
@@ -280,7 +285,9 @@ ITEMF = 9
 
 def _gathered(buf: torch.Tensor, pieces: tuple, M: int, N: int) -> torch.Tensor:
     """The (B, M, N) stack of the matrices of ``buf`` that ``pieces`` lay out
-    (``geometry.regular_pieces``)."""
+    (``geometry.regular_pieces``): a view a piece, concatenated (inductor fuses the reads into
+    the kernels that use them; read by computed index, as ``_piece_index``, the MoE layout's
+    phase 1 made two Triton kernels more, 2026-12-05)."""
     grids = [buf.as_strided((n1, r, M, N), (s1, s0, N, 1), at).reshape(n1 * r, M, N)
              for _, n1, r, s1, s0, at in pieces]  # fmt: skip
     return grids[0] if len(grids) == 1 else torch.cat(grids)
