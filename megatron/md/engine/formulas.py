@@ -258,15 +258,16 @@ def _piece_index(pieces: tuple, B: int, L: int, buf: torch.Tensor) -> torch.Tens
     ``at``), flat, member after member: made of aranges, so that compiled it is the index math
     of the one kernel that reads or writes them, no index in memory (a window a piece was a
     Triton kernel a piece, its rescale of Ŵ another: a group of two buckets' matrices four
-    fuse kernels, 181M shapes over 4 ranks with 40M-element buckets, 2026-12-05). int32 where
-    the buffer allows it (eager, at a layout's first call: half the transient index)."""
-    dt = torch.int32 if buf.numel() < 2**31 else torch.int64
-    b = torch.arange(B, dtype=dt, device=buf.device)
+    fuse kernels, 181M shapes over 4 ranks with 40M-element buckets, 2026-12-05). int64: an
+    int32 index passes through torch's indexing as a copy to int64, and inductor does not check
+    int32 index math for overflow; eager (a layout's first call, the check) it is 8 bytes an
+    element for that call."""
+    b = torch.arange(B, device=buf.device)
     base = torch.zeros_like(b)
     for b0, n1, r, s1, s0, at in pieces:
         k = b - b0
         base = torch.where((k >= 0) & (k < n1 * r), at + (k // r) * s1 + (k % r) * s0, base)
-    return (base.unsqueeze(1) + torch.arange(L, dtype=dt, device=buf.device)).view(-1)
+    return (base.unsqueeze(1) + torch.arange(L, device=buf.device)).view(-1)
 
 
 def _fuse_window(out, x, s, row, col, rescale_fuse: Callable) -> None:
