@@ -70,7 +70,8 @@ BUCKETS = {
     "bf16-moe-stacked-4": (4, *FUSED_STACKED, "--experts", "4", "--bucket-size", "2000"),
 }
 # buckets of several layers each: a rank's shards of two buckets hold matrices of one kind
-LAYERED_BUCKETS = (2, "--dist", "zero1", "--fused-step", "--bucket-size", "20000", "--layers", "6")
+LAYERED_BUCKETS = (2, "--dist", "zero1", "--fused-step", "--stack", "--bucket-size", "20000",
+                   "--layers", "6")  # fmt: skip
 # --md-cuda-graph's arithmetic (the step count and LRs read from the device), a decaying LR
 DEVICE = {
     "zero1-bf16": ("--dist", "zero1", "--dtype", "bf16"),
@@ -250,11 +251,14 @@ def test_adam_md_zero1_partials_of_a_group_one_span_across_buckets():
     layout (zero1.py: a kind by where the shards cut its matrices, then by owner) still gives
     each group one span of the step's partial buffer (no ``index_add_``/``index_select`` and
     zeroed temporary a group and step; the kind-then-buffer order left 10 such groups here,
-    2026-12-05), against the reference with the eager path's tolerances."""
+    2026-12-05). At a GPU's call pattern (``--stack``) such a group's weights are two pieces
+    of megatron's param buffer, which the merged fuse writes by the index they compute
+    (``formulas._piece_index``): against the reference with the eager path's tolerances."""
     res = md_check(*LAYERED_BUCKETS)
     check(res, 2)
     assert res["buckets"] >= 4, res["buckets"]
     assert res["indexed_groups"] == 0, res["indexed_groups"]
+    assert res["piece_groups"] > 0, res["piece_groups"]
     assert res["compiled_cut_groups"] == res["cut_groups"] > 0, res["cut_groups"]
     assert res["collectives_per_step"] == 1.0
     assert res["payload"] == res["expected_payload"]

@@ -455,10 +455,9 @@ def check(args) -> dict:
         device=DEV,
     )
     dist.all_reduce(cut_groups)
-    # every rank's groups whose partials are no one span of their domain's step buffer (each
-    # then an index_add_, two index_selects and a zeroed temporary a step: zero1.py's layout)
-    indexed = sum(i.engine._index[("step", id(g))][1] is not None for i in inners
-                  if i.engine is not None for g in i.engine.groups)  # fmt: skip
+    # every rank's groups whose partials are no one span of their domain's step buffer
+    # (Engine.indexed_groups: zero1.py's layout)
+    indexed = sum(len(i.engine.indexed_groups()) for i in inners if i.engine is not None)
     indexed = torch.tensor(float(indexed), device=DEV)
     dist.all_reduce(indexed)
 

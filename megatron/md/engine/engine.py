@@ -465,6 +465,11 @@ class Engine:
         matrices a group: ``_make_groups``), each with its own phase-1 kernels."""
         return [g for g in self.groups if not g.md0.whole]
 
+    def indexed_groups(self) -> list[Group]:
+        """The groups whose partials are no one span of their domain's step buffer (each then a
+        zeroed temporary, an ``index_add_`` and two ``index_select``s a step: ``_place``)."""
+        return [g for g in self.groups if self._index[("step", id(g))][1] is not None]
+
 
 def _make_groups(members: list[Member]) -> list[Group]:
     """Whole matrices of one kind stacked together, and so ZeRO-1 slices cut at the same place
