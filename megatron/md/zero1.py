@@ -168,9 +168,9 @@ def setup_zero1(opt, roles: dict, names: dict, md: MDConfig) -> None:
                 blocks = split_blocks(p, names[p], md.split_qkv)
                 specs[p] = spec_for(roles[p], md, residual_write(names[p]), blocks)
                 kind = (tuple(p.shape), repr(specs[p]), repr(tp))
-                where[p] = (kind, *_shards(opt, buf, p), b, buf.param_index_map[p][0], tp)
-    for p in sorted(where, key=lambda p: where[p][:5]):
-        empty = SliceMD(tuple(p.shape), 0, 0, specs[p], "adam", tp=where[p][5])
+                where[p] = (kind, *_shards(opt, buf, p), b, buf.param_index_map[p][0]), tp
+    for p in sorted(where, key=lambda p: where[p][0]):
+        empty = SliceMD(tuple(p.shape), 0, 0, specs[p], "adam", tp=where[p][1])
         index[p] = len(inner.layout)
         inner.layout.append(empty.n_partials())
         inner.norm_layout.append(empty.n_norm)

@@ -171,7 +171,7 @@ def _fuse_cut(out, x, s, row, col, cut: tuple, at: torch.Tensor) -> None:
     megatron's param buffer: one (B, L) window of it, or (the buffer, the regular pieces the
     ranges form, ``geometry.regular_pieces``); on the slices' own elements, the rescale and
     the gains read at their rows and columns (``_at_slice``)."""
-    B, L = x.shape
+    B = x.shape[0]
     x2 = x if s is None else x * _at_slice(_cut_scale(s, cut), cut, at, B)
     if s is not None:
         x.copy_(x2)
@@ -179,8 +179,7 @@ def _fuse_cut(out, x, s, row, col, cut: tuple, at: torch.Tensor) -> None:
     if not isinstance(out, tuple):
         out.copy_(val)
         return
-    buf, pieces = out
-    buf.index_put_((_piece_index(pieces, B, L, buf),), val.reshape(-1).to(buf.dtype))
+    _write_pieces(*out, val)
 
 
 def _phase1_frobenius(w, g, m, v, row, col, hp, scratch, need_row: bool):
@@ -247,9 +246,16 @@ def _fuse_windows(buf, flat: tuple, rescale_fuse: Callable) -> None:
         elif isinstance(offset, tuple):  # the values, then one write by computed index
             val = torch.empty(x.shape, dtype=buf.dtype, device=buf.device)
             _fuse_window(val, x, s, row, col, rescale_fuse)
-            buf.index_put_((_piece_index(offset, x.shape[0], x[0].numel(), buf),), val.view(-1))
+            _write_pieces(buf, offset, val)
         else:
             _fuse_window(buf.as_strided(shape, stride, offset), x, s, row, col, rescale_fuse)
+
+
+def _write_pieces(buf: torch.Tensor, pieces: tuple, val: torch.Tensor) -> None:
+    """B members' values ``val`` (B, ...) into ``buf`` where ``pieces`` lay them out, by the
+    index they compute (``_piece_index``), cast to ``buf``'s dtype."""
+    B = val.shape[0]
+    buf.index_put_((_piece_index(pieces, B, val[0].numel(), buf),), val.reshape(-1).to(buf.dtype))
 
 
 def _piece_index(pieces: tuple, B: int, L: int, buf: torch.Tensor) -> torch.Tensor:
